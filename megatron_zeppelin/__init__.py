@@ -1,0 +1,3 @@
+"""megatron-zeppelin: variable-length long-context data parallelism for Megatron-Core."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,163 @@
+"""Analytic cost model: seconds for attention, linear work, rings, all-to-alls, remaps.
+
+Every time is for one whole training step of the model (all layers, forward
+plus backward) unless a name says otherwise.  Constants come from the cluster
+and model presets; the few algorithmic ratios below carry their source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from megatron_zeppelin.model_config import ModelConfig
+from megatron_zeppelin.plan.shards import causal_pairs
+from megatron_zeppelin.topology import ClusterConfig, LinkSpec
+
+#: Attention backward FLOPs / forward FLOPs: FlashAttention-2's backward runs 5
+#: GEMM-sized products against the forward's 2 (Dao 2023, Sec. 3.1).
+ATTN_BWD_RATIO = 2.5
+#: Linear backward FLOPs / forward FLOPs: grads w.r.t. input and weight (2x).
+LINEAR_BWD_RATIO = 2.0
+#: Ring backward bytes / forward bytes: K,V travel again and dK,dV travel back.
+RING_BWD_BYTES_RATIO = 2.0
+
+
+@dataclass(frozen=True)
+class RingCost:
+    """Per-rank cost of one ring attention (all layers, forward + backward)."""
+
+    compute_s: float
+    """Attention kernel time on each rank."""
+    transfer_s: float
+    """Time the link needs for all K/V (and dK/dV) blocks, ignoring overlap."""
+    total_s: float
+    """Critical path with each step's transfer overlapped with its compute."""
+
+    @property
+    def exposed_s(self) -> float:
+        """Communication the compute could not hide."""
+        return self.total_s - self.compute_s
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of work on one cluster for one model."""
+
+    cluster: ClusterConfig
+    model: ModelConfig
+    routing: bool = True
+    """Inter-node transfers spread over all NICs of the node through proxies."""
+
+    # ------------------------------------------------------------- compute
+    def attn_efficiency(self, block: float) -> float:
+        """Fraction of peak reached by attention on query blocks of ``block``
+        tokens: ``eff * block / (block + half_block)``, falling for short blocks."""
+        g = self.cluster.gpu
+        return g.attn_efficiency * block / (block + g.attn_half_block)
+
+    def attn_s(self, pairs: float, block: float) -> float:
+        """Forward+backward attention time of ``pairs`` causal query-key pairs
+        computed in query blocks of ``block`` tokens."""
+        if pairs <= 0:
+            return 0.0
+        flops = pairs * self.model.attn_flops_per_pair * (1 + ATTN_BWD_RATIO)
+        return flops / (self.cluster.gpu.peak_tflops * 1e12 * self.attn_efficiency(block))
+
+    def local_attn_s(self, length: int) -> float:
+        """Attention of one whole causal sequence on one GPU."""
+        return self.attn_s(causal_pairs(0, length), length)
+
+    def linear_s(self, tokens: float) -> float:
+        """Forward+backward time of projections, MLP and output layer for ``tokens``."""
+        g = self.cluster.gpu
+        flops = tokens * self.model.linear_flops_per_token * (1 + LINEAR_BWD_RATIO)
+        return flops / (g.peak_tflops * 1e12 * g.linear_efficiency)
+
+    # ---------------------------------------------------------------- links
+    def link_for(self, ranks: Sequence[int]) -> LinkSpec:
+        """The slowest link a ring or group over ``ranks`` uses per step.
+
+        Inside a node that is NVLink.  Across nodes each ring step crosses every
+        node boundary once; without routing that crossing goes through the one
+        NIC of the sending GPU, with routing it is split over all NICs of the
+        node (dispatch and combine over NVLink, pipelined with the NIC sends)."""
+        topo, nic, nvl = self.cluster.topology, self.cluster.nic, self.cluster.nvlink
+        if len({topo.node_of(r) for r in ranks}) == 1:
+            return nvl
+        if not self.routing or topo.nics_per_node == 1:
+            return nic
+        spread = nic.bandwidth_GBps * topo.nics_per_node
+        # The sender's NVLink carries the (P-1)/P of the block it dispatches.
+        dispatch_cap = nvl.bandwidth_GBps * topo.nics_per_node / max(topo.nics_per_node - 1, 1)
+        return LinkSpec(bandwidth_GBps=min(spread, dispatch_cap),
+                        latency_us=nic.latency_us + 2 * nvl.latency_us)
+
+    def routed(self, routing: bool) -> "CostModel":
+        return replace(self, routing=routing)
+
+    # ---------------------------------------------------------------- rings
+    def ring_cost(self, lengths: Sequence[int], ring_size: int, link: LinkSpec) -> RingCost:
+        """One zigzag ring over ``ring_size`` ranks computing the sequences in
+        ``lengths`` together (TE's packed THD ring sends all of them each step;
+        Zeppelin's rings hold one sequence).
+
+        Each rank holds 2 chunks of ``L / 2k`` tokens per sequence; every one of
+        the ``k`` steps computes ~``L^2 / 2k^2`` pairs per rank and sends the
+        rank's K/V (``L / k`` tokens) to the next rank.  Step ``j+1``'s compute
+        waits for step ``j``'s transfer, so a step costs max(compute, transfer)."""
+        k = ring_size
+        m = self.model
+        n = m.num_layers
+        # attn_s covers fwd+bwd of all layers; the overlap happens per layer and pass.
+        step_fwd = sum(self.attn_s(L * L / (2 * k * k), L / (2 * k)) for L in lengths)
+        step_fwd /= (1 + ATTN_BWD_RATIO) * n
+        step_bwd = step_fwd * ATTN_BWD_RATIO
+        step_tokens = sum(L / k for L in lengths)
+        fwd_bytes = step_tokens * m.kv_bytes_per_token
+        x_fwd = link.transfer_s(fwd_bytes)
+        x_bwd = link.transfer_s(fwd_bytes * RING_BWD_BYTES_RATIO)
+        compute = k * (step_fwd + step_bwd)
+        if k == 1:
+            return RingCost(compute * n, 0.0, compute * n)
+        transfer = (k - 1) * (x_fwd + x_bwd)
+        total = step_fwd + step_bwd + (k - 1) * (max(step_fwd, x_fwd) + max(step_bwd, x_bwd))
+        return RingCost(compute * n, transfer * n, total * n)
+
+    # ------------------------------------------------------------- ulysses
+    def alltoall_s(self, bytes_per_rank: float, group_size: int, link: LinkSpec) -> float:
+        """One all-to-all where each rank sends ``(d-1)/d`` of ``bytes_per_rank``."""
+        if group_size <= 1:
+            return 0.0
+        sent = bytes_per_rank * (group_size - 1) / group_size
+        return link.latency_us * 1e-6 * (group_size - 1) + sent / (link.bandwidth_GBps * 1e9)
+
+    def ulysses_cost(self, length: int, group_size: int, link: LinkSpec) -> RingCost:
+        """Ulysses sequence parallelism of one sequence over ``d`` ranks: all-to-all
+        of Q, K, V (tokens -> heads), full-sequence attention on ``heads / d``,
+        all-to-all of the output back; the backward moves the same bytes again.
+        Nothing overlaps (the all-to-alls sit on the critical path)."""
+        m, d = self.model, group_size
+        compute = self.attn_s(causal_pairs(0, length) / d, length)
+        per_rank_bytes = (length / d) * (2 * m.hidden_size + 2 * m.kv_size) * m.dtype_bytes
+        comm = 2 * m.num_layers * self.alltoall_s(per_rank_bytes, d, link)
+        return RingCost(compute, comm, compute + comm)
+
+    # ---------------------------------------------------------------- remap
+    def remap_s(self, intra_bytes: float, inter_bytes: float, messages: int = 1) -> float:
+        """A rank's share of one layout switch, repeated four times per layer
+        (attention->linear and back, forward and backward).  Bytes are what the
+        busiest rank sends per layer per direction over NVLink and NICs."""
+        c = self.cluster
+        nic_bw = c.nic.bandwidth_GBps * (c.topology.nics_per_node if self.routing else 1)
+        one = max(intra_bytes / (c.nvlink.bandwidth_GBps * 1e9), inter_bytes / (nic_bw * 1e9))
+        one += messages * c.nvlink.latency_us * 1e-6 if intra_bytes or inter_bytes else 0.0
+        return 4 * self.model.num_layers * one
+
+    # ------------------------------------------------------------ estimates
+    def lower_bound_s(self, seq_lens: Sequence[int]) -> float:
+        """Step time if all work were split perfectly over every GPU with no
+        communication and each sequence's attention ran at its full-length
+        kernel efficiency."""
+        work = sum(self.local_attn_s(L) for L in seq_lens) + self.linear_s(sum(seq_lens))
+        return work / self.cluster.topology.world_size

@@ -1,0 +1,320 @@
+"""The Plan: what runs where in one training step.
+
+A Plan holds, for every sequence of the global batch, its attention placement
+(``local`` on one rank, a zigzag ``ring``, or a ``ulysses`` group) and, for every
+rank, the token spans it holds in the *linear* layout (projections and MLP).
+The remap schedule between the two layouts is derived from them.  Plans are
+plain data: JSON round trip, ``validate()``, no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Iterable, Sequence
+
+from megatron_zeppelin.errors import PlanError
+from megatron_zeppelin.plan.shards import Range, causal_pairs, contiguous_shards, zigzag_shards
+
+
+class Mode(str, Enum):
+    """How a sequence's attention is computed."""
+
+    LOCAL = "local"
+    """Whole sequence on one rank."""
+    RING = "ring"
+    """Zigzag shards on k ranks, K/V passed around the ring."""
+    ULYSSES = "ulysses"
+    """Contiguous shards on d ranks, all-to-all over heads."""
+
+
+@dataclass(frozen=True)
+class SeqPlacement:
+    """Attention placement of one sequence."""
+
+    seq: int
+    """Index into ``Plan.seq_lens``."""
+    mode: Mode
+    """local, ring or ulysses."""
+    ranks: tuple[int, ...]
+    """Participating ranks, in ring order for rings."""
+    shards: tuple[tuple[Range, ...], ...]
+    """``shards[i]``: the token ranges held by ``ranks[i]``."""
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class Span:
+    """A contiguous token range of one sequence."""
+
+    seq: int
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One remap message: tokens ``[start, end)`` of ``seq`` move ``src -> dst``."""
+
+    src: int
+    dst: int
+    seq: int
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class TierCounts:
+    """How many sequences run in each tier (the trainer's ``plan`` JSON field)."""
+
+    local: int = 0
+    intra: int = 0
+    inter: int = 0
+    ulysses: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Attention and linear layouts of one global batch."""
+
+    strategy: str
+    """Planner that produced it."""
+    world_size: int
+    """Number of ranks."""
+    gpus_per_node: int
+    """Ranks per node (ranks are numbered node-major)."""
+    seq_lens: tuple[int, ...]
+    """Token count of every sequence in the global batch."""
+    attention: tuple[SeqPlacement, ...]
+    """One placement per sequence (any order)."""
+    linear: tuple[tuple[Span, ...], ...]
+    """``linear[r]``: token spans rank ``r`` holds for projections and MLP, in order."""
+    token_cap: int | None = None
+    """Per-rank token cap both layouts must respect (None: unchecked)."""
+
+    # ------------------------------------------------------------------ views
+    def attention_spans(self, rank: int) -> list[Span]:
+        """Rank's tokens in the attention layout, in buffer order: placements in
+        plan order, each placement's shards in order."""
+        return self._attention_index()[rank]
+
+    def _attention_index(self) -> list[list[Span]]:
+        cached = self.__dict__.get("_attn_index")
+        if cached is None:
+            cached = [[] for _ in range(self.world_size)]
+            for p in self.attention:
+                for rank, ranges in zip(p.ranks, p.shards):
+                    cached[rank].extend(Span(p.seq, s, e) for s, e in ranges)
+            object.__setattr__(self, "_attn_index", cached)
+        return cached
+
+    def attention_tokens_per_rank(self) -> list[int]:
+        return [sum(s.length for s in spans) for spans in self._attention_index()]
+
+    def linear_tokens_per_rank(self) -> list[int]:
+        return [sum(s.length for s in spans) for spans in self.linear]
+
+    def attn_pairs_per_rank(self, num_heads: int = 1) -> list[int]:
+        """Causal (query, key) pairs each rank computes.  A Ulysses rank computes
+        all pairs of ``1/d`` of the heads; it is counted as ``pairs / d``."""
+        pairs = [0] * self.world_size
+        for p in self.attention:
+            if p.mode is Mode.ULYSSES:
+                share = causal_pairs(0, self.seq_lens[p.seq]) // p.size
+                for r in p.ranks:
+                    pairs[r] += share
+            else:
+                for r, ranges in zip(p.ranks, p.shards):
+                    pairs[r] += sum(causal_pairs(s, e) for s, e in ranges)
+        return pairs
+
+    def tier_of(self, placement: SeqPlacement) -> str:
+        """``local``, ``intra``, ``inter`` or ``ulysses``."""
+        if placement.mode is Mode.ULYSSES:
+            return "ulysses"
+        if placement.mode is Mode.LOCAL:
+            return "local"
+        nodes = {r // self.gpus_per_node for r in placement.ranks}
+        return "intra" if len(nodes) == 1 else "inter"
+
+    def tier_counts(self) -> TierCounts:
+        c = Counter(self.tier_of(p) for p in self.attention)
+        return TierCounts(local=c["local"], intra=c["intra"], inter=c["inter"], ulysses=c["ulysses"])
+
+    def remap_schedule(self) -> list[Transfer]:
+        """Messages that turn the attention layout into the linear layout (reverse
+        each for the way back).  Tokens whose owner is the same in both layouts do
+        not appear.  Sorted by (src, dst, seq, start)."""
+        owners: dict[int, list[tuple[int, int, int]]] = {}
+        for p in self.attention:
+            owners[p.seq] = sorted((s, e, r) for r, ranges in zip(p.ranks, p.shards)
+                                   for s, e in ranges)
+        moves = []
+        for dst, spans in enumerate(self.linear):
+            for sp in spans:
+                pieces = owners[sp.seq]
+                i = max(bisect.bisect_right(pieces, (sp.start, float("inf"), 0)) - 1, 0)
+                while i < len(pieces) and pieces[i][0] < sp.end:
+                    s, e, src = pieces[i]
+                    lo, hi = max(s, sp.start), min(e, sp.end)
+                    if lo < hi and src != dst:
+                        moves.append(Transfer(src, dst, sp.seq, lo, hi))
+                    i += 1
+        moves.sort(key=lambda t: (t.src, t.dst, t.seq, t.start))
+        return moves
+
+    # ------------------------------------------------------------- validation
+    def validate(self) -> "Plan":
+        """Check every invariant; raise :class:`PlanError` naming the first offender.
+
+        * every sequence has exactly one placement; ranks exist and are distinct;
+        * shards: ``local`` holds ``[0, L)``, ``ring`` the zigzag chunks (2k chunks,
+          rank i holds i and 2k-1-i), ``ulysses`` contiguous equal chunks;
+        * the linear layout covers every token of every sequence exactly once;
+        * both layouts respect ``token_cap``.
+        """
+        w = self.world_size
+        if w < 1 or self.gpus_per_node < 1 or w % self.gpus_per_node:
+            raise PlanError(f"plan: world size {w} is not a multiple of gpus_per_node "
+                            f"{self.gpus_per_node}")
+        seen: set[int] = set()
+        for p in self.attention:
+            L = self._seq_len(p.seq, "attention")
+            if p.seq in seen:
+                raise PlanError(f"plan: sequence {p.seq} is placed twice in the attention layout")
+            seen.add(p.seq)
+            if not p.ranks or len(set(p.ranks)) != len(p.ranks) or any(not 0 <= r < w for r in p.ranks):
+                raise PlanError(f"plan: sequence {p.seq} has invalid ranks {list(p.ranks)} "
+                                f"(must be distinct, in 0..{w - 1})")
+            if len(p.shards) != len(p.ranks):
+                raise PlanError(f"plan: sequence {p.seq} lists {len(p.shards)} shards for "
+                                f"{len(p.ranks)} ranks")
+            expected = _expected_shards(p.mode, L, p.size)
+            if expected is None:
+                raise PlanError(f"plan: sequence {p.seq} (length {L}) is in mode {p.mode.value} "
+                                f"with {p.size} ranks; local takes 1 rank, ring/ulysses need "
+                                f"2 or more ranks and enough tokens for 2k chunks")
+            got = tuple(tuple(tuple(r) for r in ranges) for ranges in p.shards)
+            if got != expected:
+                raise PlanError(f"plan: sequence {p.seq} (length {L}, {p.mode.value} on "
+                                f"{p.size} ranks) has shards {got}, expected {expected}")
+        missing = set(range(len(self.seq_lens))) - seen
+        if missing:
+            raise PlanError(f"plan: sequence {min(missing)} has no attention placement")
+        if len(self.linear) != w:
+            raise PlanError(f"plan: linear layout lists {len(self.linear)} ranks, world size is {w}")
+        by_seq: dict[int, list[tuple[int, int]]] = {}
+        for rank, spans in enumerate(self.linear):
+            for sp in spans:
+                self._seq_len(sp.seq, "linear")
+                if not sp.start < sp.end:
+                    raise PlanError(f"plan: rank {rank} holds empty or reversed span "
+                                    f"[{sp.start}, {sp.end}) of sequence {sp.seq}")
+                by_seq.setdefault(sp.seq, []).append((sp.start, sp.end))
+        for seq, L in enumerate(self.seq_lens):
+            pos = 0
+            for s, e in sorted(by_seq.get(seq, [])):
+                if s != pos:
+                    what = "overlaps" if s < pos else "misses"
+                    raise PlanError(f"plan: the linear layout {what} tokens of sequence {seq} "
+                                    f"at offset {min(s, pos)} (every token must be held exactly once)")
+                pos = e
+            if pos != L:
+                raise PlanError(f"plan: the linear layout covers sequence {seq} up to {pos} "
+                                f"of {L} tokens (every token must be held exactly once)")
+        if self.token_cap is not None:
+            for name, counts in (("attention", self.attention_tokens_per_rank()),
+                                 ("linear", self.linear_tokens_per_rank())):
+                rank = max(range(w), key=counts.__getitem__)
+                if counts[rank] > self.token_cap:
+                    seqs = sorted({sp.seq for sp in (self.attention_spans(rank) if name == "attention"
+                                                     else self.linear[rank])})
+                    raise PlanError(f"plan: rank {rank} holds {counts[rank]} tokens in the {name} "
+                                    f"layout, over the cap of {self.token_cap} (sequences {seqs[:8]})")
+        return self
+
+    def _seq_len(self, seq: int, where: str) -> int:
+        if not 0 <= seq < len(self.seq_lens):
+            raise PlanError(f"plan: {where} layout names sequence {seq}, but the batch has "
+                            f"{len(self.seq_lens)} sequences")
+        return self.seq_lens[seq]
+
+    # -------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        """The Plan JSON (``--dump-plans``): stable keys, readable outside the project."""
+        return {
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "gpus_per_node": self.gpus_per_node,
+            "token_cap": self.token_cap,
+            "seq_lens": list(self.seq_lens),
+            "attention": [{"seq": p.seq, "mode": p.mode.value, "ranks": list(p.ranks),
+                           "shards": [[list(r) for r in ranges] for ranges in p.shards]}
+                          for p in self.attention],
+            "linear": [[[sp.seq, sp.start, sp.end] for sp in spans] for spans in self.linear],
+            "remap": [[t.src, t.dst, t.seq, t.start, t.end] for t in self.remap_schedule()],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        try:
+            return cls(
+                strategy=str(d["strategy"]), world_size=int(d["world_size"]),
+                gpus_per_node=int(d["gpus_per_node"]), token_cap=d.get("token_cap"),
+                seq_lens=tuple(int(x) for x in d["seq_lens"]),
+                attention=tuple(SeqPlacement(int(a["seq"]), Mode(a["mode"]), tuple(a["ranks"]),
+                                             tuple(tuple((int(s), int(e)) for s, e in ranges)
+                                                   for ranges in a["shards"]))
+                                for a in d["attention"]),
+                linear=tuple(tuple(Span(int(q), int(s), int(e)) for q, s, e in spans)
+                             for spans in d["linear"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"plan JSON is malformed ({exc!r}); see docs/plan-format.md") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    def fingerprint(self) -> int:
+        """63-bit hash of the layouts; ranks all-reduce it to prove they agree."""
+        digest = hashlib.blake2b(self.to_json().encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1
+
+
+def _expected_shards(mode: Mode, length: int, size: int) -> tuple | None:
+    if mode is Mode.LOCAL:
+        return (((0, length),),) if size == 1 else None
+    if size < 2 or length < 2 * size:
+        return None
+    shards = zigzag_shards(length, size) if mode is Mode.RING else contiguous_shards(length, size)
+    return tuple(tuple(ranges) for ranges in shards)
+
+
+def placement(seq: int, length: int, mode: Mode, ranks: Sequence[int]) -> SeqPlacement:
+    """The canonical placement of a sequence in ``mode`` over ``ranks``."""
+    ranks = tuple(ranks)
+    if mode is Mode.LOCAL:
+        shards: Iterable = (((0, length),),)
+    elif mode is Mode.RING:
+        shards = zigzag_shards(length, len(ranks))
+    else:
+        shards = contiguous_shards(length, len(ranks))
+    return SeqPlacement(seq, mode, ranks, tuple(tuple(r) for r in shards))

@@ -1,0 +1,71 @@
+"""What every planner shares: its inputs, its interface and the registry.
+
+A planner is a pure function of the batch's sequence lengths and a
+:class:`PlanContext`; it returns a valid :class:`~megatron_zeppelin.plan.Plan`
+or raises :class:`~megatron_zeppelin.errors.InfeasibleError`.  Same input, same
+plan, on every rank.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.plan import Plan, SeqPlacement, Span
+from megatron_zeppelin.topology import Topology
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanContext:
+    """Everything a planner may look at besides the lengths."""
+
+    cost: CostModel
+    """Cost model of the cluster and model (also carries the topology)."""
+    tokens_per_gpu: int
+    """Per-GPU token cap (memory budget) for both layouts."""
+    cp_size: int | None = None
+    """Static CP size for ``te_cp`` (None: smallest power of two that fits)."""
+    time_limit_s: float = 10.0
+    """Solver time limit for MILP-based planners (``flexsp``)."""
+
+    @property
+    def topology(self) -> Topology:
+        return self.cost.cluster.topology
+
+
+class Planner(Protocol):
+    """Turns one global batch's sequence lengths into a Plan."""
+
+    name: str
+
+    def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan: ...
+
+
+#: strategy name -> "module:ClassName" (imported on first use).
+PLANNERS: dict[str, str] = {
+    "zeppelin": "megatron_zeppelin.planner.zeppelin:ZeppelinPlanner",
+    "te_cp": "megatron_zeppelin.planner.te_cp:TeCpPlanner",
+    "packing_dp": "megatron_zeppelin.planner.packing_dp:PackingDpPlanner",
+    "megatron_hybrid_cp": "megatron_zeppelin.planner.hybrid_cp:HybridCpPlanner",
+    "flexsp": "megatron_zeppelin.planner.flexsp:FlexSpPlanner",
+}
+
+
+def get_planner(name: str) -> Planner:
+    """Instantiate the planner registered as ``name``."""
+    if name not in PLANNERS:
+        raise ConfigError(f"unknown strategy {name!r}; choose from {', '.join(PLANNERS)}")
+    module, cls = PLANNERS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+def same_layout_linear(world_size: int, attention: Sequence[SeqPlacement]) -> tuple[tuple[Span, ...], ...]:
+    """Linear layout equal to the attention layout (strategies without remap)."""
+    per_rank: list[list[Span]] = [[] for _ in range(world_size)]
+    for p in attention:
+        for rank, ranges in zip(p.ranks, p.shards):
+            per_rank[rank].extend(Span(p.seq, s, e) for s, e in ranges)
+    return tuple(tuple(spans) for spans in per_rank)
