@@ -1,0 +1,78 @@
+"""Cost model: units, monotonicity, and the ring/routing relations the planner relies on."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, strategies as st
+
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.cost.model import ATTN_BWD_RATIO
+from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.plan import causal_pairs
+from megatron_zeppelin.topology import load_cluster
+
+
+@pytest.fixture(scope="module")
+def cost() -> CostModel:
+    return CostModel(load_cluster("h100-8x400g", nodes=4), load_model("llama-7b"))
+
+
+def test_units_local_attention_matches_flop_count(cost):
+    L = 65536
+    eff = cost.attn_efficiency(L)
+    flops = causal_pairs(0, L) * 4 * 4096 * 32 * (1 + ATTN_BWD_RATIO)
+    assert cost.local_attn_s(L) == pytest.approx(flops / (989e12 * eff))
+    # 7B: ~6 * 6.7e9 FLOPs per token for fwd+bwd linear work (rule of thumb, + logits)
+    per_token = cost.linear_s(1) * 989e12 * 0.65
+    assert 3 * 13.2e9 == pytest.approx(per_token, rel=0.01)
+
+
+@given(st.integers(16, 1 << 20), st.integers(16, 1 << 20))
+def test_monotone_in_length(a, b):
+    cost = CostModel(load_cluster("a800-4x200g"), load_model("llama-3b"))
+    lo, hi = sorted((a, b))
+    assert cost.local_attn_s(lo) <= cost.local_attn_s(hi)
+    assert cost.linear_s(lo) <= cost.linear_s(hi)
+    assert cost.attn_efficiency(lo) <= cost.attn_efficiency(hi) <= cost.cluster.gpu.attn_efficiency
+
+
+def test_ring_overlap_bounds(cost):
+    for L, ranks in ((8192, [0, 1]), (131072, list(range(16))), (4096, list(range(32)))):
+        r = cost.ring_cost([L], len(ranks), cost.link_for(ranks))
+        # The critical path is at least each of compute and transfer, at most their sum.
+        assert max(r.compute_s, r.transfer_s) <= r.total_s * (1 + 1e-9)
+        assert r.total_s <= r.compute_s + r.transfer_s + 1e-12
+        assert r.exposed_s >= 0
+
+
+def test_long_sequences_earn_splits_short_ones_do_not(cost):
+    nvl = cost.link_for([0, 1, 2, 3, 4, 5, 6, 7])
+    long_ring = cost.ring_cost([131072], 8, nvl).total_s
+    assert long_ring < cost.local_attn_s(131072) / 4
+    inter = cost.link_for(list(range(16)))
+    assert cost.ring_cost([2048], 16, inter).total_s > cost.local_attn_s(2048)
+
+
+def test_routing_spreads_inter_node_bandwidth(cost):
+    ranks = list(range(16))
+    routed, direct = cost.link_for(ranks), cost.routed(False).link_for(ranks)
+    assert direct == cost.cluster.nic
+    assert routed.bandwidth_GBps == pytest.approx(8 * cost.cluster.nic.bandwidth_GBps)
+    assert cost.link_for([0, 3]) == cost.cluster.nvlink
+    big = cost.ring_cost([262144], 16, routed).total_s
+    assert big < cost.routed(False).ring_cost([262144], 16, direct).total_s
+
+
+def test_ulysses_and_remap_costs(cost):
+    nvl = cost.cluster.nvlink
+    u = cost.ulysses_cost(32768, 8, nvl)
+    assert u.total_s == pytest.approx(u.compute_s + u.transfer_s)
+    assert u.compute_s == pytest.approx(cost.attn_s(causal_pairs(0, 32768) / 8, 32768))
+    assert cost.remap_s(0, 0, messages=0) == 0
+    assert cost.remap_s(1e6, 0) < cost.remap_s(0, 1e6)
+
+
+def test_lower_bound_is_work_over_gpus(cost):
+    lens = [1000, 50000, 3000]
+    work = sum(cost.local_attn_s(L) for L in lens) + cost.linear_s(sum(lens))
+    assert cost.lower_bound_s(lens) == pytest.approx(work / 32)
