@@ -1,0 +1,216 @@
+"""``megatron_hybrid_cp``: Megatron-Core's hybrid (dynamic) context parallelism.
+
+Follows ``BalancedCPScheduler`` in megatron-core 0.16
+(``megatron/core/pipeline_parallel/hybrid_cp_schedule.py``), enabled by
+``--hybrid-context-parallel`` with ``max_seqlen_per_dp_cp_rank`` = our
+``tokens_per_gpu``:
+
+* a sub-sample of length ``L`` needs ``cp = max(1, 2**ceil(log2(L / cap)))``
+  ranks (``gpus_needed``); its workload estimate is ``L**2 / cp``
+  (``get_total_workload``);
+* the DP x CP ranks are scheduled in *rounds* (Megatron calls them groups; a
+  barrier separates them): each round opens CP groups from free ranks, assigns
+  sub-samples longest first to a new group or the least-loaded group of the
+  right size, stops early once balanced, trims overload, then doubles the
+  smallest groups until no rank is idle (``next_hdp_group``);
+* each rank runs its sub-samples one after another as separate micro-batches,
+  each zigzag-split over its group (``get_batch_on_this_hybrid_cp_rank``).
+
+One deliberate difference: Megatron places a new group on the lowest free ranks,
+but the process groups it then uses (``create_hybrid_dp_cp_groups``) are aligned
+blocks ``[i*cp, (i+1)*cp)``.  We keep the scheduler's decisions (which depend on
+group sizes and loads, not rank ids) and lay each round's groups out largest
+first, so every group is exactly one of those aligned blocks.
+
+Because sub-samples are separate micro-batches, memory holds one at a time
+(``L / cp <= cap`` by construction) while a rank's step total may exceed the
+cap: the Plan carries no ``token_cap``.  Round boundaries are barriers; use
+:func:`hybrid_cp_rounds` to time them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from megatron_zeppelin.errors import InfeasibleError
+from megatron_zeppelin.plan import Mode, Plan, placement
+from megatron_zeppelin.planner.base import PlanContext, same_layout_linear
+from megatron_zeppelin.planner.packing import check_lengths
+
+#: ``next_hdp_group`` defaults: balance slack (5 %) and bucket overshoot (10 %).
+BALANCE_DELTA = 0.05
+BUCKET_OVERSHOOT = 1.1
+
+
+@dataclass
+class CpGroup:
+    """One CP group of a round: ``size`` consecutive ranks sharing its sub-samples."""
+
+    size: int
+    """Ranks in the group (a power of two, or the whole DP x CP world)."""
+    seqs: list[int] = field(default_factory=list)
+    """Sub-samples (sequence indices) in execution order."""
+    load: float = 0.0
+    """Scheduler workload estimate: sum of ``L**2 / gpus_needed(L)``."""
+    first_rank: int = 0
+    """First rank, set when the round is laid out."""
+
+
+def gpus_needed(length: int, cap: int) -> int:
+    """``BalancedCPScheduler.gpus_needed``: next power of two of ``length / cap``."""
+    return max(1, 2 ** math.ceil(math.log2(length / cap)))
+
+
+def _workload(length: int, cap: int) -> float:
+    return length * length / gpus_needed(length, cap)
+
+
+def _make_buckets(samples: list[tuple[int, int]], cap: int) -> list[deque]:
+    """``make_buckets_equal``: as many buckets as distinct CP sizes, cut in order
+    when a bucket would pass 110 % of the mean work or later buckets would starve
+    (Megatron's bookkeeping, including its double count of closed buckets)."""
+    k = len({gpus_needed(L, cap) for _, L in samples})
+    target = sum(_workload(L, cap) for _, L in samples) / k
+    buckets: list[deque] = []
+    cur: list[tuple[int, int]] = []
+    cur_work, remaining_k = 0.0, k
+    for i, (seq, L) in enumerate(samples):
+        work = _workload(L, cap)
+        if cur and (cur_work + work > target * BUCKET_OVERSHOOT
+                    or len(samples) - i <= remaining_k - len(buckets)):
+            buckets.append(deque(cur))
+            cur, cur_work = [], 0.0
+            remaining_k -= 1
+        cur.append((seq, L))
+        cur_work += work
+    if cur:
+        buckets.append(deque(cur))
+    return buckets
+
+
+def _next_round(samples: list[tuple[int, int]], lens: Sequence[int], cap: int, world: int
+                ) -> tuple[list[CpGroup], list[tuple[int, int]]]:
+    """``next_hdp_group`` on abstract groups: returns the round and the leftovers."""
+    buckets = _make_buckets(samples, cap)
+    groups: list[CpGroup] = []
+    first_needed, check_balance = None, False
+
+    def free() -> int:
+        return world - sum(g.size for g in groups)
+
+    def slack() -> tuple[float, float]:
+        hi = max((g.load for g in groups), default=0.0)
+        lo = 0.0 if free() else min(g.load for g in groups)
+        return hi, hi - lo
+
+    while buckets:
+        pick = None
+        for idx, bucket in enumerate(buckets):
+            if not bucket:
+                continue
+            needed = gpus_needed(bucket[0][1], cap)
+            if any(g.size == needed for g in groups) or free() >= needed:
+                pick = idx
+                break
+        if pick is None:
+            break
+        seq, L = buckets[pick].popleft()
+        needed = gpus_needed(L, cap)
+        first_needed = needed if first_needed is None else first_needed
+        same = [g for g in groups if g.size == needed]
+        best = min(same, key=lambda g: g.load) if same else None
+        # A fresh group starts at load 0, so it wins whenever enough ranks are free.
+        if free() >= needed and (best is None or best.load > 0):
+            best = CpGroup(needed)
+            groups.append(best)
+        best.seqs.append(seq)
+        best.load += _workload(L, cap)
+        while buckets and not buckets[0]:
+            buckets.pop(0)
+        if needed < first_needed:
+            check_balance = True
+        hi, gap = slack()
+        if check_balance and buckets and gap <= BALANCE_DELTA * hi:
+            break
+    leftovers = [s for b in buckets for s in b]
+
+    # trim_overload: drop the last sub-sample of the most loaded group while that helps.
+    while True:
+        hi, gap = slack()
+        if gap <= BALANCE_DELTA * hi or free():  # idle ranks: fill_empty_gpus' job
+            break
+        top = next(g for g in groups if g.load == hi)
+        if len(top.seqs) <= 1:
+            break
+        work = _workload(lens[top.seqs[-1]], cap)
+        loads = [g.load - work if g is top else g.load for g in groups]
+        if max(loads) - min(loads) >= gap:
+            break
+        top.load -= work
+        last = top.seqs.pop()
+        leftovers.append((last, lens[last]))
+
+    # fill_empty_gpus: double the first smallest group until no rank idles.
+    while free():
+        small = min(g.size for g in groups)
+        grow = min(2 * small, world) - small
+        if grow > free():
+            raise InfeasibleError(f"megatron_hybrid_cp: {free()} idle ranks cannot grow a CP group "
+                                  f"of {small}; use a DP x CP size that is a power of two")
+        next(g for g in groups if g.size == small).size += grow
+    return groups, leftovers
+
+
+def hybrid_cp_rounds(seq_lens: Sequence[int], tokens_per_gpu: int, world_size: int
+                     ) -> list[list[CpGroup]]:
+    """Megatron's schedule of one global batch: rounds of aligned CP groups
+    (``get_groups_and_subsamples``).  A round ends with a barrier over all ranks,
+    so a step takes the sum over rounds of the slowest group's time."""
+    lens = check_lengths(seq_lens)
+    for seq, L in enumerate(lens):
+        if gpus_needed(L, tokens_per_gpu) > world_size:
+            raise InfeasibleError(
+                f"megatron_hybrid_cp: sequence {seq} ({L} tokens) needs "
+                f"{gpus_needed(L, tokens_per_gpu)} ranks at {tokens_per_gpu} tokens per GPU, "
+                f"the world has {world_size}; raise --tokens-per-gpu or add nodes")
+    samples = sorted(enumerate(lens), key=lambda s: -s[1])
+    rounds = []
+    while samples:
+        groups, samples = _next_round(samples, lens, tokens_per_gpu, world_size)
+        # Largest first: prefix sums of descending powers of two are aligned offsets.
+        groups.sort(key=lambda g: -g.size)
+        offset = 0
+        for g in groups:
+            g.first_rank, offset = offset, offset + g.size
+        rounds.append(groups)
+    return rounds
+
+
+class HybridCpPlanner:
+    """Per-sequence power-of-two CP groups from Megatron's BalancedCPScheduler."""
+
+    name = "megatron_hybrid_cp"
+
+    def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
+        lens = check_lengths(seq_lens)
+        topo = ctx.topology
+        attention = []
+        for groups in hybrid_cp_rounds(lens, ctx.tokens_per_gpu, topo.world_size):
+            for g in groups:
+                ranks = range(g.first_rank, g.first_rank + g.size)
+                for seq in g.seqs:
+                    L = lens[seq]
+                    # Megatron pads a sub-sample shorter than 2*cp tokens; a Plan cannot,
+                    # so such a (negligible) sequence runs on the group's first rank.
+                    if g.size == 1 or L < 2 * g.size:
+                        attention.append(placement(seq, L, Mode.LOCAL, [g.first_rank]))
+                    else:
+                        attention.append(placement(seq, L, Mode.RING, ranks))
+        return Plan(strategy=self.name, world_size=topo.world_size,
+                    gpus_per_node=topo.gpus_per_node, seq_lens=lens,
+                    attention=tuple(attention),
+                    linear=same_layout_linear(topo.world_size, attention),
+                    token_cap=None).validate()
