@@ -1,0 +1,149 @@
+"""Index maps of one layout switch: which buffer rows go where.
+
+A rank's *attention buffer* holds ``plan.attention_spans(rank)`` in order, its
+*linear buffer* ``plan.linear[rank]`` in order.  Switching layouts is one
+all-to-all-v: the moves of ``Plan.remap_schedule()`` merged into one message
+per (src, dst) pair, plus a local copy of the tokens a rank keeps.  Pure
+functions of the Plan; cached per (plan, rank) because every layer of a step
+switches with the same maps.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from megatron_zeppelin.errors import PlanError
+from megatron_zeppelin.plan import Plan, Span
+
+
+@dataclass(frozen=True)
+class RemapExchange:
+    """One rank's part of the attention -> linear switch (reverse it for the way back)."""
+
+    attn_tokens: int
+    """Tokens in this rank's attention buffer."""
+    linear_tokens: int
+    """Tokens in this rank's linear buffer."""
+    pairs: tuple[tuple[int, int, int], ...]
+    """Every rank's messages, ``(src, dst, tokens)`` by message id (global, same on all ranks)."""
+    send_rows: dict[int, torch.Tensor]
+    """Message id -> attention-buffer rows this rank sends, in message order."""
+    recv_rows: dict[int, torch.Tensor]
+    """Message id -> linear-buffer rows this rank receives, in message order."""
+    keep_attn: torch.Tensor
+    """Attention-buffer rows of the tokens this rank holds in both layouts..."""
+    keep_linear: torch.Tensor
+    """...and their linear-buffer rows, element for element."""
+    _on_device: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def to(self, device: torch.device) -> "RemapExchange":
+        """The same maps with index tensors on ``device`` (cached)."""
+        if device.type == "cpu":
+            return self
+        if device not in self._on_device:
+            move = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
+            self._on_device[device] = RemapExchange(
+                self.attn_tokens, self.linear_tokens, self.pairs, move(self.send_rows),
+                move(self.recv_rows), self.keep_attn.to(device), self.keep_linear.to(device))
+        return self._on_device[device]
+
+
+class _RowIndex:
+    """Buffer row of any token of a rank's span list."""
+
+    def __init__(self, spans: Sequence[Span]) -> None:
+        self.by_seq: dict[int, list[tuple[int, int, int]]] = {}
+        offset = 0
+        for sp in spans:
+            self.by_seq.setdefault(sp.seq, []).append((sp.start, sp.end, offset))
+            offset += sp.length
+        for pieces in self.by_seq.values():
+            pieces.sort()
+        self.tokens = offset
+
+    def rows(self, seq: int, lo: int, hi: int) -> torch.Tensor:
+        """Rows of tokens ``[lo, hi)`` of ``seq``; they lie inside one span by construction
+        (the schedule cuts moves at both layouts' span boundaries)."""
+        pieces = self.by_seq.get(seq, [])
+        i = bisect.bisect_right(pieces, (lo, float("inf"), 0)) - 1
+        if i < 0 or pieces[i][1] < hi:
+            raise PlanError(f"plan: tokens [{lo}, {hi}) of sequence {seq} are not held where the remap "
+                            "schedule says; call plan.validate() to find the broken layout")
+        start, _, offset = pieces[i]
+        return torch.arange(offset + lo - start, offset + hi - start)
+
+    def overlap(self, other: "_RowIndex", spans: Sequence[Span]) -> tuple[list, list]:
+        """Rows (in self, in other) of the tokens both hold; ``spans`` are other's spans."""
+        mine, theirs = [], []
+        for sp in spans:
+            for start, end, _ in self.by_seq.get(sp.seq, []):
+                lo, hi = max(start, sp.start), min(end, sp.end)
+                if lo < hi:
+                    mine.append(self.rows(sp.seq, lo, hi))
+                    theirs.append(other.rows(sp.seq, lo, hi))
+        return mine, theirs
+
+
+def _cat(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
+
+
+def build_exchange(plan: Plan, rank: int) -> RemapExchange:
+    """The index maps of ``rank`` for ``plan`` (use :func:`exchange_for` to cache them)."""
+    attn = _RowIndex(plan.attention_spans(rank))
+    linear = _RowIndex(plan.linear[rank])
+    # remap_schedule is sorted by (src, dst, seq, start): both ends of a pair see
+    # its transfers in the same order, so rows line up without sending indices.
+    grouped: OrderedDict[tuple[int, int], list] = OrderedDict()
+    for t in plan.remap_schedule():
+        grouped.setdefault((t.src, t.dst), []).append(t)
+    pairs, send_rows, recv_rows = [], {}, {}
+    for mid, ((src, dst), moves) in enumerate(grouped.items()):
+        pairs.append((src, dst, sum(t.length for t in moves)))
+        if src == rank:
+            send_rows[mid] = _cat([attn.rows(t.seq, t.start, t.end) for t in moves])
+        if dst == rank:
+            recv_rows[mid] = _cat([linear.rows(t.seq, t.start, t.end) for t in moves])
+    keep_attn, keep_linear = attn.overlap(linear, plan.linear[rank])
+    ex = RemapExchange(attn.tokens, linear.tokens, tuple(pairs), send_rows, recv_rows,
+                       _cat(keep_attn), _cat(keep_linear))
+    kept = ex.keep_attn.numel()
+    if (kept + sum(r.numel() for r in send_rows.values()) != attn.tokens
+            or kept + sum(r.numel() for r in recv_rows.values()) != linear.tokens):
+        raise PlanError(f"plan: rank {rank}'s linear layout does not hold every token of the batch "
+                        "exactly once; call plan.validate() to find the broken sequence")
+    return ex
+
+
+class _ExchangeCache:
+    """Small LRU of exchanges keyed by plan *identity* (hashing a Plan walks all
+    of it, and every layer asks for the same plan's maps several times a step)."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self.entries: OrderedDict[tuple[int, int], tuple[Plan, RemapExchange]] = OrderedDict()
+
+    def get(self, plan: Plan, rank: int) -> RemapExchange:
+        key = (id(plan), rank)
+        hit = self.entries.get(key)
+        if hit is not None and hit[0] is plan:  # holding the plan keeps its id unique
+            self.entries.move_to_end(key)
+            return hit[1]
+        ex = build_exchange(plan, rank)
+        self.entries[key] = (plan, ex)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return ex
+
+
+_CACHE = _ExchangeCache()
+
+
+def exchange_for(plan: Plan, rank: int) -> RemapExchange:
+    """Cached :func:`build_exchange`."""
+    return _CACHE.get(plan, rank)

@@ -1,0 +1,219 @@
+"""ZeppelinRemap: switch hidden states between the attention and the linear layout.
+
+The attention layout balances quadratic attention work, so ranks can hold very
+different token counts; projections and the MLP cost the same per token and
+want equal counts.  :func:`remap_tokens` moves a ``[t, ...]`` tensor from one
+layout to the other in one communicator round (an all-to-all-v of the Plan's
+remap schedule); its backward moves the gradient the opposite way, which is the
+exact adjoint because a layout switch is a permutation of rows.
+
+Padding: a rank holding no token in a layout holds one zero row instead,
+because Megatron's layers cannot run on an empty tensor (the trainer pads the
+attention buffer the same way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from megatron_zeppelin.comm.base import Communicator, Message
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.remap.exchange import RemapExchange, exchange_for
+
+Direction = Literal["to_linear", "to_attention"]
+
+
+@dataclass
+class RemapCounters:
+    """Bytes this rank sent for layout switches (forward and backward), apart
+    from the attention engine's ring bytes in ``ByteCounters``."""
+
+    remap_intra_node: int = 0
+    """Bytes sent to GPUs of the same node."""
+    remap_inter_node: int = 0
+    """Bytes sent to other nodes (as the remap asked for them; a routed
+    communicator also counts how they travelled, in its own ByteCounters)."""
+
+    def reset(self) -> None:
+        self.remap_intra_node = 0
+        self.remap_inter_node = 0
+
+
+@dataclass(frozen=True)
+class RemapContext:
+    """Everything a layout switch needs in one step (set on the model per step)."""
+
+    plan: Plan
+    """The step's Plan (attention layout, linear layout, remap schedule)."""
+    rank: int
+    """This rank (whose buffers the hidden states are)."""
+    comm: Communicator
+    """Round-based communicator the switch runs over."""
+    counters: RemapCounters | None = None
+    """Where to add the bytes sent, or None."""
+    max_buffer_bytes: int | None = None
+    """Largest hidden-state buffer a switch may allocate (None: unlimited)."""
+
+
+def pad_rows(tokens: int) -> int:
+    """Zero rows after a layout's tokens: one for a rank that holds none."""
+    return 0 if tokens else 1
+
+
+def remap_tokens(x: torch.Tensor, *, plan: Plan, rank: int, comm: Communicator,
+                 direction: Direction, counters: RemapCounters | None = None,
+                 max_buffer_bytes: int | None = None) -> torch.Tensor:
+    """Move ``x`` (``[t, ...]``: this rank's tokens in the source layout's buffer
+    order, any trailing dims) to the other layout; differentiable.
+
+    Collective: every rank calls it with the same plan and direction."""
+    if direction not in ("to_linear", "to_attention"):
+        raise ValueError(f"direction must be 'to_linear' or 'to_attention', got {direction!r}")
+    ex = exchange_for(plan, rank).to(x.device)
+    move = _Move(ex, comm, rank, plan.gpus_per_node, direction == "to_linear", counters,
+                 max_buffer_bytes)
+    return _RemapFunction.apply(x, move)
+
+
+class _Move:
+    """One direction of a switch; ``reversed()`` is the gradient's way."""
+
+    def __init__(self, ex: RemapExchange, comm: Communicator, rank: int, gpus_per_node: int,
+                 to_linear: bool, counters: RemapCounters | None, limit: int | None) -> None:
+        self.ex, self.comm, self.rank, self.gpn = ex, comm, rank, gpus_per_node
+        self.to_linear, self.counters, self.limit = to_linear, counters, limit
+
+    def reversed(self) -> "_Move":
+        return _Move(self.ex, self.comm, self.rank, self.gpn, not self.to_linear, self.counters,
+                     self.limit)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ex = self.ex
+        if self.to_linear:
+            n_in, n_out, gather, scatter = ex.attn_tokens, ex.linear_tokens, ex.send_rows, ex.recv_rows
+            keep_in, keep_out = ex.keep_attn, ex.keep_linear
+            messages = [Message(i, s, d, n) for i, (s, d, n) in enumerate(ex.pairs)]
+        else:
+            n_in, n_out, gather, scatter = ex.linear_tokens, ex.attn_tokens, ex.recv_rows, ex.send_rows
+            keep_in, keep_out = ex.keep_linear, ex.keep_attn
+            messages = [Message(i, d, s, n) for i, (s, d, n) in enumerate(ex.pairs)]
+        layout = "attention" if self.to_linear else "linear"
+        if x.shape[0] != n_in + pad_rows(n_in):
+            raise ValueError(f"rank {self.rank}: remap input has {x.shape[0]} rows, the plan's {layout} "
+                             f"layout gives this rank {n_in} tokens (+{pad_rows(n_in)} padding row)")
+        trailing = x.shape[1:]
+        row = math.prod(trailing)
+        nbytes = (n_out + pad_rows(n_out)) * row * x.element_size()
+        if self.limit is not None and nbytes > self.limit:
+            raise ConfigError(f"remap buffer of {nbytes} bytes ({n_out} tokens x {row} elements x "
+                              f"{x.element_size()} B) exceeds the limit of {self.limit} bytes; raise the "
+                              "remap buffer limit or lower the tokens per GPU")
+        # Message numel is tokens x row: every rank has the same trailing dims.
+        messages = [Message(m.id, m.src, m.dst, m.numel * row) for m in messages]
+        sends = {i: x.index_select(0, rows).reshape(-1) for i, rows in gather.items()}
+        recvs = {i: x.new_empty(rows.numel() * row) for i, rows in scatter.items()}
+        # Every rank holds the same message list, so all skip an empty round together.
+        pending = self.comm.start_round(messages, sends, recvs) if messages else None
+        out = x.new_zeros((n_out + pad_rows(n_out), *trailing))
+        out.index_copy_(0, keep_out, x.index_select(0, keep_in))  # overlaps the round
+        if pending is not None:
+            pending.wait()
+        for i, rows in scatter.items():
+            out.index_copy_(0, rows, recvs[i].view(rows.numel(), *trailing))
+        if self.counters is not None:
+            self._count(messages, x.element_size())
+        return out
+
+    def _count(self, messages: list[Message], itemsize: int) -> None:
+        for m in messages:
+            if m.src != self.rank or m.dst == self.rank:
+                continue
+            if m.src // self.gpn == m.dst // self.gpn:
+                self.counters.remap_intra_node += m.numel * itemsize
+            else:
+                self.counters.remap_inter_node += m.numel * itemsize
+
+
+class _RemapFunction(torch.autograd.Function):
+    """Layout switch whose backward is the reverse switch of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, move: _Move) -> torch.Tensor:
+        ctx.move = move.reversed()
+        return move(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.move(grad.contiguous()), None
+
+
+class ZeppelinRemap(torch.nn.Module):
+    """A layout switch as a module; identity until a :class:`RemapContext` is set
+    (``set_remap_context``) -- no plan means both layouts are the same."""
+
+    def __init__(self, direction: Direction, context: RemapContext | None = None) -> None:
+        super().__init__()
+        if direction not in ("to_linear", "to_attention"):
+            raise ValueError(f"direction must be 'to_linear' or 'to_attention', got {direction!r}")
+        self.direction = direction
+        self.context = context
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.context
+        if c is None:
+            return x
+        return remap_tokens(x, plan=c.plan, rank=c.rank, comm=c.comm, direction=self.direction,
+                            counters=c.counters, max_buffer_bytes=c.max_buffer_bytes)
+
+    def extra_repr(self) -> str:
+        return self.direction
+
+
+def set_remap_context(model: torch.nn.Module, context: RemapContext | None) -> int:
+    """Give every ZeppelinRemap in ``model`` this step's context (None: identity);
+    returns how many switches were found."""
+    found = 0
+    for module in model.modules():
+        if isinstance(module, ZeppelinRemap):
+            module.context = context
+            found += 1
+    return found
+
+
+class RemapMLPMixin:
+    """Runs an MLP class on the linear layout: its input switches there, its
+    output switches back.  A mixin rather than a wrapper module so that
+    parameter names stay those of the MLP (checkpoints load with remap on or off)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.to_linear = ZeppelinRemap("to_linear")
+        self.to_attention = ZeppelinRemap("to_attention")
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        # The MLP returns (output [t, b, h], bias [h] or None); the bias is per channel.
+        out, bias = super().forward(self.to_linear(hidden_states), *args, **kwargs)
+        return self.to_attention(out), bias
+
+
+@functools.lru_cache(maxsize=None)
+def with_remap(mlp_class: type) -> type:
+    """``mlp_class`` with :class:`RemapMLPMixin` in front (one class per MLP class)."""
+    return type(f"Remap{mlp_class.__name__}", (RemapMLPMixin, mlp_class), {"__module__": __name__})
+
+
+def remap_module_spec(mlp_spec):
+    """A Megatron-Core MLP ``ModuleSpec`` whose module runs on the linear layout
+    (no Megatron import here: the spec is a dataclass, only its class changes)."""
+    module = mlp_spec.module
+    if isinstance(module, tuple):  # ModuleSpec allows (import path, class name)
+        module = getattr(importlib.import_module(module[0]), module[1])
+    return dataclasses.replace(mlp_spec, module=with_remap(module))

@@ -1,0 +1,212 @@
+"""Remapping layer: index maps on random plans (pure), there-and-back identity of
+values and gradients over gloo (4 ranks = 2 nodes x 2 GPUs, spawned once)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from megatron_zeppelin.comm.base import ByteCounters
+from megatron_zeppelin.comm.direct import DirectCommunicator
+from megatron_zeppelin.comm.routing import RoutedCommunicator
+from megatron_zeppelin.errors import ConfigError, PlanError
+from megatron_zeppelin.plan import Mode, Plan, Span
+from megatron_zeppelin.plan.plan import placement
+from megatron_zeppelin.remap import (RemapContext, RemapCounters, ZeppelinRemap, build_exchange,
+                                     pad_rows, remap_module_spec, remap_tokens, set_remap_context,
+                                     with_remap)
+from megatron_zeppelin.topology import Topology
+from tests.distributed import world_fixture
+
+WORLD, GPN = 4, 2
+world = world_fixture(WORLD)
+
+
+def random_plan(seed: int, world_size: int = WORLD, gpus_per_node: int = GPN) -> Plan:
+    """Random attention placements (local / zigzag ring / ulysses) and a random
+    linear layout: the batch's tokens cut at random points, spans shuffled per rank."""
+    rng = random.Random(seed)
+    lens = [rng.randrange(1, 40) for _ in range(rng.randrange(1, 7))]
+    attention = []
+    for seq, L in enumerate(lens):
+        k = rng.randrange(2, world_size + 1)
+        mode = rng.choice([Mode.LOCAL, Mode.RING, Mode.ULYSSES]) if L >= 2 * k else Mode.LOCAL
+        ranks = rng.sample(range(world_size), 1 if mode is Mode.LOCAL else k)
+        attention.append(placement(seq, L, mode, ranks))
+    rng.shuffle(attention)
+    order = rng.sample(range(len(lens)), len(lens))
+    tokens = [(seq, t) for seq in order for t in range(lens[seq])]
+    cuts = sorted(rng.randrange(len(tokens) + 1) for _ in range(world_size - 1))
+    linear = []
+    for lo, hi in zip([0, *cuts], [*cuts, len(tokens)]):
+        spans, i = [], lo
+        while i < hi:
+            seq, start = tokens[i]
+            end = min(hi, i + lens[seq] - start)
+            spans.append(Span(seq, start, start + end - i))
+            i = end
+        rng.shuffle(spans)
+        linear.append(tuple(spans))
+    return Plan("random", world_size, gpus_per_node, tuple(lens), tuple(attention),
+                tuple(linear)).validate()
+
+
+def token_ids(spans) -> list[tuple[int, int]]:
+    return [(sp.seq, t) for sp in spans for t in range(sp.start, sp.end)]
+
+
+def features(spans, seed: int, width: int = 3) -> torch.Tensor:
+    """[t + pad, 2, width]: a deterministic vector per (seq, position), zero padding rows."""
+    ids = token_ids(spans)
+    rows = [torch.Generator().manual_seed(seed * 7919 + s * 1009 + t) for s, t in ids]
+    x = torch.stack([torch.randn(2, width, generator=g) for g in rows]) if ids else torch.empty(0, 2, width)
+    return torch.cat([x, torch.zeros(pad_rows(len(ids)), 2, width)])
+
+
+# ------------------------------------------------------------------ pure maps
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 100_000))
+def test_exchange_maps_move_every_token_to_its_linear_owner(seed):
+    plan = random_plan(seed)
+    exs = [build_exchange(plan, r) for r in range(WORLD)]
+    attn = [token_ids(plan.attention_spans(r)) for r in range(WORLD)]
+    got = [[None] * ex.linear_tokens for ex in exs]
+    for r, ex in enumerate(exs):
+        for a, l in zip(ex.keep_attn.tolist(), ex.keep_linear.tolist()):
+            got[r][l] = attn[r][a]
+    for mid, (src, dst, n) in enumerate(exs[0].pairs):
+        assert src != dst and n == len(exs[src].send_rows[mid]) == len(exs[dst].recv_rows[mid])
+        for a, l in zip(exs[src].send_rows[mid].tolist(), exs[dst].recv_rows[mid].tolist()):
+            got[dst][l] = attn[src][a]
+    assert got == [token_ids(plan.linear[r]) for r in range(WORLD)]
+    moved = sum(n for _, _, n in exs[0].pairs)
+    assert moved == sum(t.length for t in plan.remap_schedule())
+
+
+def test_broken_linear_layout_is_a_plan_error():
+    plan = random_plan(3)
+    broken = Plan(plan.strategy, WORLD, GPN, plan.seq_lens, plan.attention,
+                  (plan.linear[0][1:],) + plan.linear[1:])
+    with pytest.raises(PlanError, match="validate"):
+        for r in range(WORLD):
+            build_exchange(broken, r)
+
+
+class _NoComm:
+    """A communicator for one rank: rounds must be empty."""
+
+    counters = ByteCounters()
+
+    def start_round(self, messages, sends, recvs):
+        assert not messages
+        return self
+
+    def wait(self):
+        pass
+
+
+def _one_rank_plan() -> Plan:
+    # One rank, linear order reversed: the switch is a pure local permutation.
+    attention = (placement(0, 5, Mode.LOCAL, [0]), placement(1, 3, Mode.LOCAL, [0]))
+    return Plan("perm", 1, 1, (5, 3), attention, ((Span(1, 0, 3), Span(0, 0, 5)),)).validate()
+
+
+def test_buffer_limit_is_a_config_error():
+    plan = _one_rank_plan()
+    x = torch.zeros(8, 1, 64)
+    with pytest.raises(ConfigError, match="exceeds the limit of 1000 bytes"):
+        remap_tokens(x, plan=plan, rank=0, comm=_NoComm(), direction="to_linear", max_buffer_bytes=1000)
+    assert remap_tokens(x, plan=plan, rank=0, comm=_NoComm(), direction="to_linear",
+                        max_buffer_bytes=8 * 64 * 4).shape == (8, 1, 64)
+    with pytest.raises(ValueError, match="direction must be"):
+        ZeppelinRemap("sideways")
+
+
+class _RecordingMLP(torch.nn.Module):
+    """Stands in for Megatron's MLP: (output, bias), records what it saw."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear_fc1 = torch.nn.Linear(width, width, bias=False)
+        self.seen = None
+
+    def forward(self, hidden_states, padding_mask=None):
+        self.seen = hidden_states.detach().clone()
+        return self.linear_fc1(hidden_states), None
+
+
+def test_mlp_mixin_runs_on_the_linear_layout_and_keeps_parameter_names():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Spec:  # the shape of Megatron's ModuleSpec
+        module: type
+        params: dict
+
+    spec = remap_module_spec(Spec(_RecordingMLP, {}))
+    assert spec.module is with_remap(_RecordingMLP) and issubclass(spec.module, _RecordingMLP)
+    mlp = spec.module(4)
+    assert [n for n, _ in mlp.named_parameters()] == ["linear_fc1.weight"]
+    x = torch.arange(8 * 4, dtype=torch.float32).view(8, 1, 4).requires_grad_()
+    out, _ = mlp(x)
+    assert torch.equal(mlp.seen, x.detach())  # no context: identity
+    plan = _one_rank_plan()
+    assert set_remap_context(mlp, RemapContext(plan, 0, _NoComm())) == 2
+    out, _ = mlp(x)
+    assert torch.equal(mlp.seen, torch.cat([x[5:], x[:5]]).detach())  # seq 1 first on the linear layout
+    assert torch.allclose(out, mlp.linear_fc1(x))  # and back to the attention layout
+    out.sum().backward()
+    assert torch.allclose(x.grad, mlp.linear_fc1.weight.sum(0).expand(8, 1, 4))
+
+
+# ------------------------------------------------------------- multi-process
+def _there_and_back(rank, world_size, seeds, routed):
+    topo = Topology(nodes=WORLD // GPN, gpus_per_node=GPN, nics_per_node=2)
+    comm = (RoutedCommunicator(None, topo, ByteCounters(), 0, dtype=torch.float32) if routed
+            else DirectCommunicator(None, topology=topo))
+    out = []
+    for seed in seeds:
+        plan = random_plan(seed)
+        counters = RemapCounters()
+        x = features(plan.attention_spans(rank), seed).requires_grad_()
+        y = remap_tokens(x, plan=plan, rank=rank, comm=comm, direction="to_linear", counters=counters)
+        assert torch.equal(y, features(plan.linear[rank], seed)), "values on the linear layout"
+        w = features(plan.linear[rank], seed + 1)
+        z = remap_tokens(y * w, plan=plan, rank=rank, comm=comm, direction="to_attention",
+                         counters=counters)
+        assert torch.equal(z, x.detach() * features(plan.attention_spans(rank), seed + 1))
+        g = features(plan.attention_spans(rank), seed + 2)
+        (z * g).sum().backward()
+        # d/dx of sum(g * back(w * there(x))) = w (in attention order) * g
+        assert torch.equal(x.grad, features(plan.attention_spans(rank), seed + 1) * g), "gradients"
+        out.append((counters.remap_intra_node, counters.remap_inter_node))
+    if routed:
+        comm.close()
+    return out
+
+
+def expected_remap_bytes(plan: Plan, rank: int, row_bytes: int) -> tuple[int, int]:
+    """Bytes ``rank`` sends over one there-and-back with its backward (4 switches)."""
+    intra = inter = 0
+    for t in plan.remap_schedule():
+        for src, dst in ((t.src, t.dst), (t.dst, t.src)):  # to_linear, to_attention
+            if src == rank:
+                n = 2 * t.length * row_bytes  # forward and backward move the same rows
+                if src // GPN == dst // GPN:
+                    intra += n
+                else:
+                    inter += n
+    return intra, inter
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["direct", "routed"])
+def test_remap_there_and_back_is_the_identity(world, routed):
+    seeds = list(range(20, 32))
+    results = world.run(_there_and_back, seeds, routed)
+    for rank, per_seed in enumerate(results):
+        for seed, got in zip(seeds, per_seed):
+            assert got == expected_remap_bytes(random_plan(seed), rank, 2 * 3 * 4)
+    assert any(inter for per_seed in results for _, inter in per_seed)  # some plan crossed nodes
