@@ -95,10 +95,11 @@ _CACHE: dict[tuple, EngineSchedule] = {}
 _CACHE_SIZE = 8
 
 
-def build_schedule(plan: Plan, q_heads: int, kv_heads: int, head_dim: int) -> EngineSchedule:
-    """The schedule of ``plan``'s attention (cached per plan object and head shape,
-    so a model's layers derive it once)."""
-    key = (id(plan), q_heads, kv_heads, head_dim)
+def build_schedule(plan: Plan, q_heads: int, kv_heads: int, head_dim: int,
+                   dtype: torch.dtype = torch.float32) -> EngineSchedule:
+    """The schedule of ``plan``'s attention (cached per plan object, head shape and
+    dtype, so a model's layers derive it once)."""
+    key = (id(plan), q_heads, kv_heads, head_dim, dtype)
     hit = _CACHE.get(key)
     if hit is not None and hit.plan is plan:
         return hit
@@ -108,8 +109,8 @@ def build_schedule(plan: Plan, q_heads: int, kv_heads: int, head_dim: int) -> En
             continue
         job_of[index] = len(jobs)
         tiers.append(TIER_ORDER[plan.tier_of(p)])
-        jobs.append(RingJob(p, kv_heads * head_dim) if p.mode is Mode.RING
-                    else UlyssesJob(p, q_heads, kv_heads, head_dim))
+        jobs.append(RingJob(p, kv_heads * head_dim, dtype) if p.mode is Mode.RING
+                    else UlyssesJob(p, q_heads, kv_heads, head_dim, dtype))
     schedule = EngineSchedule(tuple(jobs), job_of, build_waves(jobs, tiers) if jobs else (), plan)
     if len(_CACHE) >= _CACHE_SIZE:
         _CACHE.pop(next(iter(_CACHE)))
@@ -129,7 +130,7 @@ def plan_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: P
     also ranks holding no tokens."""
     if isinstance(backend, str):
         backend = get_backend(backend)
-    schedule = build_schedule(plan, q.shape[1], k.shape[1], q.shape[2])
+    schedule = build_schedule(plan, q.shape[1], k.shape[1], q.shape[2], q.dtype)
     expected = schedule.rank_view(rank).tokens
     if q.shape[0] != expected or k.shape[0] != expected or v.shape[0] != expected:
         raise ValueError(f"rank {rank} holds {expected} tokens in the plan's attention layout, "

@@ -40,6 +40,8 @@ class RingJob:
     """The sequence's ring placement (zigzag shards, ring order = ``ranks``)."""
     kv_numel_per_token: int
     """``hk * head_dim``: elements of one token's K (or V)."""
+    dtype: torch.dtype = torch.float32
+    """Dtype of q/k/v; K/V travel in it, dK/dV in the accumulation dtype."""
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -56,8 +58,9 @@ class RingJob:
         return self.size + 1 if backward else self.size
 
     def links(self, step: int, backward: bool) -> list[Link]:
-        return [Link(self.ranks[src], self.ranks[dst], numel)
-                for _, src, dst, numel in _round(self, step, backward)]
+        sizes = {"kv": self.dtype.itemsize, "dkv": _acc_dtype_of(self.dtype).itemsize}
+        return [Link(self.ranks[src], self.ranks[dst], numel, sizes[kind])
+                for kind, src, dst, numel in _round(self, step, backward)]
 
 
 def _round(job: RingJob, step: int, backward: bool) -> list[tuple[str, int, int, int]]:
@@ -93,7 +96,11 @@ def _exchange(job: RingJob, pos: int, step: int, backward: bool, payload: dict[s
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
+    return _acc_dtype_of(x.dtype)
+
+
+def _acc_dtype_of(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _block_pairs(job: RingJob, pos: int, owner: int) -> list[tuple[slice, slice, bool]]:

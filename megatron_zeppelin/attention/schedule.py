@@ -39,6 +39,8 @@ class Link:
     """Receiving global rank."""
     numel: int
     """Elements sent."""
+    itemsize: int
+    """Bytes per element (K/V in the data dtype, dK/dV in the accumulation dtype)."""
 
 
 @dataclass
@@ -120,7 +122,7 @@ def _wave(jobs: list[Job], ids: list[int]) -> Wave:
             for job in jobs:
                 starts.append(len(msgs))
                 if step < job.num_steps(backward):
-                    msgs.extend(Message(len(msgs), ln.src, ln.dst, ln.numel)
+                    msgs.extend(Message(len(msgs), ln.src, ln.dst, ln.numel, ln.itemsize)
                                 for ln in job.links(step, backward))
             per_step_msgs.append(tuple(msgs))
             per_step_offsets.append(tuple(starts))

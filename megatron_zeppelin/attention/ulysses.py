@@ -36,6 +36,8 @@ class UlyssesJob:
     """Key/value heads ``hk`` (divisible by the group size)."""
     head_dim: int
     """Elements per head."""
+    dtype: torch.dtype = torch.float32
+    """Dtype of q/k/v and of everything the all-to-alls move."""
 
     def __post_init__(self) -> None:
         d = self.placement.size
@@ -55,7 +57,8 @@ class UlyssesJob:
         return 3
 
     def links(self, step: int, backward: bool) -> list[Link]:
-        return [Link(self.ranks[a], self.ranks[b], numel) for a, b, numel in _round(self, step, backward)]
+        return [Link(self.ranks[a], self.ranks[b], numel, self.dtype.itemsize)
+                for a, b, numel in _round(self, step, backward)]
 
     def pairs(self) -> int:
         """Pairs one position is credited with (``Plan.attn_pairs_per_rank``'s rule)."""

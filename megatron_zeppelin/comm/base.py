@@ -29,6 +29,10 @@ class Message:
     """Receiving global rank."""
     numel: int
     """Elements sent (the receiver's buffer has the same count and dtype)."""
+    itemsize: int = 0
+    """Bytes per element; 0 means the communicator's default.  Proxies that
+    forward a piece size their buffers from it (dK/dV travel in fp32 beside
+    bf16 K/V in the same round)."""
 
 
 @dataclass

@@ -67,6 +67,12 @@ class Hop:
     """Elements carried."""
     nic: int | None
     """Sender's local NIC index when the hop leaves the node; None inside a node."""
+    itemsize: int
+    """Bytes per element of the message."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
 
 
 def min_routed_bytes(cost: CostModel) -> float:
@@ -89,7 +95,8 @@ def route_plan(messages: Sequence[Message], topology: Topology, min_routed_bytes
                itemsize: int) -> list[Hop]:
     """Every hop of a round, as every rank derives it (a pure function).
 
-    ``itemsize`` (bytes per element) turns the threshold into elements.  Pieces
+    ``itemsize`` (bytes per element) applies to messages that do not carry
+    their own (``Message.itemsize == 0``).  Pieces
     are cut on element boundaries with :func:`chunk_bounds`; empty pieces and
     empty messages produce no hop."""
     P = topology.nics_per_node
@@ -97,10 +104,11 @@ def route_plan(messages: Sequence[Message], topology: Topology, min_routed_bytes
     for m in messages:
         if m.numel == 0:
             continue
+        isz = m.itemsize or itemsize
         cross = not topology.same_node(m.src, m.dst)
-        if not cross or P == 1 or m.numel * itemsize < min_routed_bytes:
+        if not cross or P == 1 or m.numel * isz < min_routed_bytes:
             hops.append(Hop(m.id, 0, Phase.DIRECT, m.src, m.dst, 0, m.numel,
-                            topology.nic_of(m.src) if cross else None))
+                            topology.nic_of(m.src) if cross else None, isz))
             continue
         bounds = chunk_bounds(m.numel, P)
         for j in range(P):
@@ -110,10 +118,10 @@ def route_plan(messages: Sequence[Message], topology: Topology, min_routed_bytes
             proxy = _proxy(topology, m, j)
             peer = topology.rank_of(topology.node_of(m.dst), topology.local_of(proxy))
             if proxy != m.src:
-                hops.append(Hop(m.id, j, Phase.DISPATCH, m.src, proxy, lo, n, None))
-            hops.append(Hop(m.id, j, Phase.NIC, proxy, peer, lo, n, j))
+                hops.append(Hop(m.id, j, Phase.DISPATCH, m.src, proxy, lo, n, None, isz))
+            hops.append(Hop(m.id, j, Phase.NIC, proxy, peer, lo, n, j, isz))
             if peer != m.dst:
-                hops.append(Hop(m.id, j, Phase.COMBINE, peer, m.dst, lo, n, None))
+                hops.append(Hop(m.id, j, Phase.COMBINE, peer, m.dst, lo, n, None, isz))
     return hops
 
 
@@ -133,7 +141,7 @@ def _proxy(topology: Topology, m: Message, nic: int) -> int:
     return on_nic[m.id % len(on_nic)]
 
 
-def hop_bytes(hops: Sequence[Hop], rank: int, itemsize: int) -> ByteCounters:
+def hop_bytes(hops: Sequence[Hop], rank: int) -> ByteCounters:
     """Bytes ``rank`` puts on each link class for ``hops`` (what the communicator
     counts; the simulator and tests use it as the prediction)."""
     out = ByteCounters()
@@ -141,9 +149,9 @@ def hop_bytes(hops: Sequence[Hop], rank: int, itemsize: int) -> ByteCounters:
         if h.src != rank or h.src == h.dst:
             continue
         if h.nic is None:
-            out.intra_node += h.numel * itemsize
+            out.intra_node += h.nbytes
         else:
-            out.inter_node_per_nic[h.nic] = out.inter_node_per_nic.get(h.nic, 0) + h.numel * itemsize
+            out.inter_node_per_nic[h.nic] = out.inter_node_per_nic.get(h.nic, 0) + h.nbytes
     return out
 
 
@@ -247,12 +255,12 @@ class RoutedCommunicator:
         batch of a peer would deadlock its stream."""
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
-        me, isz = self.rank, self.itemsize
+        me = self.rank
         ends = {m.id: (m.src, m.dst) for m in messages}
 
         def view(t: torch.Tensor, h: Hop) -> torch.Tensor:
             # Byte view of the hop's slice of a user buffer (shares memory: no combine copy).
-            return t.reshape(-1).view(torch.uint8)[h.offset * isz:(h.offset + h.numel) * isz]
+            return t.reshape(-1).view(torch.uint8)[h.offset * h.itemsize:(h.offset + h.numel) * h.itemsize]
 
         sent = ByteCounters()  # what this rank's sends actually carry
         in_transit: dict[tuple[int, int], torch.Tensor] = {}  # pieces this rank forwards next stage
@@ -273,7 +281,7 @@ class RoutedCommunicator:
                         buf = view(recvs[h.msg], h)
                     else:  # a proxy or peer keeps the piece until the next stage
                         buf = in_transit[(h.msg, h.piece)] = torch.empty(
-                            h.numel * isz, dtype=torch.uint8, device=self.device)
+                            h.nbytes, dtype=torch.uint8, device=self.device)
                     ops.append(dist.P2POp(dist.irecv, buf, self._global[h.src], self.group,
                                           self._tag(h, round_no)))
                     mine.append(h)
@@ -322,10 +330,12 @@ class RoutedCommunicator:
                     raise ValueError(f"rank {self.rank}: message {m.id} needs a contiguous {side} tensor "
                                      f"of {m.numel} elements, got "
                                      f"{None if t is None else (tuple(t.shape), t.is_contiguous())}")
-                if m.id in routed and t.element_size() != self.itemsize:
+                isz = m.itemsize or self.itemsize
+                if m.id in routed and t.element_size() != isz:
                     raise TypeError(f"rank {self.rank}: message {m.id} is routed through proxies that "
-                                    f"allocate {self.itemsize}-byte elements, but its {side} tensor is "
-                                    f"{t.dtype}; build the RoutedCommunicator with dtype={t.dtype}")
+                                    f"allocate {isz}-byte elements, but its {side} tensor is "
+                                    f"{t.dtype}; set Message.itemsize or build the RoutedCommunicator "
+                                    f"with dtype={t.dtype}")
 
 
 def _stages(hops: Sequence[Hop]) -> list[list[Hop]]:

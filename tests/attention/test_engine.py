@@ -97,3 +97,30 @@ def test_local_only_plan_sends_nothing(world):
     results = world.run(_case, plan, topo, 3, layers=1)
     _check(plan, topo, results, layers=1)
     assert all(r[2] == (0, {}) and r[3] == (0, {}) for r in results)
+
+
+def _transport_case(rank, world_size, plan, topo, routed):
+    from megatron_zeppelin.comm.routing import RoutedCommunicator
+    seqs = random_sequences(plan, HQ, HK, D, torch.bfloat16, 11)
+    q, k, v, dout = (shard_sequences(plan, rank, [s[i] for s in seqs]) for i in range(4))
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    comm = (RoutedCommunicator(None, topo, min_routed_bytes=0, dtype=torch.bfloat16) if routed
+            else DirectCommunicator(None, topology=topo))
+    out = plan_attention(q, k, v, plan=plan, rank=rank, comm=comm, backend="torch")
+    out.backward(dout)
+    if routed:
+        comm.close()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def test_bf16_routed_equals_direct(world):
+    """bf16 K/V and fp32 dK/dV share rounds; routing changes the path, not a bit of the result."""
+    topo = TOPOS["2x4"]
+    spec = [(40, Mode.RING, [0, 1, 4, 5]), (24, Mode.RING, [2, 6]), (7, Mode.LOCAL, [3]), (5, Mode.LOCAL, [7])]
+    plan = make_plan(8, 4, [L for L, _, _ in spec], [placement(i, L, m, r) for i, (L, m, r) in enumerate(spec)])
+    direct = world.run(_transport_case, plan, topo, False)
+    routed = world.run(_transport_case, plan, topo, True)
+    for rank, (d, r) in enumerate(zip(direct, routed)):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), d, r):
+            assert a.dtype == torch.bfloat16
+            assert torch.equal(a, b), f"rank {rank} {name} differs between routed and direct transport"

@@ -85,7 +85,7 @@ def per_nic_load(topo: Topology, hops) -> list[int]:
     """Inter-node bytes per (node, NIC), from every rank's predicted counters."""
     load = [0] * (topo.nodes * topo.nics_per_node)
     for r in range(topo.world_size):
-        for nic, n in hop_bytes(hops, r, 2).inter_node_per_nic.items():
+        for nic, n in hop_bytes(hops, r).inter_node_per_nic.items():
             load[topo.node_of(r) * topo.nics_per_node + nic] += n
     return load
 
@@ -146,7 +146,7 @@ def test_routed_rounds_deliver_exact_bytes(world, shape):
     for rank in range(topo.world_size):
         bad, counters = results[rank]
         assert bad == []
-        assert counters == hop_bytes(hops, rank, 4)
+        assert counters == hop_bytes(hops, rank)
 
 
 def _ring_counters(rank, world_size, numel, threshold):
