@@ -1,0 +1,134 @@
+"""Planning time of Zeppelin and FlexSP as the cluster grows (~16 sequences per GPU).
+
+A planner runs once per global batch on the critical path (or overlapped with
+the previous step), so it must stay far below a step time.  Batches are drawn
+from a length distribution (documents cut at ``--max-seq-len``), 16 sequences
+per GPU, and the per-GPU cap is set just above the batch's average load.
+
+    python benchmarks/planner_latency.py            # 64 .. 4096 GPUs
+    python benchmarks/planner_latency.py --quick    # 64 and 256 GPUs
+
+Prints a markdown table and writes it to docs/results/planner_latency.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.errors import InfeasibleError, exit_on_user_error
+from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.planner.base import PlanContext, get_planner
+from megatron_zeppelin.sampler.batch_sampler import PieceTable
+from megatron_zeppelin.sampler.lengths import load_lengths
+from megatron_zeppelin.sim.cli import resolve_lengths
+from megatron_zeppelin.topology import load_cluster
+
+REPO = Path(__file__).resolve().parent.parent
+SEQS_PER_GPU = 16
+
+
+def batch(pieces: np.ndarray, world: int, rng: np.random.Generator) -> list[int]:
+    return rng.choice(pieces, SEQS_PER_GPU * world).tolist()
+
+
+def time_planner(name: str, lens: list[int], ctx: PlanContext) -> tuple[float | None, str]:
+    """Planning milliseconds (None when infeasible) and the plan's tier counts."""
+    planner = get_planner(name)
+    t0 = time.perf_counter()
+    try:
+        plan = planner.plan(lens, ctx)
+    except InfeasibleError as exc:
+        return None, f"infeasible: {exc}"
+    ms = (time.perf_counter() - t0) * 1e3
+    t = plan.tier_counts()
+    return ms, f"{t.local}/{t.intra}/{t.inter}/{t.ulysses}"
+
+
+def run(args: argparse.Namespace) -> str:
+    cluster = load_cluster(args.cluster)
+    cost = CostModel(cluster, load_model(args.model))
+    pieces = PieceTable.from_lengths(load_lengths(resolve_lengths(args.lengths)), args.max_seq_len).lengths
+    rng = np.random.default_rng(args.seed)
+    gpus_per_node = cluster.topology.gpus_per_node
+    rows = []
+    too_slow: dict[str, str] = {}   # planner -> why it is no longer run at larger sizes
+    for world in args.gpus:
+        c = CostModel(cluster.with_nodes(max(world // gpus_per_node, 1)), cost.model)
+        times: dict[str, list[float]] = {p: [] for p in args.planners}
+        notes: dict[str, str] = {}
+        for rep in range(args.repeats):
+            lens = batch(pieces, world, rng)
+            # Cap just above the mean load (and never below one GPU's share of
+            # the longest sequence): memory-bound, as in training.
+            cap = max(int(1.05 * sum(lens) / world), -(-args.max_seq_len // world))
+            ctx = PlanContext(cost=c, tokens_per_gpu=cap, time_limit_s=args.flexsp_time_limit)
+            for name in args.planners:
+                if name in too_slow:
+                    continue
+                ms, note = time_planner(name, lens, ctx)
+                notes[name] = note
+                if ms is not None:
+                    times[name].append(ms)
+                    if ms > args.budget_s * 1e3:   # keep the benchmark to minutes
+                        too_slow[name] = f"skipped: {ms / 1e3:.0f} s at {world} GPUs"
+            print(f"  {world} GPUs, repeat {rep + 1}/{args.repeats}: "
+                  + ", ".join(f"{n} {times[n][-1]:.1f} ms" if times[n] else f"{n} -" for n in args.planners),
+                  file=sys.stderr)
+        row = [str(world), str(SEQS_PER_GPU * world)]
+        for name in args.planners:
+            t = times[name]
+            if t:
+                row += [f"{statistics.median(t):.1f}", f"{np.percentile(t, 90):.1f}", notes[name]]
+            else:
+                row += [too_slow.get(name) or notes.get(name, "-"), "-", "-"]
+        rows.append(row)
+    head = ["GPUs", "sequences"]
+    for name in args.planners:
+        head += [f"{name} median ms", f"{name} p90 ms", f"{name} tiers (local/intra/inter/ulysses)"]
+    table = [head, ["---"] * len(head), *rows]
+    text = "\n".join("| " + " | ".join(r) + " |" for r in table)
+    command = "python benchmarks/planner_latency.py " + shlex.join(sys.argv[1:])
+    return (f"# Planner latency\n\nCommand: `{command.strip()}`\n\n"
+            f"{args.model} on {cluster.name}; {SEQS_PER_GPU} sequences per GPU drawn from "
+            f"`{args.lengths}` (documents cut at {args.max_seq_len} tokens); {args.repeats} batches per size; "
+            f"flexsp MILP time limit {args.flexsp_time_limit} s; a planner that takes over {args.budget_s:.0f} s "
+            f"on one batch is not run at larger sizes.  Wall-clock on this machine "
+            f"(a shared 2-core CPU box: absolute numbers are pessimistic, the trend is the point).\n\n"
+            f"{text}\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpus", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256, 1024, 4096])
+    p.add_argument("--planners", type=lambda s: s.split(","), default=["zeppelin", "flexsp"])
+    p.add_argument("--cluster", default="h100-8x400g")
+    p.add_argument("--model", default="llama-7b")
+    p.add_argument("--lengths", default="synthetic-longtail")
+    p.add_argument("--max-seq-len", type=int, default=524288,
+                   help="documents are cut here; long enough that the longest pieces need several GPUs")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--flexsp-time-limit", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, default=20.0,
+                   help="a planner slower than this on one batch is not run at larger sizes")
+    p.add_argument("--quick", action="store_true", help="64 and 256 GPUs, 2 repeats")
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "planner_latency.md")
+    args = p.parse_args()
+    if args.quick:
+        args.gpus, args.repeats = [g for g in args.gpus if g <= 256], min(args.repeats, 2)
+    report = exit_on_user_error(lambda: run(args))
+    print(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

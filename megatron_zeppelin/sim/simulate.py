@@ -1,0 +1,259 @@
+"""Run strategies side by side over the same global batches.
+
+For every batch and every strategy: plan (timed, wall-clock ms), validate, then
+model the step (:func:`~megatron_zeppelin.sim.timeline.step_timeline`).  A
+strategy that cannot place a batch (:class:`InfeasibleError`) is recorded as
+infeasible with its message and skipped for the remaining steps; it does not
+stop the others.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.errors import ConfigError, InfeasibleError
+from megatron_zeppelin.plan import Plan, TierCounts
+from megatron_zeppelin.planner.base import PLANNERS, PlanContext, Planner, get_planner
+from megatron_zeppelin.sampler.batch_sampler import ZeppelinBatchSampler
+from megatron_zeppelin.sim.progress import Progress
+from megatron_zeppelin.sim.timeline import StepTimeline, step_timeline
+
+#: The baseline every speedup is measured against.
+BASELINE = "te_cp"
+#: Zeppelin's planner on a cost model without the NIC routing layer.
+NOROUTING = "zeppelin_norouting"
+#: Fraction of the cluster's token capacity (tokens per GPU x GPUs) a global batch
+#: fills.  A little slack lets whole-sequence packers (te_cp's THD replicas,
+#: packing_dp) place every batch, as their own data loaders would; 1.0 fills
+#: the memory exactly and often leaves them no feasible packing.
+DEFAULT_BATCH_FILL = 0.95
+#: Strategy names the simulator accepts.
+STRATEGY_NAMES: tuple[str, ...] = (*PLANNERS, NOROUTING)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A planner plus the conditions its plans run under."""
+
+    name: str
+    """Name in reports (a planner name, or ``zeppelin_norouting``)."""
+    planner: Planner
+    """Produces the plan of each batch."""
+    cost: CostModel
+    """Cost model the planner plans with and the step is timed with; its
+    ``routing`` flag says whether inter-node transfers use the routing layer."""
+    cp_size: int | None = None
+    """Static CP size handed to the planner (``te_cp``)."""
+
+
+def te_cp_size(max_seq_len: int, tokens_per_gpu: int) -> int:
+    """Smallest power of two ``c`` with ``max_seq_len / c <= tokens_per_gpu``:
+    the CP size a static-CP user must pick so the longest sequence fits."""
+    c = 1
+    while max_seq_len > c * tokens_per_gpu:
+        c *= 2
+    return c
+
+
+def batch_budget(tokens_per_gpu: int, world_size: int, max_seq_len: int,
+                 fill: float = DEFAULT_BATCH_FILL) -> int:
+    """Global batch token budget: ``fill`` of the cluster's capacity, never below
+    one full-length sequence (the sampler must be able to place one)."""
+    if not 0 < fill <= 1:
+        raise ConfigError(f"--batch-fill must be in (0, 1], got {fill}")
+    return max(max_seq_len, int(fill * tokens_per_gpu * world_size))
+
+
+def sample_batches(doc_lengths: np.ndarray, *, max_seq_len: int, tokens_per_batch: int, steps: int,
+                   seed: int = 0) -> list[list[int]]:
+    """Sequence lengths of the first ``steps`` global batches the training sampler yields."""
+    sampler = ZeppelinBatchSampler(doc_lengths, max_seq_len=max_seq_len, tokens_per_batch=tokens_per_batch,
+                                   seed=seed, num_batches=steps)
+    return [batch.seq_lens for batch in sampler]
+
+
+def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | None = None) -> list[Strategy]:
+    """Strategies by name.  Only Zeppelin has the routing layer: every baseline
+    sends inter-node traffic through the sending GPU's own NIC (NCCL p2p)."""
+    unknown = [n for n in names if n not in STRATEGY_NAMES]
+    if unknown or not names:
+        what = f"unknown strategy {unknown[0]!r}" if unknown else "no strategy given"
+        raise ConfigError(f"{what}; choose from {', '.join(STRATEGY_NAMES)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"strategy list {','.join(names)} names one twice; list each once")
+    strategies = []
+    for name in names:
+        planner = get_planner("zeppelin" if name == NOROUTING else name)
+        routed = cost.routed(name == "zeppelin")
+        strategies.append(Strategy(name, planner, routed, cp_size if name == BASELINE else None))
+    return strategies
+
+
+@dataclass
+class StrategyResult:
+    """What one strategy did over all simulated steps."""
+
+    name: str
+    """Strategy name."""
+    step_s: list[float] = field(default_factory=list)
+    """Modeled step time of each step it placed."""
+    planner_ms: list[float] = field(default_factory=list)
+    """Wall-clock planning time of each step, milliseconds."""
+    attn_imbalance: list[float] = field(default_factory=list)
+    """Attention pairs max/mean of each step."""
+    linear_imbalance: list[float] = field(default_factory=list)
+    """Linear tokens max/mean of each step."""
+    tiers: list[TierCounts] = field(default_factory=list)
+    """Sequences per tier of each step."""
+    error: str | None = None
+    """Why it could not place a batch (None: feasible on every step)."""
+    timeline: StepTimeline | None = None
+    """Full timeline of the step chosen for plotting."""
+
+    @property
+    def feasible(self) -> bool:
+        return self.error is None
+
+    @property
+    def step_time_s(self) -> float | None:
+        """Mean modeled step time (None when infeasible)."""
+        return statistics.fmean(self.step_s) if self.feasible and self.step_s else None
+
+
+@dataclass
+class SimResult:
+    """All strategies over the same batches."""
+
+    seq_lens: list[list[int]]
+    """Lengths of every simulated global batch."""
+    lower_bound_s: list[float]
+    """``CostModel.lower_bound_s`` of every batch."""
+    strategies: dict[str, StrategyResult]
+    """Results by strategy name, in the order they were given."""
+
+    @property
+    def lower_bound_step_s(self) -> float:
+        return statistics.fmean(self.lower_bound_s)
+
+    def speedup(self, name: str) -> float | None:
+        """Baseline's mean step time / this strategy's (None if either is missing)."""
+        base = self.strategies.get(BASELINE)
+        mine = self.strategies[name].step_time_s
+        if base is None or base.step_time_s is None or mine is None:
+            return None
+        return base.step_time_s / mine
+
+    def to_dict(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The ``--json`` document (keys may be added, never removed)."""
+        out = {}
+        for name, r in self.strategies.items():
+            mine = r.step_time_s
+            out[name] = {
+                "step_time_s": mine,
+                "planner_ms": statistics.median(r.planner_ms) if r.planner_ms else None,
+                "planner_ms_p90": float(np.percentile(r.planner_ms, 90)) if r.planner_ms else None,
+                "speedup_vs_te_cp": self.speedup(name),
+                "ratio_to_lower_bound": mine / self.lower_bound_step_s if mine else None,
+                "feasible": r.feasible,
+                "error": r.error,
+                "attn_imbalance": statistics.fmean(r.attn_imbalance) if r.attn_imbalance else None,
+                "linear_imbalance": statistics.fmean(r.linear_imbalance) if r.linear_imbalance else None,
+                "step_times_s": list(r.step_s),
+                "tiers": [asdict(t) for t in r.tiers],
+            }
+        return {"config": config, "steps": len(self.seq_lens),
+                "lower_bound_step_s": self.lower_bound_step_s, "strategies": out}
+
+
+def simulate(batches: Iterable[Sequence[int]], strategies: Sequence[Strategy], *, tokens_per_gpu: int,
+             time_limit_s: float = 10.0, plot_step: int = 0,
+             on_plan: Callable[[int, str, Plan], None] | None = None,
+             progress: Progress | None = None) -> SimResult:
+    """Plan and model every batch with every strategy.
+
+    ``on_plan(step, strategy_name, plan)`` sees each valid plan (``--dump-plans``); the timeline
+    of step ``plot_step`` is kept in full for plotting."""
+    if not strategies:
+        raise ConfigError("no strategy to simulate; pass at least one")
+    results = {s.name: StrategyResult(s.name) for s in strategies}
+    seq_lens: list[list[int]] = []
+    lower: list[float] = []
+    for step, batch in enumerate(batches):
+        lens = [int(x) for x in batch]
+        seq_lens.append(lens)
+        lower.append(strategies[0].cost.lower_bound_s(lens))
+        for s in strategies:
+            r = results[s.name]
+            if r.feasible:
+                _run_one(step, lens, s, r, tokens_per_gpu, time_limit_s, plot_step, on_plan)
+            if progress is not None:
+                progress.advance(f"step {step} {s.name}")
+    if progress is not None:
+        progress.close()
+    if not seq_lens:
+        raise ConfigError("the sampler produced no global batch; use a longer lengths file or a "
+                          "smaller --tokens-per-gpu")
+    return SimResult(seq_lens, lower, results)
+
+
+def _run_one(step: int, lens: list[int], s: Strategy, r: StrategyResult, tokens_per_gpu: int,
+             time_limit_s: float, plot_step: int, on_plan: Callable[[int, str, Plan], None] | None) -> None:
+    ctx = PlanContext(cost=s.cost, tokens_per_gpu=tokens_per_gpu, cp_size=s.cp_size,
+                      time_limit_s=time_limit_s)
+    try:
+        t0 = time.perf_counter()
+        plan = s.planner.plan(lens, ctx)
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+    except InfeasibleError as exc:
+        r.error = f"step {step}: {exc}"
+        return
+    plan.validate()
+    if on_plan is not None:
+        on_plan(step, s.name, plan)
+    tl = step_timeline(plan, s.cost)
+    r.planner_ms.append(elapsed_ms)
+    r.step_s.append(tl.step_s)
+    r.attn_imbalance.append(tl.attn_imbalance)
+    r.linear_imbalance.append(tl.linear_imbalance)
+    r.tiers.append(tl.tiers)
+    if step == plot_step:
+        r.timeline = tl
+
+
+def format_table(result: SimResult) -> str:
+    """Markdown table, one row per strategy (the CLI's output)."""
+    head = ("strategy", "step time (ms)", f"speedup vs {BASELINE}", "x lower bound",
+            "planner ms (median)", "attn imbalance", "linear imbalance")
+    rows = [head]
+    for name, r in result.strategies.items():
+        mine = r.step_time_s
+        if mine is None:
+            rows.append((name, "infeasible", "-", "-", "-", "-", "-"))
+            continue
+        speedup = result.speedup(name)
+        rows.append((name, _ms(mine), f"{speedup:.2f}x" if speedup else "-",
+                     f"{mine / result.lower_bound_step_s:.2f}",
+                     _ms(statistics.median(r.planner_ms) / 1e3),
+                     f"{statistics.fmean(r.attn_imbalance):.2f}",
+                     f"{statistics.fmean(r.linear_imbalance):.2f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds with one decimal, or three significant digits below 10 ms."""
+    ms = seconds * 1e3
+    return f"{ms:.1f}" if ms >= 10 else f"{ms:.3g}"
+
+
+def infeasible_notes(result: SimResult) -> list[str]:
+    """One line per infeasible strategy, with the planner's reason."""
+    return [f"{name}: infeasible ({r.error})" for name, r in result.strategies.items() if not r.feasible]

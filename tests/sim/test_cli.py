@@ -1,0 +1,174 @@
+"""``python -m megatron_zeppelin.sim`` end to end, as a user runs it (subprocess)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.sim.cli import main
+from megatron_zeppelin.sim.progress import Progress
+from megatron_zeppelin.sim.simulate import STRATEGY_NAMES
+from megatron_zeppelin.sim.timeline import step_timeline
+from megatron_zeppelin.topology import load_cluster
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 2
+
+
+def sim(*args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "megatron_zeppelin.sim", "--no-progress", *args],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def lengths_file(tmp_path_factory) -> Path:
+    rng = np.random.default_rng(7)
+    lens = np.concatenate([rng.integers(64, 2048, 300), rng.integers(4096, 40000, 12)])
+    path = tmp_path_factory.mktemp("lengths") / "lens.npy"
+    np.save(path, rng.permutation(lens))
+    return path
+
+
+# 8 GPUs in 4 nodes; 16K max length / 4K tokens per GPU -> te_cp's CP group of 4 spans two nodes.
+TINY = ("--cluster", "cpu-sim", "--nodes", "4", "--model", "tiny", "--max-seq-len", "16384",
+        "--tokens-per-gpu", "4096", "--steps", str(STEPS), "--flexsp-time-limit", "1")
+
+
+@pytest.fixture(scope="module")
+def run(lengths_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sim")
+    code, stdout, stderr = finish(sim(*TINY, "--lengths", str(lengths_file), "--json", str(out / "r.json"),
+                                      "--dump-plans", str(out / "plans"), "--plot", str(out / "t.png")))
+    assert code == 0, stderr
+    return out, json.loads((out / "r.json").read_text()), stdout
+
+
+def test_json_keys_and_table(run):
+    _, result, stdout = run
+    assert result["steps"] == STEPS
+    assert set(result["strategies"]) == set(STRATEGY_NAMES)
+    assert result["config"]["te_cp_cp_size"] == 4 and result["config"]["world_size"] == 8
+    for name, r in result["strategies"].items():
+        assert {"step_time_s", "planner_ms", "speedup_vs_te_cp", "feasible", "error"} <= set(r)
+        assert r["feasible"] is (r["error"] is None)
+        assert name in stdout
+    te = result["strategies"]["te_cp"]
+    assert te["feasible"] and te["speedup_vs_te_cp"] == pytest.approx(1.0)
+    for r in result["strategies"].values():
+        if r["feasible"]:
+            assert r["speedup_vs_te_cp"] == pytest.approx(te["step_time_s"] / r["step_time_s"], rel=1e-9)
+            assert r["step_time_s"] >= result["lower_bound_step_s"]
+
+
+def test_dumped_plans_reproduce_the_reported_numbers(run):
+    """Every dumped plan reads back, validates, and re-timed gives the JSON's step time."""
+    out, result, _ = run
+    cost = CostModel(load_cluster("cpu-sim", nodes=4), load_model("tiny"))
+    batches = {}
+    for name, r in result["strategies"].items():
+        files = sorted((out / "plans").glob(f"step*_{name}.json"))
+        if not r["feasible"]:
+            continue
+        assert [f.name for f in files] == [f"step{k}_{name}.json" for k in range(STEPS)]
+        times = []
+        for k, f in enumerate(files):
+            plan = Plan.from_dict(json.loads(f.read_text())).validate()
+            assert plan.world_size == 8 and plan.token_cap in (None, 4096)
+            batches.setdefault(k, list(plan.seq_lens))
+            assert list(plan.seq_lens) == batches[k]          # every strategy saw the same batch
+            times.append(step_timeline(plan, cost.routed(name == "zeppelin")).step_s)
+        assert r["step_time_s"] == pytest.approx(sum(times) / STEPS, rel=1e-9)
+    lower = sum(cost.lower_bound_s(batches[k]) for k in range(STEPS)) / STEPS
+    assert result["lower_bound_step_s"] == pytest.approx(lower, rel=1e-9)
+    assert (out / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_defaults_run_on_the_bundled_sample():
+    code, stdout, stderr = finish(sim("--steps", "1", "--strategies", "te_cp,zeppelin"))
+    assert code == 0, stderr
+    assert "synthetic-longtail.npy" in stdout and "| zeppelin " in stdout and "| te_cp " in stdout
+
+
+def _bad_inputs(tmp: Path, lengths_file: Path) -> dict[str, tuple[list[str], str]]:
+    """case -> (arguments, a fragment the one-line error must contain)."""
+    np.save(tmp / "empty.npy", np.array([], dtype=np.int64))
+    (tmp / "neg.txt").write_text("100\n-5\n")
+    (tmp / "words.txt").write_text("100\nabc\n")
+    np.save(tmp / "float.npy", np.array([1.5, 2.0]))
+    cluster = (REPO / "configs/clusters/cpu-sim.yaml").read_text().replace("gpus_per_node: 2", "gpus_per_node: 4")
+    (tmp / "nics.yaml").write_text(cluster.replace("nics_per_node: 2", "nics_per_node: 3"))
+    ok = [*TINY, "--lengths", str(lengths_file)]
+    return {
+        "empty": ([*TINY, "--lengths", str(tmp / "empty.npy")], "no document length"),
+        "negative": ([*TINY, "--lengths", str(tmp / "neg.txt")], "positive"),
+        "non-integer": ([*TINY, "--lengths", str(tmp / "words.txt")], "not an integer"),
+        "float-npy": ([*TINY, "--lengths", str(tmp / "float.npy")], "integer"),
+        "missing": ([*TINY, "--lengths", str(tmp / "nope.npy")], "synthetic-longtail"),
+        "cluster": ([*ok, "--cluster", "h100-8x40g"], "h100-8x400g"),
+        "model": ([*ok, "--model", "llama-8b"], "llama-7b"),
+        "strategy": ([*ok, "--strategies", "te_cp,zepelin"], "zeppelin_norouting"),
+        "cap": ([*ok, "--tokens-per-gpu", "1024"], "--tokens-per-gpu"),
+        "nics": ([*ok, "--cluster", str(tmp / "nics.yaml")], "divide"),
+        "steps": ([*ok, "--steps", "0"], "--steps"),
+        "fill": ([*ok, "--batch-fill", "1.5"], "--batch-fill"),
+        "plot-step": ([*ok, "--plot-step", "5"], "--plot-step"),
+        "flag": ([*ok, "--colour"], "--colour"),
+        "not-a-number": ([*ok, "--nodes", "two"], "--nodes"),
+        "json-dir": ([*ok, "--strategies", "te_cp", "--json", str(tmp / "no" / "dir" / "r.json")], "cannot write"),
+    }
+
+
+@pytest.mark.parametrize("case", ["empty", "negative", "non-integer", "float-npy", "missing", "cluster",
+                                  "model", "strategy", "cap", "nics", "steps", "fill", "plot-step", "flag",
+                                  "not-a-number",
+                                  "json-dir"])
+def test_bad_inputs_exit_2_with_one_line(case, lengths_file, tmp_path, capsys):
+    """In-process for speed: any exception but SystemExit(2) fails the test."""
+    args, fragment = _bad_inputs(tmp_path, lengths_file)[case]
+    with pytest.raises(SystemExit) as exc:
+        main(["--no-progress", *args])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], lines
+
+
+def test_bad_inputs_as_a_user_sees_them(lengths_file, tmp_path):
+    """Through the real entry point: one line naming the module, exit 2, no traceback."""
+    cases = _bad_inputs(tmp_path, lengths_file)
+    procs = {name: sim(*cases[name][0]) for name in ("negative", "flag", "cap")}
+    for name, proc in procs.items():
+        code, _, stderr = finish(proc)
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, (name, stderr)
+        assert lines[0].startswith("megatron_zeppelin.sim: error: "), lines[0]
+        assert cases[name][1] in lines[0], lines[0]
+
+
+def test_progress_bar_draws_only_when_enabled():
+    out = io.StringIO()
+    bar = Progress(4, stream=out, enabled=True, width=8)
+    bar.advance("step 0 te_cp")
+    bar.advance("step 0 zeppelin")
+    bar.close()
+    frames = out.getvalue().split("\r")[1:]
+    assert frames[0].startswith("[##------] 1/4") and "step 0 te_cp" in frames[0]
+    assert frames[1].startswith("[####----] 2/4") and out.getvalue().endswith("\n")
+    quiet = io.StringIO()       # StringIO is no terminal: off by default
+    bar = Progress(4, stream=quiet)
+    bar.advance("x")
+    bar.close()
+    assert quiet.getvalue() == ""
