@@ -1,0 +1,275 @@
+"""``--zeppelin-*`` flags for Megatron-LM's ``pretrain_gpt.py`` and their validation.
+
+:func:`add_zeppelin_args` is an ``extra_args_provider`` (it takes Megatron's
+parser and returns it); :func:`chain_args_providers` composes it with the
+provider ``pretrain_gpt.py`` already passes (ModelOpt's, when installed).
+:func:`validate_zeppelin_args` runs on the parsed namespace and raises a
+:class:`~megatron_zeppelin.errors.ConfigError` naming the conflicting flag and
+the fix.  Nothing here imports Megatron, so the flags are testable anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from megatron_zeppelin.errors import ConfigError, ZeppelinError
+from megatron_zeppelin.planner.base import PLANNERS
+from megatron_zeppelin.presets import resolve_preset
+
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+#: ``--spec MODULE NAME``: Megatron-LM imports NAME from MODULE as the layer spec (a
+#: builder taking the model config: native at 0.19, backported by the 0.16.1 patch).
+SPEC = ("megatron_zeppelin.integration.hooks", "zeppelin_layer_spec")
+
+#: Attention kernel backends the engine can be asked for (``auto`` picks the best installed).
+BACKENDS = ("auto", "torch", "flash", "te")
+
+#: Flag defaults; validation reports any ``--zeppelin-*`` flag changed without ``--zeppelin``.
+DEFAULTS = {
+    "zeppelin_planner": "zeppelin",
+    "zeppelin_tokens_per_gpu": None,
+    "zeppelin_batch_fill": 0.95,
+    "zeppelin_cluster": "h100-8x400g",
+    "zeppelin_routing": "on",
+    "zeppelin_remap": "on",
+    "zeppelin_backend": "auto",
+    "zeppelin_data_lengths": None,
+    "zeppelin_seed": None,
+    "zeppelin_prefetch": "on",
+    "zeppelin_check_plans": "on",
+    "zeppelin_plan_dump_dir": None,
+    "zeppelin_log_interval": 0,
+    "zeppelin_planner_time_limit": 10.0,
+}
+
+
+def add_zeppelin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``megatron-zeppelin`` argument group to Megatron's parser."""
+    g = parser.add_argument_group(
+        "megatron-zeppelin", "variable-length data parallelism (see docs/megatron-lm.md)")
+    on_off = ("on", "off")
+    g.add_argument("--zeppelin", action="store_true",
+                   help="Train on token-budget batches of whole documents placed by a planner "
+                        "(local / intra-node ring / inter-node ring per sequence).")
+    g.add_argument("--zeppelin-planner", choices=list(PLANNERS), default=DEFAULTS["zeppelin_planner"],
+                   help="Planner that places each global batch; the others are baselines.")
+    g.add_argument("--zeppelin-tokens-per-gpu", type=int, default=None,
+                   help="Per data-parallel rank token cap (both layouts); the global batch holds up "
+                        "to this times the data-parallel size tokens. Pieces longer than it run on "
+                        "rings; --seq-length may be up to this times the data-parallel size.")
+    g.add_argument("--zeppelin-batch-fill", type=float, default=DEFAULTS["zeppelin_batch_fill"],
+                   help="Global batch token budget as a fraction of --zeppelin-tokens-per-gpu x "
+                        "data-parallel size; the slack lets every batch be packed under the cap "
+                        "(as python -m megatron_zeppelin.sim assumes).")
+    g.add_argument("--zeppelin-cluster", default=DEFAULTS["zeppelin_cluster"],
+                   help="Cluster preset name (configs/clusters/) or YAML file: GPUs and NICs "
+                        "per node, link speeds; the node count comes from the launched world.")
+    g.add_argument("--zeppelin-routing", choices=on_off, default=DEFAULTS["zeppelin_routing"],
+                   help="Spread inter-node ring traffic over every NIC of the node.")
+    g.add_argument("--zeppelin-remap", choices=on_off, default=DEFAULTS["zeppelin_remap"],
+                   help="Token-balanced layout for the linear modules (all-to-all-v remap).")
+    g.add_argument("--zeppelin-backend", choices=BACKENDS, default=DEFAULTS["zeppelin_backend"],
+                   help="Attention kernels: auto picks FlashAttention, then TransformerEngine, "
+                        "then PyTorch.")
+    g.add_argument("--zeppelin-data-lengths", default=None,
+                   help="Optional document lengths file (.npy or text, datasets in --data-path "
+                        "order) the data must match: pins the run to the lengths you simulated.")
+    g.add_argument("--zeppelin-seed", type=int, default=None,
+                   help="Sampler seed (default: --seed).")
+    g.add_argument("--zeppelin-prefetch", choices=on_off, default=DEFAULTS["zeppelin_prefetch"],
+                   help="Plan the next global batch in a background thread while this step trains.")
+    g.add_argument("--zeppelin-check-plans", choices=on_off, default=DEFAULTS["zeppelin_check_plans"],
+                   help="All-reduce a 63-bit plan fingerprint each step; a mismatch stops the run.")
+    g.add_argument("--zeppelin-plan-dump-dir", default=None,
+                   help="Write every step's Plan JSON here (rank 0 only).")
+    g.add_argument("--zeppelin-log-interval", type=int, default=DEFAULTS["zeppelin_log_interval"],
+                   help="Print tier counts and per-rank balance every N steps (0: never).")
+    g.add_argument("--zeppelin-planner-time-limit", type=float,
+                   default=DEFAULTS["zeppelin_planner_time_limit"],
+                   help="Solver time limit in seconds for MILP planners (flexsp).")
+    return parser
+
+
+def chain_args_providers(*providers: Optional[ArgsProvider]) -> ArgsProvider:
+    """One ``extra_args_provider`` that applies each non-None provider in order."""
+    active = [p for p in providers if p is not None]
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for p in active:
+            parser = p(parser)
+        return parser
+
+    return provider
+
+
+def print_help_if_asked(extra_args_provider: ArgsProvider, argv: Sequence[str] | None = None) -> None:
+    """Answer ``-h/--help`` with Megatron's flags *and* the extra ones, then exit.
+
+    ``pretrain_gpt.py`` first pre-parses ``sys.argv`` for in-process restart without
+    the extra-args provider, and that pre-parse would answer ``--help`` without the
+    ``--zeppelin-*`` flags; called before it, this prints the complete help.
+    """
+    if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
+        from megatron.training.arguments import parse_args
+
+        # argparse exits 0 after printing the help.
+        parse_args(chain_args_providers(extra_args_provider, escape_help_percent))
+
+
+def escape_help_percent(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Double every bare ``%`` in help strings: argparse %-formats them, and one
+    bare ``%`` (Megatron-LM core_v0.19.0 has ``"(e.g. 1.10 = 10%)"``) makes ``--help``
+    raise instead of printing.  ``%%`` and ``%(name)s`` placeholders are kept."""
+    for action in parser._actions:
+        if action.help:
+            action.help = _PERCENT.sub(lambda m: "%%" if m.group(0) == "%" else m.group(0), action.help)
+    return parser
+
+
+_PERCENT = re.compile(r"%%|%\(\w+\)|%")
+
+
+def data_parallel_size(args: argparse.Namespace) -> int | None:
+    """Data-parallel size implied by the launched world (None when unknown)."""
+    world = getattr(args, "world_size", None)
+    if not world:
+        return None
+    model_parallel = (getattr(args, "tensor_model_parallel_size", 1) or 1) * \
+        (getattr(args, "pipeline_model_parallel_size", 1) or 1) * \
+        (getattr(args, "context_parallel_size", 1) or 1)
+    return world // model_parallel if world % model_parallel == 0 else None
+
+
+def validate_zeppelin_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Check the ``--zeppelin*`` flags against each other and Megatron's; raise ConfigError."""
+    if not getattr(args, "zeppelin", False):
+        changed = [k for k, default in DEFAULTS.items() if getattr(args, k, default) != default]
+        if changed:
+            flag = "--" + changed[0].replace("_", "-")
+            raise ConfigError(f"{flag} has no effect without --zeppelin; add --zeppelin or drop it")
+        return args
+    _check_megatron_conflicts(args)
+    _check_batch_shape(args)
+    _check_zeppelin_values(args)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> argparse.Namespace:
+    """:func:`validate_zeppelin_args` for a launched job: one line on stderr and exit 2
+    on every rank (all ranks parse the same flags, so none is left waiting)."""
+    try:
+        return validate_zeppelin_args(args)
+    except ZeppelinError as exc:
+        print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _flag(args: argparse.Namespace, name: str, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def _check_megatron_conflicts(args: argparse.Namespace) -> None:
+    pp = _flag(args, "pipeline_model_parallel_size", 1)
+    if pp > 1:
+        raise ConfigError(f"--zeppelin does not support pipeline parallelism (--pipeline-model-parallel-size "
+                          f"{pp}): per-rank token counts differ every step; use tensor and data parallelism")
+    cp = _flag(args, "context_parallel_size", 1)
+    if cp > 1:
+        raise ConfigError(f"--zeppelin conflicts with --context-parallel-size {cp}: Zeppelin places long "
+                          "sequences on rings itself (per sequence, over the data-parallel ranks); "
+                          "drop --context-parallel-size")
+    if _flag(args, "hybrid_context_parallel", False):
+        raise ConfigError("--zeppelin conflicts with --hybrid-context-parallel: both decide per-sequence "
+                          "context parallelism; use --zeppelin-planner megatron_hybrid_cp to run that "
+                          "baseline under Zeppelin instead")
+    if _flag(args, "sequence_parallel", False):
+        raise ConfigError("--zeppelin does not support --sequence-parallel yet: it splits every rank's "
+                          "tokens evenly over tensor-parallel ranks, and Zeppelin's per-rank token "
+                          "counts vary; drop --sequence-parallel")
+    if _flag(args, "num_experts", None):
+        raise ConfigError("--zeppelin does not support MoE models (--num-experts) yet; see "
+                          "docs/compatibility.md")
+    spec = getattr(args, "spec", None)
+    if spec is None or tuple(spec) != SPEC:
+        got = f"--spec {' '.join(spec)}" if spec else "no --spec"
+        raise ConfigError(f"--zeppelin needs Zeppelin's layer spec, got {got}; pass --spec {' '.join(SPEC)}")
+    if str(_flag(args, "attention_backend", "auto")).rsplit(".", 1)[-1] == "local":
+        raise ConfigError("--zeppelin conflicts with --attention-backend local: Megatron then replaces the "
+                          "layer's core attention with its own; drop the flag")
+    if _flag(args, "attention_dropout", 0.0):
+        raise ConfigError(f"--zeppelin needs --attention-dropout 0 (got {args.attention_dropout}): ring "
+                          "and local shards of one sequence would draw different dropout masks")
+    if _flag(args, "apply_rope_fusion", False):
+        raise ConfigError("--zeppelin needs --no-rope-fusion: fused RoPE restarts positions at every "
+                          "packed span, Zeppelin's ring shards need each token's own position")
+    if _flag(args, "transformer_impl", "local") == "local" and \
+            _flag(args, "normalization", "RMSNorm") != "RMSNorm":
+        raise ConfigError("--zeppelin with --transformer-impl local builds RMSNorm layers; pass "
+                          "--normalization RMSNorm (or use --transformer-impl transformer_engine)")
+    if _flag(args, "transformer_impl", "local") == "local" and _flag(args, "persist_layer_norm", False):
+        raise ConfigError("--zeppelin with --transformer-impl local uses torch's RMSNorm, which has no "
+                          "persistent kernel; pass --no-persist-layer-norm")
+    for name, why in (("use_legacy_models", "the legacy model has no layer spec to plug into"),
+                      ("sft", "SFT packs its own sequences"),
+                      ("fim_data", "FIM rewrites documents into fixed-length samples"),
+                      ("mock_data", "Zeppelin samples whole documents of an indexed dataset")):
+        if _flag(args, name, False):
+            raise ConfigError(f"--zeppelin conflicts with --{name.replace('_', '-')} ({why}); drop it"
+                              + (" and pass --data-path PREFIX" if name == "mock_data" else ""))
+
+
+def _check_batch_shape(args: argparse.Namespace) -> None:
+    mbs = _flag(args, "micro_batch_size", 1)
+    if mbs != 1:
+        raise ConfigError(f"--zeppelin needs --micro-batch-size 1 (got {mbs}): Zeppelin's global batch is "
+                          "a token budget (--zeppelin-tokens-per-gpu x data-parallel size) delivered "
+                          "as one packed micro-batch per rank, not a count of fixed-length samples")
+    dp = data_parallel_size(args)
+    gbs = getattr(args, "global_batch_size", None)
+    if gbs is not None and dp is not None and gbs != dp:
+        raise ConfigError(f"--zeppelin needs one micro-batch per rank per step: --global-batch-size must "
+                          f"be the data-parallel size {dp} (got {gbs}); the batch size in tokens is "
+                          "--zeppelin-tokens-per-gpu x data-parallel size")
+    if not _flag(args, "calculate_per_token_loss", False):
+        raise ConfigError("--zeppelin needs --calculate-per-token-loss: ranks hold different token "
+                          "counts, so the loss must be the mean over every token of the global batch")
+    if _flag(args, "dataloader_type", "external") != "external":
+        raise ConfigError(f"--zeppelin feeds Megatron through its own loader; pass --dataloader-type "
+                          f"external (got {args.dataloader_type})")
+    seq = getattr(args, "seq_length", None)
+    tpg = getattr(args, "zeppelin_tokens_per_gpu", None)
+    if tpg is None:
+        raise ConfigError("--zeppelin needs --zeppelin-tokens-per-gpu (per-rank token budget, e.g. "
+                          "2x --seq-length)")
+    if seq is None:
+        raise ConfigError("--zeppelin needs --seq-length: the longest piece a document is cut into")
+    if tpg < 1:
+        raise ConfigError(f"--zeppelin-tokens-per-gpu must be >= 1, got {tpg}")
+    if dp is not None and seq > tpg * dp:
+        raise ConfigError(f"--seq-length {seq} is longer than the cluster can hold: the longest piece is "
+                          f"placed on at most the {dp} data-parallel ranks x --zeppelin-tokens-per-gpu "
+                          f"{tpg} = {tpg * dp} tokens; raise --zeppelin-tokens-per-gpu to at least "
+                          f"{-(-seq // dp)} or lower --seq-length")
+
+
+def _check_zeppelin_values(args: argparse.Namespace) -> None:
+    if args.zeppelin_log_interval < 0:
+        raise ConfigError(f"--zeppelin-log-interval must be >= 0, got {args.zeppelin_log_interval}")
+    if not 0 < args.zeppelin_batch_fill <= 1:
+        raise ConfigError(f"--zeppelin-batch-fill must be in (0, 1], got {args.zeppelin_batch_fill}")
+    if args.zeppelin_planner_time_limit <= 0:
+        raise ConfigError("--zeppelin-planner-time-limit must be > 0 seconds")
+    if args.zeppelin_data_lengths is not None and not Path(args.zeppelin_data_lengths).is_file():
+        raise ConfigError(f"--zeppelin-data-lengths {args.zeppelin_data_lengths!r} does not exist; pass a "
+                          ".npy or text file of document lengths, or drop the flag")
+    resolve_preset("clusters", args.zeppelin_cluster)
+    if not getattr(args, "data_path", None):
+        raise ConfigError("--zeppelin needs --data-path: Megatron indexed datasets (PREFIX with "
+                          "PREFIX.bin and PREFIX.idx) of whole documents, split by --split "
+                          "(per-split --train-data-path etc. are not supported)")

@@ -1,0 +1,445 @@
+"""The hand-off between Megatron-LM's training loop and Zeppelin, per step.
+
+``pretrain_gpt.py`` (patched) calls:
+
+* :func:`zeppelin_layer_spec` -- ``--spec megatron_zeppelin.integration.hooks
+  zeppelin_layer_spec``: the GPT layer with ``ZeppelinAttention``;
+* :func:`gpt_builder` (0.16.1) / :func:`gpt_model_config_cls` (0.19) -- the built
+  ``GPTModel`` becomes a ``ZeppelinGPTModel`` (per-token RoPE positions);
+* :func:`build_train_valid_test_loaders` -- instead of Megatron's datasets: one
+  :class:`ZeppelinLoader` per split (``--dataloader-type external``);
+* :func:`get_batch` / :func:`get_batch_by_keys` -- instead of Megatron's batch:
+  this rank's tokens in the Plan's attention layout and a
+  ``ZeppelinPackedSeqParams`` carrying the Plan to every attention layer.
+
+Each global batch is planned once, identically on every rank (same sampler, same
+planner, no communication), in a background thread while the previous step
+trains; a 63-bit fingerprint all-reduce proves the ranks agree before the batch
+is used.  With tensor parallelism the planner sees one "GPU" per TP group (the
+data-parallel ranks); every TP rank of a group builds the same buffer and runs
+its own heads, its rings talking over a copy of its data-parallel group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.errors import ConfigError, PlanError
+from megatron_zeppelin.integration.args import check_args
+from megatron_zeppelin.integration.checkpoint import data_state, restore_sampler
+from megatron_zeppelin.integration.data import SPLITS, DocumentBlend, open_blends
+from megatron_zeppelin.model_config import ModelConfig
+from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.planner.base import PlanContext, get_planner, same_layout_linear
+from megatron_zeppelin.sampler import GlobalBatch, TokenBudgetSampler
+from megatron_zeppelin.sim.simulate import batch_budget
+from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
+from megatron_zeppelin.train.batch import build_rank_batch
+
+AllReduceMax = Callable[[Sequence[int]], Sequence[int]]
+
+
+# --------------------------------------------------------------- layer spec
+def remap_enabled(args: Any) -> bool:
+    """``--zeppelin-remap on`` and the remapping layer is installed."""
+    if args.zeppelin_remap != "on":
+        return False
+    try:
+        from megatron_zeppelin.remap import remap_module_spec  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def zeppelin_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """Megatron ``--spec`` builder: the GPT layer with ``ZeppelinAttention``.
+
+    ``config`` is Megatron-LM 0.19's ``GPTModelConfig`` (the transformer config on
+    ``.transformer``) or 0.16.1's ``TransformerConfig`` (patched ``gpt_builders``).
+    """
+    from megatron.training import get_args
+
+    return layer_spec_for(check_args(get_args()), getattr(config, "transformer", config))
+
+
+def layer_spec_for(args: Any, transformer_config: Any) -> Any:
+    """The Zeppelin layer spec for Megatron's flags and transformer config."""
+    from megatron_zeppelin.megatron.spec import get_zeppelin_layer_spec
+
+    return get_zeppelin_layer_spec(qk_layernorm=bool(transformer_config.qk_layernorm), remap=remap_enabled(args),
+                                   use_te=transformer_config.transformer_impl == "transformer_engine")
+
+
+# ------------------------------------------------------------------- model
+def as_zeppelin_model(model: Any) -> Any:
+    """Re-type a freshly built Megatron-Core ``GPTModel`` as ``ZeppelinGPTModel``.
+
+    Ring shards start mid-sequence, so RoPE must use each token's own position;
+    ``ZeppelinGPTModel`` differs from ``GPTModel`` only by that ``_preprocess``
+    override (no state of its own), so the built instance is complete as it is.
+    Megatron-LM constructs ``GPTModel`` by name inside its builders: re-typing the
+    result avoids copying them into the patch.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_zeppelin.megatron.model import ZeppelinGPTModel
+
+    if type(model) is not GPTModel:
+        raise ConfigError(f"--zeppelin trains Megatron-Core's GPTModel, the builder returned "
+                          f"{type(model).__name__}; drop --use-legacy-models / ModelOpt")
+    model.__class__ = ZeppelinGPTModel
+    return model
+
+
+def gpt_builder(base: Callable[..., Any]) -> Callable[..., Any]:
+    """Megatron-LM 0.16.1 ``model_provider`` builder: ``base`` (``gpt_builders.gpt_builder``),
+    then :func:`as_zeppelin_model` under ``--zeppelin``."""
+    def build(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        model = base(args, *rest, **kwargs)
+        return as_zeppelin_model(model) if args.zeppelin else model
+    return build
+
+
+@functools.cache
+def _zeppelin_gpt_classes() -> tuple[type, type]:
+    from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
+
+    class ZeppelinGPTModelBuilder(GPTModelBuilder):
+        def build_model(self, *args: Any, **kwargs: Any) -> Any:
+            return as_zeppelin_model(super().build_model(*args, **kwargs))
+
+    @dataclass(kw_only=True)
+    class ZeppelinGPTModelConfig(GPTModelConfig):
+        builder: ClassVar[str] = f"{__name__}.ZeppelinGPTModelBuilder"
+
+    # Megatron serializes configs as "module.qualname" and resolves them with
+    # getattr(module, name): name both classes as module attributes (see __getattr__).
+    for cls in (ZeppelinGPTModelBuilder, ZeppelinGPTModelConfig):
+        cls.__qualname__ = cls.__name__
+    return ZeppelinGPTModelConfig, ZeppelinGPTModelBuilder
+
+
+def gpt_model_config_cls() -> type:
+    """Megatron-LM 0.19 ``GPTModelConfig`` subclass whose builder returns a
+    ``ZeppelinGPTModel`` (pass as ``gpt_config_from_args(args, model_config_cls=...)``;
+    it overrides metadata only, as ModelOpt's config does)."""
+    return _zeppelin_gpt_classes()[0]
+
+
+def __getattr__(name: str) -> Any:
+    # The two classes subclass megatron.training.models (0.19+), so they are built
+    # on first use; Megatron finds them by name through this hook.
+    if name in ("ZeppelinGPTModelConfig", "ZeppelinGPTModelBuilder"):
+        config_cls, builder_cls = _zeppelin_gpt_classes()
+        return config_cls if name == "ZeppelinGPTModelConfig" else builder_cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ------------------------------------------------------------- plan check
+class PlanMismatchError(PlanError):
+    """Ranks computed different Plans for the same global batch."""
+
+
+def check_same_plan(plan: Plan, batch_index: int, all_reduce_max: AllReduceMax) -> None:
+    """Raise :class:`PlanMismatchError` unless every rank holds ``plan``.
+
+    One all-reduce of ``[f, -f]`` with MAX gives ``max f`` and ``-min f``; they are
+    equal exactly when every rank has the same fingerprint ``f``.
+    """
+    fp = plan.fingerprint()
+    hi, neg_lo = all_reduce_max([fp, -fp])
+    if hi != fp or -neg_lo != fp:
+        raise PlanMismatchError(
+            f"ranks computed different Plans for global batch {batch_index} (fingerprints from {-neg_lo} "
+            f"to {hi}, this rank {fp}); every rank must see the same data and flags: check that "
+            "--data-path files, --seed, --seq-length, the --zeppelin-* flags and the megatron-zeppelin "
+            "version are identical on every node")
+
+
+def torch_all_reduce_max(device: torch.device) -> AllReduceMax:
+    """All-reduce (MAX) of a few int64 values over the default process group."""
+    def reduce(values: Sequence[int]) -> list[int]:
+        t = torch.tensor(list(values), dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+    return reduce
+
+
+# ------------------------------------------------------------------ batches
+@dataclass(frozen=True)
+class PreparedBatch:
+    """One global batch planned and read into host memory (built off the main thread)."""
+
+    batch: GlobalBatch
+    """The sampler's batch (pieces numbered per dataset, as the sampler draws them)."""
+    plan: Plan
+    """Validated Plan of the batch."""
+    tokens: torch.Tensor
+    """``[t]`` int64 this rank's input ids in attention-layout order."""
+    labels: torch.Tensor
+    """``[t]`` int64 next-token ids (0 where masked)."""
+    loss_mask: torch.Tensor
+    """``[t]`` float32: 1 where a token has a label in its own sequence."""
+    sampler_state: dict
+    """Sampler state right after drawing this batch (what a checkpoint taken after it holds)."""
+
+
+@dataclass(frozen=True)
+class ZeppelinBatch:
+    """What one Megatron micro-batch (= one global batch per rank) gets."""
+
+    tokens: torch.Tensor
+    """``[1, t]`` input ids."""
+    labels: torch.Tensor
+    """``[1, t]`` next-token ids."""
+    loss_mask: torch.Tensor
+    """``[1, t]`` float mask (0 on each sequence's last token)."""
+    position_ids: torch.Tensor
+    """``[1, t]`` each token's position inside its own sequence."""
+    packed_seq_params: Any
+    """``ZeppelinPackedSeqParams`` with the Plan, communicator and backend."""
+
+
+class ZeppelinLoader:
+    """Iterator of :class:`ZeppelinBatch` over one split (Megatron's external loader)."""
+
+    def __init__(self, *, sampler: TokenBudgetSampler, blend: DocumentBlend,
+                 make_plan: Callable[[Sequence[int]], Plan], rank: int, device: torch.device,
+                 communicator: Any, backend: Any, all_reduce_max: AllReduceMax | None,
+                 prefetch: bool = True, on_batch: Callable[[PreparedBatch], None] | None = None) -> None:
+        """``rank``: data-parallel rank (the Plan's rank).  ``all_reduce_max``: the
+        plan check (None: off).  ``on_batch``: called on the main thread with every
+        batch handed to training (checkpoint state, plan dumps, logs)."""
+        self.sampler, self.blend, self.make_plan = sampler, blend, make_plan
+        self.rank, self.device, self.communicator, self.backend = rank, device, communicator, backend
+        self.all_reduce_max, self.on_batch = all_reduce_max, on_batch
+        self._batches = iter(sampler)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeppelin-plan") if prefetch else None
+        self._next: Future | None = None
+
+    def prepare(self) -> PreparedBatch:
+        """Draw, plan and read the next global batch (pure host work: safe off the main thread)."""
+        batch = next(self._batches)
+        state = self.sampler.state_dict()
+        plan = self.make_plan(batch.seq_lens)
+        spans = plan.attention_spans(self.rank)
+        data = build_rank_batch(spans, self.blend.blend_pieces(batch.pieces), self.blend, torch.device("cpu"))
+        return PreparedBatch(batch, plan, data.tokens, data.labels, data.loss_mask, state)
+
+    def __iter__(self) -> "ZeppelinLoader":
+        return self
+
+    def __next__(self) -> ZeppelinBatch:
+        if self._pool is None:
+            prepared = self.prepare()
+        else:
+            future = self._next or self._pool.submit(self.prepare)
+            prepared = future.result()
+            # Plan batch k+1 while step k trains: the sampler and planner are pure
+            # host code, and collectives stay on this thread.
+            self._next = self._pool.submit(self.prepare)
+        if self.all_reduce_max is not None:
+            check_same_plan(prepared.plan, prepared.batch.index, self.all_reduce_max)
+        if self.on_batch is not None:
+            self.on_batch(prepared)
+        return self._to_device(prepared)
+
+    def _to_device(self, p: PreparedBatch) -> ZeppelinBatch:
+        from megatron_zeppelin.megatron.packed import build_packed_seq_params
+
+        packed = build_packed_seq_params(p.plan.attention_spans(self.rank), plan=p.plan, rank=self.rank,
+                                         communicator=self.communicator, backend=self.backend,
+                                         device=self.device)
+        move = lambda t: t.to(self.device, non_blocking=True)[None]  # noqa: E731  [t] -> [1, t]
+        return ZeppelinBatch(move(p.tokens), move(p.labels), move(p.loss_mask), packed.position_ids[None],
+                             packed)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def get_batch(data_iterator: Any) -> tuple:
+    """Megatron-LM 0.16.1 ``get_batch`` result: tokens, labels, loss_mask,
+    attention_mask (None: causal inside each sequence), position_ids, packed params."""
+    b = next(data_iterator)
+    return b.tokens, b.labels, b.loss_mask, None, b.position_ids, b.packed_seq_params
+
+
+def get_batch_by_keys(data_iterator: Any, keys: Sequence[str]) -> list:
+    """Megatron-LM 0.19 ``get_batch`` result in ``BATCH_KEYS`` order; the patched
+    ``forward_step`` takes the packed params (the Plan) from the ``cu_seqlens`` slot."""
+    b = next(data_iterator)
+    fields = {"tokens": b.tokens, "labels": b.labels, "loss_mask": b.loss_mask,
+              "position_ids": b.position_ids, "cu_seqlens": b.packed_seq_params}
+    return [fields.get(k) for k in keys]
+
+
+# ------------------------------------------------------------------ setup
+def model_config_from_args(args: Any) -> ModelConfig:
+    """The cost model's view of Megatron's model flags."""
+    heads = args.num_attention_heads
+    return ModelConfig(
+        name="pretrain_gpt", num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=getattr(args, "padded_vocab_size", None) or args.vocab_size,
+        dtype_bytes=2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4)
+
+
+def plan_topology(topology: Topology, world_size: int, tp: int, tp_rank: int) -> Topology:
+    """The data-parallel ranks of one tensor-parallel rank as a cluster of their own.
+
+    Megatron numbers ranks tensor-parallel-fastest (``rank = dp_rank * tp + tp_rank``
+    with pipeline and context parallel size 1), so a node holds ``gpus_per_node / tp``
+    data-parallel ranks; each keeps the NIC of its GPU.  With TP every per-rank cost
+    (attention, linear, ring bytes) shrinks by the same factor ``tp``, so the planner's
+    choices, which weigh these costs against each other, are those of the DP view.
+    """
+    g = topology.gpus_per_node
+    if world_size % g:
+        raise ConfigError(f"world size {world_size} is not a multiple of the cluster's {g} GPUs per node; "
+                          "pick a --zeppelin-cluster preset matching the nodes you launched")
+    if g % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the cluster's {g} GPUs per "
+                          "node; a TP group must stay inside one node")
+    nics = [topology.nic_affinity[local * tp + tp_rank] for local in range(g // tp)]
+    renumber = {nic: i for i, nic in enumerate(sorted(set(nics)))}
+    return Topology(nodes=world_size // g, gpus_per_node=g // tp, nics_per_node=len(renumber),
+                    nic_affinity=tuple(renumber[n] for n in nics))
+
+
+def build_plan_fn(planner: str, cost: CostModel, tokens_per_gpu: int, remap: bool,
+                  time_limit_s: float) -> Callable[[Sequence[int]], Plan]:
+    """``seq_lens -> validated Plan`` (the linear layout is the attention layout without remap)."""
+    impl = get_planner(planner)
+    ctx = PlanContext(cost=cost, tokens_per_gpu=tokens_per_gpu, time_limit_s=time_limit_s)
+
+    def make_plan(seq_lens: Sequence[int]) -> Plan:
+        plan = impl.plan(list(seq_lens), ctx)
+        if not remap:
+            plan = dataclasses.replace(plan, linear=same_layout_linear(plan.world_size, plan.attention))
+        return plan.validate()
+    return make_plan
+
+
+def _data_parallel_group(tp: int, dp: int) -> dist.ProcessGroup:
+    """A copy of this rank's data-parallel group for the communicator (its worker
+    thread issues transfers that must not interleave with Megatron's grad reduce)."""
+    from megatron.core import parallel_state as mpu
+
+    groups = [dist.new_group([d * tp + t for d in range(dp)]) for t in range(tp)]  # collective: all ranks
+    mine = groups[dist.get_rank() % tp]
+    expected = [d * tp + dist.get_rank() % tp for d in range(dp)]
+    if dist.get_process_group_ranks(mpu.get_data_parallel_group()) != expected:
+        raise ConfigError("Megatron's data-parallel group is not ordered tensor-parallel-fastest; run "
+                          "with the default --rank-order / parallelism order (tp-cp-ep-dp-pp)")
+    return mine
+
+
+def _build_communicator(group: dist.ProcessGroup, topology: Topology, cost: CostModel, routing: bool,
+                        dtype: torch.dtype, device: torch.device) -> Any:
+    if routing:
+        from megatron_zeppelin.comm.routing import RoutedCommunicator, min_routed_bytes
+        return RoutedCommunicator(group, topology, min_routed_bytes=min_routed_bytes(cost), dtype=dtype,
+                                  device=device)
+    from megatron_zeppelin.comm.direct import DirectCommunicator
+    return DirectCommunicator(group, topology)
+
+
+def _resolve_cluster(args: Any, world_size: int, tp: int, tp_rank: int) -> ClusterConfig:
+    cluster = load_cluster(args.zeppelin_cluster)
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None and int(local) != cluster.topology.gpus_per_node:
+        raise ConfigError(f"--zeppelin-cluster {args.zeppelin_cluster} has {cluster.topology.gpus_per_node} "
+                          f"GPUs per node but this node runs {local} processes; use a matching preset")
+    return dataclasses.replace(cluster, topology=plan_topology(cluster.topology, world_size, tp, tp_rank))
+
+
+def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ...]:
+    """Megatron's dataset provider under ``--zeppelin``: one loader per split.
+
+    Called on every rank (``is_distributed``) after the checkpoint is loaded, so
+    ``args.iteration`` is the number of global batches already trained on.
+    """
+    from megatron.core import parallel_state as mpu
+
+    from megatron_zeppelin.attention.backends import get_backend
+
+    check_args(args)
+    tp, dp = args.tensor_model_parallel_size, mpu.get_data_parallel_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    plan_cluster = _resolve_cluster(args, dist.get_world_size(), tp, tp_rank=0)
+    own_cluster = _resolve_cluster(args, dist.get_world_size(), tp, tp_rank=dist.get_rank() % tp)
+    plan_cluster.topology.check_world_size(dp)
+    model = model_config_from_args(args)
+    routing = args.zeppelin_routing == "on"
+    if args.zeppelin_remap == "on" and not remap_enabled(args) and dist.get_rank() == 0:
+        print("zeppelin: --zeppelin-remap on: the remapping layer is not installed; the linear modules "
+              "run on the attention layout", flush=True)
+    cost = CostModel(plan_cluster, model, routing=routing)
+    make_plan = build_plan_fn(args.zeppelin_planner, cost, args.zeppelin_tokens_per_gpu, remap_enabled(args),
+                              args.zeppelin_planner_time_limit)
+    communicator = _build_communicator(_data_parallel_group(tp, dp), own_cluster.topology, cost, routing,
+                                       getattr(args, "params_dtype", torch.float32), device)
+    backend = get_backend(args.zeppelin_backend)
+    blends = open_blends(args.data_path, args.split, args.zeppelin_data_lengths)
+    seed = args.seed if args.zeppelin_seed is None else args.zeppelin_seed
+    consumed = {"train": args.iteration,
+                "valid": getattr(args, "consumed_valid_samples", 0) // args.global_batch_size, "test": 0}
+    check = torch_all_reduce_max(device) if args.zeppelin_check_plans == "on" else None
+    loaders: list[ZeppelinLoader | None] = []
+    for i, split in enumerate(SPLITS):
+        blend = blends[split]
+        if blend is None:
+            loaders.append(None)
+            continue
+        # Each split draws its own order: the seed is offset by the split's index.
+        budget = batch_budget(args.zeppelin_tokens_per_gpu, dp, args.seq_length, args.zeppelin_batch_fill)
+        sampler = blend.sampler(max_seq_len=args.seq_length, tokens_per_batch=budget, seed=seed + i)
+        restore_sampler(sampler, consumed[split])
+        loaders.append(ZeppelinLoader(
+            sampler=sampler, blend=blend, make_plan=make_plan, rank=mpu.get_data_parallel_rank(),
+            device=device, communicator=communicator, backend=backend, all_reduce_max=check,
+            prefetch=args.zeppelin_prefetch == "on",
+            on_batch=record_batch(args, split, dist.get_rank() == 0) if split == "train" else None))
+    return tuple(loaders)
+
+
+def record_batch(args: Any, split: str, first: bool) -> Callable[[PreparedBatch], None]:
+    """Record the data state on ``args`` (saved in every Megatron checkpoint); on the
+    ``first`` rank also dump plans and log tier counts."""
+    dump = Path(args.zeppelin_plan_dump_dir) if args.zeppelin_plan_dump_dir else None
+
+    def handle(p: PreparedBatch) -> None:
+        args.zeppelin_data_state = data_state(p.sampler_state, p.batch.index + 1)
+        if not first:
+            return
+        if dump is not None:
+            dump.mkdir(parents=True, exist_ok=True)
+            (dump / f"{split}_plan_{p.batch.index:07d}.json").write_text(p.plan.to_json())
+        every = args.zeppelin_log_interval
+        if every and p.batch.index % every == 0:
+            print(format_plan_log(p), flush=True)
+    return handle
+
+
+def format_plan_log(p: PreparedBatch) -> str:
+    """One line: batch, tokens, tiers, attention and linear balance (max / mean)."""
+    t = p.plan.tier_counts()
+    pairs, linear = p.plan.attn_pairs_per_rank(), p.plan.linear_tokens_per_rank()
+    ratio = lambda xs: max(xs) / (sum(xs) / len(xs)) if sum(xs) else 1.0  # noqa: E731
+    return (f"zeppelin batch {p.batch.index}: {len(p.batch.pieces)} seqs, {p.batch.num_tokens} tokens, "
+            f"local {t.local} intra {t.intra} inter {t.inter} ulysses {t.ulysses}, "
+            f"attention max/mean {ratio(pairs):.3f}, linear max/mean {ratio(linear):.3f}")

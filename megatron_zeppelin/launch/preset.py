@@ -1,0 +1,144 @@
+"""Launch presets (``configs/presets/*.yaml``): one training run, mapped 1:1 onto a dataclass.
+
+A preset names a model preset and a cluster preset and adds what a Megatron-LM
+run needs (parallelism, sequence length and token budget, optimizer, data,
+checkpoints).  :func:`load_launch_preset` rejects unknown and missing keys by
+name; ``__post_init__`` checks the values against each other so a bad preset
+fails before anything is launched.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.planner.base import PLANNERS
+from megatron_zeppelin.presets import build_dataclass, load_yaml, resolve_preset
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+RECOMPUTE = ("none", "selective", "full")
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchPreset:
+    """One ``pretrain_gpt.py --zeppelin`` run."""
+
+    name: str
+    """Preset name (file stem)."""
+    model: str
+    """Model preset (``configs/models/``) or YAML file: layer count, widths, heads."""
+    cluster: str
+    """Cluster preset (``configs/clusters/``) or YAML file, passed as ``--zeppelin-cluster``."""
+    nodes: int
+    """Nodes to launch (torchrun ``--nnodes``)."""
+    gpus_per_node: int
+    """Processes per node (torchrun ``--nproc-per-node``)."""
+    seq_length: int
+    """Longest piece a document is cut into (``--seq-length``)."""
+    tokens_per_gpu: int
+    """Per data-parallel rank token cap (``--zeppelin-tokens-per-gpu``); longer pieces run on rings."""
+    train_iters: int
+    """Optimizer steps (one token-budget global batch each)."""
+    data_path: tuple[str, ...]
+    """``--data-path`` entries: ``PREFIX`` or ``WEIGHT PREFIX WEIGHT PREFIX ...``."""
+    tensor_parallel: int = 1
+    """Tensor-parallel size (heads split across TP ranks inside the engine)."""
+    planner: str = "zeppelin"
+    """``--zeppelin-planner``: zeppelin or a baseline."""
+    routing: bool = True
+    """``--zeppelin-routing on|off``."""
+    remap: bool = True
+    """``--zeppelin-remap on|off``."""
+    precision: str = "bf16"
+    """bf16, fp16 or fp32."""
+    recompute: str = "selective"
+    """Activation recomputation: none, selective (core attention), or full (every layer)."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks."""
+    transformer_impl: str = "transformer_engine"
+    """Megatron ``--transformer-impl``: transformer_engine (GPU) or local."""
+    tokenizer_type: str = "HuggingFaceTokenizer"
+    """Megatron ``--tokenizer-type``."""
+    tokenizer_model: str | None = None
+    """``--tokenizer-model`` (a local HF tokenizer folder); None for NullTokenizer."""
+    vocab_size: int | None = None
+    """NullTokenizer ``--vocab-size`` (default: the model preset's); 257 fits data made
+    with ``python -m megatron_zeppelin.data.prepare --tokenizer byte``."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 3e-5
+    """Final learning rate of the cosine decay."""
+    warmup_iters: int = 100
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    clip_grad: float = 1.0
+    """Gradient norm clip."""
+    seed: int = 1234
+    """Model init and sampler seed."""
+    split: str = "99,1,0"
+    """Train/valid/test split of each dataset's documents."""
+    save: str = "checkpoints/${name}"
+    """Checkpoint folder; ``${name}`` expands to the preset name."""
+    save_interval: int = 500
+    """Steps between checkpoints."""
+    log_interval: int = 1
+    """Steps between Megatron log lines."""
+    eval_interval: int = 1000
+    """Steps between validation runs."""
+    eval_iters: int = 10
+    """Global batches per validation run."""
+    zeppelin_log_interval: int = 50
+    """``--zeppelin-log-interval``: tier counts and balance every N steps."""
+    plan_dump_dir: str | None = None
+    """``--zeppelin-plan-dump-dir`` (None: no plan dumps)."""
+    rdzv_port: int = 29500
+    """torchrun c10d rendezvous port on the first node."""
+    megatron_lm: str = "${MEGATRON_LM_DIR}"
+    """Megatron-LM checkout holding the patched ``pretrain_gpt.py``."""
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+    """More Megatron flags, appended verbatim (e.g. ``--use-flash-attn``)."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1 or self.tensor_parallel < 1:
+            raise ConfigError(f"preset {self.name}: nodes, gpus_per_node and tensor_parallel must be >= 1")
+        if self.gpus_per_node % self.tensor_parallel:
+            raise ConfigError(f"preset {self.name}: tensor_parallel {self.tensor_parallel} must divide "
+                              f"gpus_per_node {self.gpus_per_node} (a TP group stays inside one node)")
+        if self.seq_length > self.tokens_per_gpu * self.data_parallel_size:
+            raise ConfigError(f"preset {self.name}: seq_length {self.seq_length} is longer than the "
+                              f"{self.data_parallel_size} data-parallel ranks x tokens_per_gpu "
+                              f"{self.tokens_per_gpu} can hold; raise tokens_per_gpu or lower seq_length")
+        for key, value, allowed in (("planner", self.planner, tuple(PLANNERS)),
+                                    ("precision", self.precision, PRECISIONS),
+                                    ("recompute", self.recompute, RECOMPUTE),
+                                    ("transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)):
+            if value not in allowed:
+                raise ConfigError(f"preset {self.name}: {key} {value!r} is not one of {', '.join(allowed)}")
+        if not self.data_path:
+            raise ConfigError(f"preset {self.name}: data_path is empty; list at least one dataset PREFIX")
+        if self.tokenizer_type != "NullTokenizer" and not self.tokenizer_model:
+            raise ConfigError(f"preset {self.name}: tokenizer_type {self.tokenizer_type} needs "
+                              "tokenizer_model (a local tokenizer folder)")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tensor_parallel
+
+
+def load_launch_preset(name_or_path: str | os.PathLike) -> LaunchPreset:
+    """Load a launch preset by name (``configs/presets/``) or YAML path."""
+    path = resolve_preset("presets", name_or_path)
+    data = load_yaml(path)
+    data.setdefault("name", path.stem)
+    for key in ("data_path", "extra_args"):
+        if key in data:
+            value = data[key]
+            data[key] = tuple(str(v) for v in (value if isinstance(value, list) else [value]))
+    return build_dataclass(LaunchPreset, data, str(path))

@@ -1,0 +1,153 @@
+"""--zeppelin-* flags: parsing, composition with Megatron's provider, validation errors."""
+
+import argparse
+
+import pytest
+
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.integration import (
+    SPEC,
+    add_zeppelin_args,
+    chain_args_providers,
+    check_args,
+    print_help_if_asked,
+    validate_zeppelin_args,
+)
+from megatron_zeppelin.integration.args import DEFAULTS, data_parallel_size
+from megatron_zeppelin.planner.base import PLANNERS
+
+
+def parse(argv):
+    return add_zeppelin_args(argparse.ArgumentParser()).parse_args(argv)
+
+
+def megatron_args(**overrides):
+    """A namespace as Megatron-LM leaves it after parsing a valid --zeppelin command (8 ranks, TP 2)."""
+    ns = parse(["--zeppelin", "--zeppelin-tokens-per-gpu", "4096", "--zeppelin-cluster", "cpu-sim"])
+    megatron = dict(world_size=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                    context_parallel_size=1, hybrid_context_parallel=False, sequence_parallel=False,
+                    num_experts=None, use_legacy_models=False, sft=False, fim_data=False, mock_data=False,
+                    micro_batch_size=1, global_batch_size=4, calculate_per_token_loss=True,
+                    dataloader_type="external", seq_length=8192, spec=list(SPEC), attention_dropout=0.0,
+                    apply_rope_fusion=False, transformer_impl="local", normalization="RMSNorm",
+                    data_path=["data/docs_text_document"])
+    megatron.update(overrides)
+    for k, v in megatron.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_defaults_and_values():
+    ns = parse([])
+    assert ns.zeppelin is False
+    assert {k: getattr(ns, k) for k in DEFAULTS} == DEFAULTS
+    ns = parse(["--zeppelin", "--zeppelin-planner", "flexsp", "--zeppelin-tokens-per-gpu", "65536",
+                "--zeppelin-routing", "off", "--zeppelin-remap", "off", "--zeppelin-log-interval", "5",
+                "--zeppelin-plan-dump-dir", "plans", "--zeppelin-backend", "torch"])
+    assert (ns.zeppelin, ns.zeppelin_planner, ns.zeppelin_tokens_per_gpu, ns.zeppelin_routing,
+            ns.zeppelin_remap, ns.zeppelin_log_interval, ns.zeppelin_plan_dump_dir, ns.zeppelin_backend) == \
+        (True, "flexsp", 65536, "off", "off", 5, "plans", "torch")
+
+
+@pytest.mark.parametrize("argv", [["--zeppelin-planner", "ring"], ["--zeppelin-routing", "yes"],
+                                  ["--zeppelin-tokens-per-gpu", "lots"], ["--zeppelin-backend", "cudnn"]])
+def test_bad_values_rejected_by_argparse(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse(argv)
+    assert exc.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_planner_choices_are_the_registry():
+    action = next(a for a in add_zeppelin_args(argparse.ArgumentParser())._actions
+                  if a.dest == "zeppelin_planner")
+    assert list(action.choices) == list(PLANNERS)
+
+
+def test_chain_keeps_both_providers_in_order():
+    calls = []
+
+    def other(parser):
+        calls.append("other")
+        parser.add_argument("--modelopt-flag", action="store_true")
+        return parser
+
+    parser = chain_args_providers(other, None, add_zeppelin_args)(argparse.ArgumentParser())
+    ns = parser.parse_args(["--modelopt-flag", "--zeppelin"])
+    assert calls == ["other"] and ns.modelopt_flag and ns.zeppelin
+    assert chain_args_providers(None)(parser) is parser
+
+
+def test_valid_namespace_passes():
+    ns = megatron_args()
+    assert validate_zeppelin_args(ns) is ns
+    assert data_parallel_size(ns) == 4
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"pipeline_model_parallel_size": 2}, ["pipeline", "--pipeline-model-parallel-size 2"]),
+    ({"context_parallel_size": 2}, ["--context-parallel-size 2", "drop --context-parallel-size"]),
+    ({"hybrid_context_parallel": True}, ["--hybrid-context-parallel", "megatron_hybrid_cp"]),
+    ({"sequence_parallel": True}, ["--sequence-parallel"]),
+    ({"num_experts": 8}, ["--num-experts"]),
+    ({"mock_data": True}, ["--mock-data", "--data-path"]),
+    ({"sft": True}, ["--sft"]),
+    ({"micro_batch_size": 2}, ["--micro-batch-size 1", "token budget"]),
+    ({"global_batch_size": 64}, ["--global-batch-size", "data-parallel size 4"]),
+    ({"calculate_per_token_loss": False}, ["--calculate-per-token-loss"]),
+    ({"dataloader_type": "single"}, ["--dataloader-type external"]),
+    ({"zeppelin_tokens_per_gpu": None}, ["--zeppelin-tokens-per-gpu"]),
+    ({"seq_length": None}, ["--seq-length"]),
+    ({"seq_length": 4 * 4096 + 1}, ["--seq-length 16385", "at least 4097"]),
+    ({"spec": None}, ["no --spec", " ".join(SPEC)]),
+    ({"spec": ["local"]}, ["--spec local"]),
+    ({"attention_dropout": 0.1}, ["--attention-dropout 0"]),
+    ({"attention_backend": "AttnBackend.local"}, ["--attention-backend local"]),
+    ({"apply_rope_fusion": True}, ["--no-rope-fusion"]),
+    ({"normalization": "LayerNorm"}, ["--normalization RMSNorm"]),
+    ({"persist_layer_norm": True}, ["--no-persist-layer-norm"]),
+    ({"zeppelin_log_interval": -1}, ["--zeppelin-log-interval"]),
+    ({"zeppelin_cluster": "h100-8x400"}, ["h100-8x400g"]),
+    ({"zeppelin_data_lengths": "/nonexistent/lengths.npy"}, ["--zeppelin-data-lengths"]),
+    ({"data_path": None}, ["--data-path"]),
+])
+def test_conflicts_name_the_flag_and_fix(overrides, words):
+    with pytest.raises(ConfigError) as exc:
+        validate_zeppelin_args(megatron_args(**overrides))
+    for word in words:
+        assert word in str(exc.value)
+
+
+def test_longest_piece_may_span_every_rank():
+    # 4 data-parallel ranks x 4096 tokens: a 16384-token piece fits on a 4-rank ring.
+    validate_zeppelin_args(megatron_args(seq_length=4 * 4096))
+
+
+def test_flags_without_zeppelin_are_an_error():
+    ns = parse(["--zeppelin-planner", "te_cp"])
+    with pytest.raises(ConfigError, match="--zeppelin-planner has no effect without --zeppelin"):
+        validate_zeppelin_args(ns)
+    plain = parse([])
+    assert validate_zeppelin_args(plain) is plain
+
+
+def test_check_args_prints_one_line_and_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        check_args(megatron_args(micro_batch_size=4))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pretrain_gpt.py: error: --zeppelin needs --micro-batch-size 1")
+
+
+def test_help_passthrough_only_on_help():
+    print_help_if_asked(add_zeppelin_args, argv=["--zeppelin"])  # returns: nothing to answer
+
+
+def test_help_escapes_bare_percent_only():
+    from megatron_zeppelin.integration.args import escape_help_percent
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--a", default=3, help="headroom (e.g. 1.10 = 10%)")
+    parser.add_argument("--b", default=4, help="kept: 50%% and %(default)s")
+    text = escape_help_percent(parser).format_help()
+    assert "10%)" in text and "kept: 50% and 4" in text

@@ -1,0 +1,207 @@
+"""The per-step hand-off: loaders over indexed datasets, plan check, resume, Megatron batch shapes."""
+
+import argparse
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.integration import SPEC, add_zeppelin_args
+from megatron_zeppelin.integration.checkpoint import restore_sampler
+from megatron_zeppelin.integration.data import open_blends
+from megatron_zeppelin.integration.hooks import (
+    PlanMismatchError,
+    ZeppelinLoader,
+    build_plan_fn,
+    check_same_plan,
+    format_plan_log,
+    get_batch,
+    get_batch_by_keys,
+    model_config_from_args,
+    plan_topology,
+    record_batch,
+)
+from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.sim.simulate import batch_budget
+from megatron_zeppelin.topology import Topology, load_cluster
+
+from tests.integration.indexed_data import doc_tokens
+
+WORLD = 4  # cpu-sim: 2 nodes x 2 GPUs
+MAX_SEQ, TOKENS_PER_GPU = 512, 300
+
+
+def exact_max(*rank_values):
+    """A fake MAX all-reduce over ranks holding ``rank_values`` (this rank's values first)."""
+    def reduce(values):
+        return [max(col) for col in zip(values, *rank_values)]
+    return reduce
+
+
+@pytest.fixture
+def setup(datasets):
+    prefixes, lengths = datasets
+    blend = open_blends(["0.6", prefixes[0], "0.4", prefixes[1]], "1")["train"]
+    cluster = load_cluster("cpu-sim")
+    cluster = dataclasses.replace(cluster, topology=plan_topology(cluster.topology, WORLD, 1, 0))
+    make_plan = build_plan_fn("zeppelin", CostModel(cluster, load_model("tiny")), TOKENS_PER_GPU,
+                              remap=False, time_limit_s=5.0)
+    return blend, make_plan, lengths
+
+
+def loaders(blend, make_plan, *, prefetch=False, resume_at=0, check=None):
+    out = []
+    for rank in range(WORLD):
+        sampler = blend.sampler(max_seq_len=MAX_SEQ, tokens_per_batch=batch_budget(TOKENS_PER_GPU, WORLD, MAX_SEQ),
+                                seed=3)
+        restore_sampler(sampler, resume_at)
+        out.append(ZeppelinLoader(sampler=sampler, blend=blend, make_plan=make_plan, rank=rank,
+                                  device=torch.device("cpu"), communicator=None, backend=None,
+                                  all_reduce_max=check, prefetch=prefetch))
+    return out
+
+
+def test_every_token_lands_once_in_plan_order(setup):
+    blend, make_plan, lengths = setup
+    ranks = loaders(blend, make_plan)
+    tiers = set()
+    for _ in range(4):
+        steps = [next(loader) for loader in ranks]
+        plan = steps[0].packed_seq_params.plan
+        assert all(s.packed_seq_params.plan == plan for s in steps)
+        labelled = 0
+        for rank, step in enumerate(steps):
+            assert step.tokens.shape == step.labels.shape == step.loss_mask.shape == step.position_ids.shape
+            assert step.tokens.shape[0] == 1
+            spans = plan.attention_spans(rank)
+            np.testing.assert_array_equal(step.position_ids[0].numpy(),
+                                          np.concatenate([np.arange(s.start, s.end) for s in spans]))
+            labelled += int(step.loss_mask.sum())
+        assert labelled == sum(n - 1 for n in plan.seq_lens)
+        assert sum(s.tokens.shape[1] for s in steps) == sum(plan.seq_lens)
+        assert max(plan.attention_tokens_per_rank()) <= TOKENS_PER_GPU
+        tiers |= {plan.tier_of(p) for p in plan.attention}
+    assert "local" in tiers and len(tiers) >= 2  # long pieces ride rings, short ones stay local
+
+
+def test_tokens_come_from_the_right_documents(setup):
+    blend, make_plan, lengths = setup
+    loader = loaders(blend, make_plan)[0]
+    prepared = loader.prepare()
+    pieces, plan = prepared.batch.pieces, prepared.plan
+    expected = np.concatenate([
+        doc_tokens(pieces[s.seq].dataset, pieces[s.seq].doc,
+                   lengths[pieces[s.seq].dataset][pieces[s.seq].doc])[pieces[s.seq].start + s.start:
+                                                                      pieces[s.seq].start + s.end]
+        for s in plan.attention_spans(0)])
+    np.testing.assert_array_equal(prepared.tokens.numpy(), expected)
+    # Labels are the next token of the same piece (the first span's, checked inside it).
+    n = plan.attention_spans(0)[0].length
+    np.testing.assert_array_equal(prepared.labels.numpy()[:n - 1], expected[1:n])
+    assert prepared.loss_mask.numpy()[:n - 1].all()
+
+
+def test_prefetch_and_resume_see_the_same_batches(setup):
+    blend, make_plan, _ = setup
+    a = loaders(blend, make_plan)[1]
+    straight = [next(a) for _ in range(5)]
+    b = loaders(blend, make_plan, prefetch=True)[1]
+    fetched = [next(b) for _ in range(5)]
+    b.close()
+    resumed = [next(loaders(blend, make_plan, resume_at=2)[1])]
+    for x, y in zip(straight, fetched):
+        assert torch.equal(x.tokens, y.tokens) and x.packed_seq_params.plan == y.packed_seq_params.plan
+    assert torch.equal(resumed[0].tokens, straight[2].tokens)
+    assert resumed[0].packed_seq_params.plan == straight[2].packed_seq_params.plan
+
+
+def test_plan_check_with_fake_all_reduce(setup):
+    blend, make_plan, _ = setup
+    plan = make_plan([400, 120, 90, 60])
+    fp = plan.fingerprint()
+    check_same_plan(plan, 7, exact_max([fp, -fp], [fp, -fp]))
+    other = make_plan([400, 120, 90, 61]).fingerprint()
+    with pytest.raises(PlanMismatchError, match="global batch 7") as exc:
+        check_same_plan(plan, 7, exact_max([other, -other]))
+    assert "--seed" in str(exc.value)
+    # The loader runs the check before handing the batch over.
+    loader = loaders(blend, make_plan, check=exact_max([1, -1]))[0]
+    with pytest.raises(PlanMismatchError):
+        next(loader)
+
+
+def test_plan_topology_with_tensor_parallelism():
+    h100 = Topology(nodes=1, gpus_per_node=8, nics_per_node=8)
+    t = plan_topology(h100, 16, tp=2, tp_rank=1)
+    assert (t.nodes, t.gpus_per_node, t.nics_per_node, t.nic_affinity) == (2, 4, 4, (0, 1, 2, 3))
+    a800 = Topology(nodes=1, gpus_per_node=8, nics_per_node=4, nic_affinity=(0, 0, 1, 1, 2, 2, 3, 3))
+    t = plan_topology(a800, 32, tp=4, tp_rank=0)
+    assert (t.nodes, t.gpus_per_node, t.nics_per_node, t.nic_affinity) == (4, 2, 2, (0, 1))
+    assert plan_topology(a800, 8, 1, 0).nic_affinity == a800.nic_affinity
+    with pytest.raises(ConfigError, match="not a multiple"):
+        plan_topology(a800, 12, 1, 0)
+    with pytest.raises(ConfigError, match="does not divide"):
+        plan_topology(a800, 8, 3, 0)
+
+
+def test_model_config_from_megatron_args():
+    ns = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True,
+                            num_query_groups=2, ffn_hidden_size=128, padded_vocab_size=256, vocab_size=250,
+                            bf16=True)
+    m = model_config_from_args(ns)
+    assert (m.num_layers, m.hidden_size, m.num_query_groups, m.ffn_hidden_size, m.vocab_size, m.dtype_bytes) == \
+        (2, 64, 2, 128, 256, 2)
+    ns.group_query_attention, ns.bf16 = False, False
+    m = model_config_from_args(ns)
+    assert (m.num_query_groups, m.dtype_bytes) == (4, 4)
+
+
+def test_megatron_batch_shapes_and_records(setup, tmp_path, capsys):
+    blend, make_plan, _ = setup
+    args = add_zeppelin_args(argparse.ArgumentParser()).parse_args(
+        ["--zeppelin", "--zeppelin-plan-dump-dir", str(tmp_path), "--zeppelin-log-interval", "1"])
+    loader = loaders(blend, make_plan)[0]
+    loader.on_batch = record_batch(args, "train", first=True)
+    tokens, labels, loss_mask, attention_mask, position_ids, packed = get_batch(loader)
+    assert attention_mask is None and packed.plan is not None and tokens.shape == position_ids.shape
+    assert args.zeppelin_data_state["batches_consumed"] == 1
+    assert args.zeppelin_data_state["sampler"] == loader.sampler.state_dict()
+    assert (tmp_path / "train_plan_0000000.json").is_file()
+    assert capsys.readouterr().out.startswith("zeppelin batch 0:")
+    keys = ["attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group", "labels", "local_cp_size",
+            "loss_mask", "max_seqlen", "position_ids", "tokens"]
+    values = dict(zip(keys, get_batch_by_keys(loader, keys)))
+    assert values["cu_seqlens"].plan is not None and values["tokens"].shape[0] == 1
+    assert all(values[k] is None for k in ("attention_mask", "cu_seqlens_padded", "max_seqlen", "local_cp_size"))
+    assert args.zeppelin_data_state["batches_consumed"] == 2
+    assert "local" in format_plan_log(loader.prepare())
+    assert SPEC[1] == "zeppelin_layer_spec"
+
+
+def test_layer_spec_uses_zeppelin_attention():
+    from types import SimpleNamespace
+
+    from megatron_zeppelin.integration.hooks import layer_spec_for
+    from megatron_zeppelin.megatron.attention import ZeppelinAttention
+
+    args = add_zeppelin_args(argparse.ArgumentParser()).parse_args(["--zeppelin", "--zeppelin-remap", "off"])
+    spec = layer_spec_for(args, SimpleNamespace(qk_layernorm=False, transformer_impl="local"))
+    assert spec.submodules.self_attention.submodules.core_attention is ZeppelinAttention
+
+
+def test_built_gpt_model_is_retyped_for_per_token_rope():
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_zeppelin.integration.hooks import gpt_builder
+    from megatron_zeppelin.megatron.model import ZeppelinGPTModel
+
+    built = GPTModel.__new__(GPTModel)  # the instance a builder returns (construction is Megatron's)
+    on, off = argparse.Namespace(zeppelin=True), argparse.Namespace(zeppelin=False)
+    assert type(gpt_builder(lambda args, *a, **k: built)(on, True, True, None, config=None)) is ZeppelinGPTModel
+    plain = GPTModel.__new__(GPTModel)
+    assert type(gpt_builder(lambda args, *a, **k: plain)(off, True, True)) is GPTModel
+    with pytest.raises(ConfigError, match="legacy"):
+        gpt_builder(lambda args, *a, **k: object())(on)

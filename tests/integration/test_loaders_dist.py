@@ -1,0 +1,119 @@
+"""build_train_valid_test_loaders on 4 gloo ranks with Megatron's parallel state (TP 1 and 2)."""
+
+import argparse
+
+import numpy as np
+import pytest
+
+from megatron_zeppelin.integration import SPEC, add_zeppelin_args
+from tests.distributed import world_fixture
+
+pytestmark = pytest.mark.slow
+world = world_fixture(4)
+
+
+def megatron_namespace(prefix, tp, routing, iteration=0):
+    """What Megatron-LM's parser and validate_args leave for the tiny preset on 4 ranks."""
+    ns = add_zeppelin_args(argparse.ArgumentParser()).parse_args(
+        ["--zeppelin", "--zeppelin-tokens-per-gpu", "600", "--zeppelin-cluster", "cpu-sim",
+         "--zeppelin-routing", routing, "--zeppelin-remap", "off", "--zeppelin-backend", "torch"])
+    dp = 4 // tp
+    values = dict(world_size=4, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                  context_parallel_size=1, micro_batch_size=1, global_batch_size=dp,
+                  calculate_per_token_loss=True, dataloader_type="external", seq_length=512, spec=list(SPEC),
+                  attention_dropout=0.0, apply_rope_fusion=False, transformer_impl="local",
+                  normalization="RMSNorm", data_path=[prefix], split="90,10,0", seed=11, iteration=iteration,
+                  consumed_valid_samples=0, num_layers=2, hidden_size=64, num_attention_heads=4,
+                  group_query_attention=True, num_query_groups=2, ffn_hidden_size=128, padded_vocab_size=256,
+                  bf16=False)
+    for k, v in values.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def _loaders_case(rank, world_size, prefix, tp, routing, iteration, steps):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_zeppelin.integration.hooks import build_train_valid_test_loaders
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    try:
+        args = megatron_namespace(prefix, tp, routing, iteration)
+        train, valid, test = build_train_valid_test_loaders(args)
+        out = []
+        for _ in range(steps):
+            b = next(train)
+            out.append((b.packed_seq_params.plan.fingerprint(), b.tokens[0].tolist(),
+                        b.packed_seq_params.plan.seq_lens))
+        kinds = type(b.packed_seq_params.communicator).__name__
+        valid_ok = next(valid).tokens.shape[0] == 1
+        train.close()
+        valid.close()
+        return {"dp_rank": parallel_state.get_data_parallel_rank(), "steps": out, "comm": kinds,
+                "valid": valid_ok, "test": test, "state": args.zeppelin_data_state["batches_consumed"],
+                "rank": dist.get_rank()}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def prefix(tmp_path_factory):
+    from tests.integration.indexed_data import write_dataset
+
+    rng = np.random.default_rng(5)
+    lengths = np.minimum(rng.pareto(1.1, 60) * 50 + 10, 1500).astype(np.int64)
+    return write_dataset(str(tmp_path_factory.mktemp("data") / "docs"), lengths)
+
+
+@pytest.mark.parametrize("tp, routing", [(1, "on"), (2, "off")])
+def test_every_rank_plans_the_same_batches(world, prefix, tp, routing):
+    results = world.run(_loaders_case, prefix, tp, routing, 0, 3)
+    dp = 4 // tp
+    for step in range(3):
+        fps = {r["steps"][step][0] for r in results}
+        assert len(fps) == 1  # one Plan everywhere
+        by_dp = {}
+        for r in results:
+            by_dp.setdefault(r["dp_rank"], []).append(r["steps"][step][1])
+        assert sorted(by_dp) == list(range(dp))
+        for tokens in by_dp.values():  # TP ranks of one data-parallel rank hold the same buffer
+            assert all(t == tokens[0] for t in tokens)
+        assert sum(len(t[0]) for t in by_dp.values()) == sum(results[0]["steps"][step][2])
+    assert {r["comm"] for r in results} == {"RoutedCommunicator" if routing == "on" else "DirectCommunicator"}
+    assert all(r["valid"] and r["test"] is None and r["state"] == 3 for r in results)
+
+
+def test_resumed_loaders_continue_the_same_sequence(world, prefix):
+    straight = world.run(_loaders_case, prefix, 1, "off", 0, 4)
+    resumed = world.run(_loaders_case, prefix, 1, "off", 2, 2)
+    for a, b in zip(straight, resumed):
+        assert b["steps"] == a["steps"][2:]
+        assert b["state"] == 4
+
+
+def _plan_check_case(rank, world_size, lens_by_rank):
+    """Each rank plans its own lengths; the check must pass iff all ranks agree."""
+    import torch
+
+    from megatron_zeppelin.cost import CostModel
+    from megatron_zeppelin.integration.hooks import PlanMismatchError, build_plan_fn, check_same_plan
+    from megatron_zeppelin.integration.hooks import torch_all_reduce_max
+    from megatron_zeppelin.model_config import load_model
+    from megatron_zeppelin.topology import load_cluster
+
+    plan = build_plan_fn("zeppelin", CostModel(load_cluster("cpu-sim"), load_model("tiny")), 256, False,
+                         5.0)(lens_by_rank[rank])
+    try:
+        check_same_plan(plan, 0, torch_all_reduce_max(torch.device("cpu")))
+    except PlanMismatchError as exc:
+        return str(exc)
+    return None
+
+
+def test_plan_hash_mismatch_detected_over_gloo(world):
+    same = [[400, 200, 50, 30]] * 4
+    assert world.run(_plan_check_case, same) == [None] * 4
+    one_off = same[:3] + [[400, 200, 50, 31]]
+    errors = world.run(_plan_check_case, one_off)
+    assert all(e is not None and "different Plans for global batch 0" in e for e in errors)

@@ -1,0 +1,116 @@
+"""Launch presets: 1:1 YAML mapping, clear errors, golden-file rendering, the CLI."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.integration import SPEC, add_zeppelin_args, validate_zeppelin_args
+from megatron_zeppelin.launch import format_command, load_launch_preset, pretrain_args, render_command
+from megatron_zeppelin.launch.__main__ import main
+from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.presets import preset_names
+
+GOLDEN = Path(__file__).parent / "golden"
+PRESETS = preset_names("presets")
+MINIMAL = "model: tiny\ncluster: cpu-sim\nnodes: 2\ngpus_per_node: 2\nseq_length: 512\ntokens_per_gpu: 1024\n" \
+          "train_iters: 5\ndata_path: [d]\ntokenizer_type: NullTokenizer\n"
+
+
+def rendered(name):
+    p = load_launch_preset(name)
+    return format_command(render_command(p, load_model(p.model))) + "\n"
+
+
+def test_bundled_presets_exist():
+    assert {"tiny-cpu", "llama-7b-128k-h100-8x8", "llama-13b-tp2-64k-h100-8x8",
+            "llama-3b-64k-a800-4x200g"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_golden_rendering(name):
+    golden = GOLDEN / f"{name}.txt"
+    text = rendered(name)
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert golden.is_file(), f"no golden file for preset {name}; run with UPDATE_GOLDEN=1 and review it"
+    assert text == golden.read_text()
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_rendered_zeppelin_flags_validate(name):
+    """The rendered command passes Zeppelin's checks (Megatron's flags parsed minimally)."""
+    p = load_launch_preset(name)
+    argv = pretrain_args(p, load_model(p.model))
+    parser = add_zeppelin_args(__import__("argparse").ArgumentParser())
+    for flag, kind in (("--tensor-model-parallel-size", int), ("--pipeline-model-parallel-size", int),
+                       ("--micro-batch-size", int), ("--global-batch-size", int), ("--seq-length", int),
+                       ("--dataloader-type", str), ("--attention-dropout", float),
+                       ("--transformer-impl", str), ("--normalization", str)):
+        parser.add_argument(flag, type=kind)
+    for flag in ("--calculate-per-token-loss", "--no-rope-fusion", "--no-persist-layer-norm"):
+        parser.add_argument(flag, action="store_true")
+    parser.add_argument("--spec", nargs="*")
+    parser.add_argument("--data-path", nargs="*")
+    ns, _ = parser.parse_known_args(argv)
+    ns.world_size = p.world_size
+    ns.apply_rope_fusion, ns.persist_layer_norm = not ns.no_rope_fusion, not ns.no_persist_layer_norm
+    validate_zeppelin_args(ns)
+    assert tuple(ns.spec) == SPEC and ns.global_batch_size == p.data_parallel_size
+
+
+def test_tensor_parallel_preset_shrinks_the_global_batch():
+    p = load_launch_preset("llama-13b-tp2-64k-h100-8x8")
+    argv = pretrain_args(p, load_model(p.model))
+    assert argv[argv.index("--global-batch-size") + 1] == "32"
+    assert argv[argv.index("--tensor-model-parallel-size") + 1] == "2"
+
+
+def write(tmp_path, text, name="p.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_unknown_and_missing_keys_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'tokens_per_gpus' \\(did you mean 'tokens_per_gpu'\\?\\)"):
+        load_launch_preset(write(tmp_path, MINIMAL + "tokens_per_gpus: 4\n"))
+    with pytest.raises(ConfigError, match="missing key 'train_iters'"):
+        load_launch_preset(write(tmp_path, MINIMAL.replace("train_iters: 5\n", "")))
+    assert load_launch_preset(write(tmp_path, MINIMAL)).name == "p"
+
+
+@pytest.mark.parametrize("extra, match", [
+    ("tensor_parallel: 3\n", "tensor_parallel 3 must divide gpus_per_node 2"),
+    ("seq_length: 5000\n", "seq_length 5000 is longer"),
+    ("planner: ring\n", "planner 'ring'"),
+    ("recompute: some\n", "recompute 'some'"),
+    ("tokenizer_type: HuggingFaceTokenizer\n", "needs tokenizer_model"),
+    ("data_path: []\n", "data_path is empty"),
+])
+def test_inconsistent_values(tmp_path, extra, match):
+    text = "\n".join(line for line in MINIMAL.splitlines() if not line.startswith(extra.split(":")[0] + ":"))
+    with pytest.raises(ConfigError, match=match):
+        load_launch_preset(write(tmp_path, text + "\n" + extra))
+
+
+def test_cli_megatron_only_is_one_arg_per_line(capsys):
+    assert main(["--preset", "tiny-cpu", "--print-args", "--only", "megatron"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    p = load_launch_preset("tiny-cpu")
+    assert lines == pretrain_args(p, load_model(p.model))
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", "megatron_zeppelin.launch", *argv], capture_output=True,
+                              text=True, env={**os.environ, "MEGATRON_LM_DIR": str(tmp_path)})
+    typo = run("--preset", "tiny-cpus", "--print-args")
+    assert typo.returncode == 2 and "did you mean 'tiny-cpu'" in typo.stderr and typo.stderr.count("\n") == 1
+    multi = run("--preset", "tiny-cpu", "--run")
+    assert multi.returncode == 2 and "spans 2 nodes" in multi.stderr
+    missing = run("--preset", "tiny-cpu", "--run", "--rdzv-host", "node-0")
+    assert missing.returncode == 2 and "pretrain_gpt.py does not exist" in missing.stderr
