@@ -1,0 +1,230 @@
+"""Zeppelin planner: valid, deterministic, sensible tiers, balanced step time."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.errors import InfeasibleError
+from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.plan import Mode, zigzag_shards
+from megatron_zeppelin.planner.base import PlanContext, get_planner
+from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner, min_ring_size, zigzag_shard_tokens
+from megatron_zeppelin.sim.timeline import step_timeline
+from megatron_zeppelin.topology import Topology, load_cluster
+
+MAX_SEQ = 131072
+
+
+def make_ctx(nodes: int, gpn: int = 8, nics: int | None = None, cap: int = 16384,
+             cluster: str = "h100-8x400g", model: str = "llama-7b") -> PlanContext:
+    topo = Topology(nodes=nodes, gpus_per_node=gpn, nics_per_node=gpn if nics is None else nics)
+    cluster_cfg = dataclasses.replace(load_cluster(cluster), topology=topo)
+    return PlanContext(cost=CostModel(cluster_cfg, load_model(model)), tokens_per_gpu=cap)
+
+
+def long_tail_batches(seed: int, budget: int, count: int, max_seq: int = MAX_SEQ) -> list[list[int]]:
+    """Documents with lognormal lengths plus a Pareto tail, cut at ``max_seq`` and
+    packed greedily into global batches of at most ``budget`` tokens (the
+    sampler's rule: the piece that does not fit opens the next batch)."""
+    rng = np.random.default_rng(seed)
+    docs = np.concatenate([rng.lognormal(8.3, 1.3, 4000), 20000 * (1 + rng.pareto(1.2, 400))])
+    docs = np.maximum(rng.permutation(docs).astype(np.int64), 16)
+    batches, cur = [], []
+    for d in docs:
+        while d > 0:
+            piece = int(min(d, max_seq))
+            d -= piece
+            if sum(cur) + piece > budget:
+                batches.append(cur)
+                cur = []
+                if len(batches) == count:
+                    return batches
+            cur.append(piece)
+    return batches
+
+
+# ------------------------------------------------------------- validity
+@st.composite
+def batches_and_topologies(draw):
+    nodes = draw(st.integers(1, 4))
+    gpn = draw(st.sampled_from([1, 2, 4, 8]))
+    nics = draw(st.sampled_from([n for n in (1, 2, 4) if gpn % n == 0]))
+    cap = draw(st.integers(64, 4096))
+    world = nodes * gpn
+    fill = draw(st.floats(0.05, 0.97))
+    lens = []
+    while True:
+        # Mostly short, sometimes far longer than one GPU's cap.
+        length = draw(st.one_of(st.integers(1, cap), st.integers(cap, cap * world)))
+        if sum(lens) + length > fill * cap * world:
+            break
+        lens.append(length)
+    return lens or [1], nodes, gpn, nics, cap
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(batches_and_topologies())
+def test_plans_are_valid_on_random_batches_and_topologies(case):
+    lens, nodes, gpn, nics, cap = case
+    plan = ZeppelinPlanner().plan(lens, make_ctx(nodes, gpn, nics, cap))
+    plan.validate()   # coverage, zigzag geometry, token cap in both layouts
+    assert plan.token_cap == cap and plan.strategy == "zeppelin"
+    counts = plan.linear_tokens_per_rank()
+    assert max(counts) - min(counts) <= 1
+    for p in plan.attention:
+        # Never more ranks than the token cap forces plus what balance asks for,
+        # and every ring is at least the size the cap forces.
+        assert p.size >= min_ring_size(plan.seq_lens[p.seq], cap)
+
+
+def test_nearly_full_batch_falls_back_to_a_valid_token_packing():
+    # 94 % full and every balanced pass strands a sequence: the three
+    # over-cap sequences must share the four free GPUs as rings of 4.
+    lens = [1417, 1453, 1453, 1453, 1460, 1546, 2194]
+    plan = ZeppelinPlanner().plan(lens, make_ctx(1, 8, 1, cap=1453)).validate()
+    assert sorted(p.size for p in plan.attention) == [1, 1, 1, 1, 4, 4, 4]
+
+
+def test_deterministic():
+    ctx = make_ctx(8)
+    lens = long_tail_batches(3, 16384 * 64, 1)[0]
+    a = ZeppelinPlanner().plan(lens, ctx)
+    b = get_planner("zeppelin").plan(list(lens), ctx)
+    assert a.to_json() == b.to_json()
+
+
+def test_sequence_longer_than_the_cluster_is_infeasible():
+    ctx = make_ctx(2, 2, 1, cap=100)
+    with pytest.raises(InfeasibleError, match=r"sequence 1 has 401 tokens.*max-seq-len to at most 400"):
+        ZeppelinPlanner().plan([10, 401], ctx)
+    with pytest.raises(InfeasibleError, match="more than the cluster holds"):
+        ZeppelinPlanner().plan([100] * 5, ctx)
+
+
+def test_shard_sizes_match_the_plan_geometry():
+    for length, k in [(17, 2), (100, 7), (131072, 8), (131071, 9)]:
+        want = [sum(e - s for s, e in shard) for shard in zigzag_shards(length, k)]
+        assert zigzag_shard_tokens(length, k).tolist() == want
+    assert min_ring_size(16384, 16384) == 1
+    assert min_ring_size(16385, 16384) == 2
+    assert min_ring_size(131072, 16384) == 8
+
+
+# ---------------------------------------------------------------- tiers
+def test_short_sequences_stay_local():
+    ctx = make_ctx(2, 4, 2, cap=16384)
+    plan = ZeppelinPlanner().plan([1000 + 37 * i for i in range(40)], ctx)
+    assert all(p.mode is Mode.LOCAL for p in plan.attention)
+    # Alone, a tiny sequence still stays local: a ring would only add latency.
+    assert ZeppelinPlanner().plan([5], ctx).attention[0].mode is Mode.LOCAL
+    assert ZeppelinPlanner().plan([], ctx).validate().linear == ((),) * 8
+
+
+def _nodes(placement, gpn: int) -> set[int]:
+    return {r // gpn for r in placement.ranks}
+
+
+def test_cap_forces_the_minimum_group_and_it_stays_in_a_node():
+    ctx = make_ctx(2, 4, 2, cap=4096)
+    # Two sequences of 3 GPUs' worth each (a group of >= 3 forced by the cap)
+    # among short ones: one per node balances the nodes, and no NIC is needed.
+    lens = [3 * 4096 - 10, 3 * 4096 - 20] + [500] * 10
+    plan = ZeppelinPlanner().plan(lens, ctx)
+    groups = plan.attention[:2]
+    assert all(p.mode is not Mode.LOCAL and p.size >= 3 for p in groups)
+    assert [len(_nodes(p, 4)) for p in groups] == [1, 1]
+    assert _nodes(groups[0], 4) | _nodes(groups[1], 4) == {0, 1}
+
+
+def test_groups_span_nodes_only_when_a_node_is_too_small():
+    ctx = make_ctx(2, 4, 4, cap=4096)
+    fits_node, needs_two = 4 * 4096 - 400, 6 * 4096 - 100
+    plan = ZeppelinPlanner().plan([fits_node, fits_node - 50, 300, 200], ctx)
+    assert [len(_nodes(p, 4)) for p in plan.attention[:2]] == [1, 1]
+    plan = ZeppelinPlanner().plan([needs_two, 300, 200], ctx)
+    assert len(_nodes(plan.attention[0], 4)) == 2 and plan.attention[0].size >= 6
+
+
+def test_ulysses_groups_divide_the_heads():
+    # llama-7b has 32 heads: a Ulysses group must have 2, 4, 8, 16 or 32 ranks.
+    ctx = make_ctx(8)
+    sizes = [p.size for lens in long_tail_batches(11, 16384 * 64, 3)
+             for p in ZeppelinPlanner().plan(lens, ctx).attention if p.mode is Mode.ULYSSES]
+    # Long sequences on routed NICs: whole-length kernels beat short ring blocks.
+    assert sizes and all(32 % d == 0 for d in sizes)
+
+
+# -------------------------------------------------------------- balance
+def _lower_bound_ratio(plan, ctx) -> float:
+    return step_timeline(plan, ctx.cost).step_s / ctx.cost.lower_bound_s(plan.seq_lens)
+
+
+def test_balance_on_a_synthetic_long_tail_at_64_gpus():
+    ctx = make_ctx(8)
+    te_cp = get_planner("te_cp")
+    ratios = []
+    for lens in long_tail_batches(7, 16384 * 64, 4):
+        plan = ZeppelinPlanner().plan(lens, ctx)
+        plan.validate()
+        ratio = _lower_bound_ratio(plan, ctx)
+        ratios.append(ratio)
+        assert ratio <= 1.25, ratio
+        linear = plan.linear_tokens_per_rank()
+        assert max(linear) / np.mean(linear) <= 1.05
+        try:
+            static = te_cp.plan(lens, ctx)
+        except InfeasibleError:
+            continue
+        assert step_timeline(plan, ctx.cost).step_s <= step_timeline(static, ctx.cost).step_s
+    assert np.mean(ratios) <= 1.2, ratios
+
+
+def test_attention_pairs_balance_when_the_batch_allows_it():
+    # Many medium sequences, nothing near the cap: pairs can be balanced.
+    ctx = make_ctx(2, 4, 4, cap=65536)
+    rng = np.random.default_rng(0)
+    lens = rng.integers(2000, 12000, 60).tolist()
+    plan = ZeppelinPlanner().plan(lens, ctx)
+    pairs = np.array(plan.attn_pairs_per_rank(), dtype=float)
+    assert pairs.max() / pairs.mean() <= 1.10
+
+
+def test_small_topologies_plan_and_balance():
+    te_cp = get_planner("te_cp")
+    for nodes, gpn, nics in [(2, 2, 1), (2, 4, 2), (1, 8, 4), (4, 8, 1)]:
+        world = nodes * gpn
+        ctx = make_ctx(nodes, gpn, nics, cap=16384)
+        for lens in long_tail_batches(nodes * 10 + gpn, 16384 * world, 3, min(MAX_SEQ, 16384 * world)):
+            plan = ZeppelinPlanner().plan(lens, ctx).validate()
+            step = step_timeline(plan, ctx.cost).step_s
+            try:
+                static = step_timeline(te_cp.plan(lens, ctx), ctx.cost).step_s
+            except InfeasibleError:
+                static = float("inf")
+            # Within 10 %: with one NIC per node, static CP's packed intra-node
+            # rings hide communication that separate rings expose, and the
+            # remap to the balanced linear layout crosses that one NIC.
+            assert step <= 1.1 * static
+            # Tiny batches can be one long sequence: splitting it costs kernel
+            # efficiency, and with one NIC its ring is bound by the link; the
+            # lower bound charges neither.
+            assert step <= 2.5 * ctx.cost.lower_bound_s(lens)
+
+
+def test_plans_a_thousand_sequences_quickly():
+    ctx = make_ctx(8, cap=200_000)
+    rng = np.random.default_rng(1)
+    lens = np.minimum(rng.lognormal(8.0, 1.2, 1000).astype(int) + 1, MAX_SEQ).tolist()
+    planner = ZeppelinPlanner()
+    planner.plan(lens, ctx)
+    t0 = time.process_time()
+    for _ in range(3):
+        planner.plan(lens, ctx)
+    # Budget 20 ms on an idle core; generous here because CI machines are shared.
+    assert (time.process_time() - t0) / 3 < 0.2
