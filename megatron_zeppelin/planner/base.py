@@ -30,6 +30,18 @@ class PlanContext:
     """Static CP size for ``te_cp`` (None: smallest power of two that fits)."""
     time_limit_s: float = 10.0
     """Solver time limit for MILP-based planners (``flexsp``)."""
+    tp_size: int = 1
+    """Tensor-parallel size: each rank's engine sees ``heads / tp_size`` heads, so
+    a Ulysses group size must divide the per-rank head counts."""
+    remap_enabled: bool = True
+    """Give the linear modules a token-balanced layout (``ZeppelinRemap``); when
+    off, a planner's linear layout is its attention layout."""
+
+    @property
+    def local_heads(self) -> tuple[int, int]:
+        """(query heads, KV heads) each tensor-parallel rank computes."""
+        m = self.cost.model
+        return m.num_attention_heads // self.tp_size, max(m.num_query_groups // self.tp_size, 1)
 
     @property
     def topology(self) -> Topology:

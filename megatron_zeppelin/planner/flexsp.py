@@ -372,7 +372,7 @@ class FlexSpPlanner:
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         lens = check_lengths(seq_lens)
         topo, cap, world = ctx.topology, ctx.tokens_per_gpu, ctx.topology.world_size
-        kv_heads = ctx.cost.model.num_query_groups
+        kv_heads = ctx.local_heads[1]
         sizes = ulysses_sizes(world, kv_heads)
         for seq, L in enumerate(lens):
             if _min_size(L, cap, sizes) is None:

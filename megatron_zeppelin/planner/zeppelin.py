@@ -27,7 +27,7 @@ import numpy as np
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, placement
-from megatron_zeppelin.planner.base import PlanContext
+from megatron_zeppelin.planner.base import PlanContext, same_layout_linear
 from megatron_zeppelin.planner.linear_layout import balance_linear
 
 @dataclass(frozen=True)
@@ -169,8 +169,7 @@ class _Packer:
         uniq, inverse = np.unique(lens, return_inverse=True)
         self.local_s = np.array([times.cost.local_attn_s(int(n)) for n in uniq])[inverse]
         """Local attention seconds of every sequence."""
-        m = times.cost.model
-        heads = int(np.gcd(m.num_attention_heads, m.num_query_groups))
+        heads = int(np.gcd(*ctx.local_heads))
         self.ulysses_sizes = [d for d in range(2, min(heads, self.w) + 1) if heads % d == 0]
         """Ulysses group sizes the engine can run: they divide the query and KV heads."""
         self.ulysses: set[int] = set()
@@ -465,7 +464,8 @@ class ZeppelinPlanner:
                           for i, (n, r) in enumerate(zip(seq_lens, ranks)))
         return Plan(strategy=self.name, world_size=w, gpus_per_node=g,
                     seq_lens=seq_lens, attention=attention,
-                    linear=balance_linear(attention, lens, w, g, cap), token_cap=cap)
+                    linear=(balance_linear(attention, lens, w, g, cap) if ctx.remap_enabled
+                            else same_layout_linear(w, attention)), token_cap=cap)
 
 
 def _one_pass(packer: _Packer, heavy: list[int], light: list[int], light_work: float,

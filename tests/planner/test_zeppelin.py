@@ -158,6 +158,19 @@ def test_ulysses_groups_divide_the_heads():
              for p in ZeppelinPlanner().plan(lens, ctx).attention if p.mode is Mode.ULYSSES]
     # Long sequences on routed NICs: whole-length kernels beat short ring blocks.
     assert sizes and all(32 % d == 0 for d in sizes)
+    # With tensor parallelism 8 each rank sees 4 heads: groups of 2 or 4 only.
+    tp_ctx = dataclasses.replace(ctx, tp_size=8)
+    tp_sizes = [p.size for lens in long_tail_batches(11, 16384 * 64, 3)
+                for p in ZeppelinPlanner().plan(lens, tp_ctx).attention if p.mode is Mode.ULYSSES]
+    assert all(d in (2, 4) for d in tp_sizes)
+
+
+def test_remap_off_keeps_the_attention_layout():
+    ctx = dataclasses.replace(make_ctx(2, gpn=4), remap_enabled=False)
+    for lens in long_tail_batches(5, 16384 * 8, 3):
+        plan = ZeppelinPlanner().plan(lens, ctx).validate()
+        assert plan.remap_schedule() == []
+        assert plan.linear_tokens_per_rank() == plan.attention_tokens_per_rank()
 
 
 # -------------------------------------------------------------- balance
