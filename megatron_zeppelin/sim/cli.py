@@ -3,7 +3,7 @@
     python -m megatron_zeppelin.sim                       # bundled sample, default cluster
     python -m megatron_zeppelin.sim --cluster a800-4x200g --nodes 8 --model llama-13b \\
         --lengths my_lengths.npy --max-seq-len 262144 --tokens-per-gpu 16384 \\
-        --strategies te_cp,zeppelin,zeppelin_norouting --json out.json --plot out.png
+        --strategies te_cp,zeppelin_base,zeppelin_noremap,zeppelin --json out.json --plot out.png
 
 Every strategy plans the same global batches (``ZeppelinBatchSampler``); the
 step time of each plan comes from the analytic cost model (docs/simulator.md).
@@ -30,9 +30,8 @@ from megatron_zeppelin.sim.simulate import (BASELINE, DEFAULT_BATCH_FILL, STRATE
 from megatron_zeppelin.topology import load_cluster
 
 DEFAULT_LENGTHS = "synthetic-longtail"
-#: Baseline first, then the baselines, then Zeppelin without and with routing.
-DEFAULT_STRATEGIES = ",".join(sorted(STRATEGY_NAMES, key=lambda n: (n != BASELINE, n.startswith("zeppelin"),
-                                                                   n == "zeppelin")))
+#: Baseline first, then the other baselines, then Zeppelin's ablation variants and Zeppelin.
+DEFAULT_STRATEGIES = ",".join(STRATEGY_NAMES)
 
 
 class _Parser(argparse.ArgumentParser):

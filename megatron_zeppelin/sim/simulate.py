@@ -26,15 +26,37 @@ from megatron_zeppelin.sim.timeline import StepTimeline, step_timeline
 
 #: The baseline every speedup is measured against.
 BASELINE = "te_cp"
-#: Zeppelin's planner on a cost model without the NIC routing layer.
-NOROUTING = "zeppelin_norouting"
 #: Fraction of the cluster's token capacity (tokens per GPU x GPUs) a global batch
 #: fills.  A little slack lets whole-sequence packers (te_cp's THD replicas,
 #: packing_dp) place every batch, as their own data loaders would; 1.0 fills
 #: the memory exactly and often leaves them no feasible packing.
 DEFAULT_BATCH_FILL = 0.95
-#: Strategy names the simulator accepts.
-STRATEGY_NAMES: tuple[str, ...] = (*PLANNERS, NOROUTING)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Which of Zeppelin's layers a ``zeppelin*`` strategy switches on."""
+
+    routing: bool
+    """Inter-node transfers go through the NIC routing layer (``CostModel.routing``)."""
+    remap: bool
+    """Linear modules get a token-balanced layout (``PlanContext.remap_enabled``)."""
+
+
+#: Zeppelin and its ablations: the same planner (hierarchical partitioning and
+#: the attention engine) with the routing and remapping layers on or off.  The
+#: ablation ladder is zeppelin_base -> zeppelin_noremap (+routing) -> zeppelin
+#: (+remap); zeppelin_norouting is the other path to the top.
+VARIANTS: dict[str, Variant] = {
+    "zeppelin_base": Variant(routing=False, remap=False),
+    "zeppelin_norouting": Variant(routing=False, remap=True),
+    "zeppelin_noremap": Variant(routing=True, remap=False),
+    "zeppelin": Variant(routing=True, remap=True),
+}
+#: Strategy names the simulator accepts: the baseline, the other baselines, then
+#: Zeppelin's variants in ablation order.
+STRATEGY_NAMES: tuple[str, ...] = (BASELINE, *(n for n in PLANNERS if n not in VARIANTS and n != BASELINE),
+                                   *VARIANTS)
 
 
 @dataclass(frozen=True)
@@ -42,7 +64,7 @@ class Strategy:
     """A planner plus the conditions its plans run under."""
 
     name: str
-    """Name in reports (a planner name, or ``zeppelin_norouting``)."""
+    """Name in reports (a planner name, or a key of :data:`VARIANTS`)."""
     planner: Planner
     """Produces the plan of each batch."""
     cost: CostModel
@@ -50,6 +72,17 @@ class Strategy:
     ``routing`` flag says whether inter-node transfers use the routing layer."""
     cp_size: int | None = None
     """Static CP size handed to the planner (``te_cp``)."""
+    remap_enabled: bool = True
+    """``PlanContext.remap_enabled``: only Zeppelin's planner reads it (the
+    baselines' linear layout is always their attention layout)."""
+
+
+def uses_routing(name: str) -> bool:
+    """Whether strategy ``name`` sends inter-node traffic through the routing
+    layer: only Zeppelin's variants with it on (every baseline uses NCCL p2p,
+    each GPU through its own NIC)."""
+    variant = VARIANTS.get(name)
+    return variant is not None and variant.routing
 
 
 def te_cp_size(max_seq_len: int, tokens_per_gpu: int) -> int:
@@ -79,8 +112,8 @@ def sample_batches(doc_lengths: np.ndarray, *, max_seq_len: int, tokens_per_batc
 
 
 def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | None = None) -> list[Strategy]:
-    """Strategies by name.  Only Zeppelin has the routing layer: every baseline
-    sends inter-node traffic through the sending GPU's own NIC (NCCL p2p)."""
+    """Strategies by name (:func:`uses_routing` says which cost model each gets).
+    Zeppelin's variants (:data:`VARIANTS`) run its planner with their layers."""
     unknown = [n for n in names if n not in STRATEGY_NAMES]
     if unknown or not names:
         what = f"unknown strategy {unknown[0]!r}" if unknown else "no strategy given"
@@ -89,9 +122,12 @@ def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | No
         raise ConfigError(f"strategy list {','.join(names)} names one twice; list each once")
     strategies = []
     for name in names:
-        planner = get_planner("zeppelin" if name == NOROUTING else name)
-        routed = cost.routed(name == "zeppelin")
-        strategies.append(Strategy(name, planner, routed, cp_size if name == BASELINE else None))
+        variant = VARIANTS.get(name)
+        routed = cost.routed(uses_routing(name))
+        if variant is None:
+            strategies.append(Strategy(name, get_planner(name), routed, cp_size if name == BASELINE else None))
+        else:
+            strategies.append(Strategy(name, get_planner("zeppelin"), routed, remap_enabled=variant.remap))
     return strategies
 
 
@@ -205,7 +241,7 @@ def simulate(batches: Iterable[Sequence[int]], strategies: Sequence[Strategy], *
 def _run_one(step: int, lens: list[int], s: Strategy, r: StrategyResult, tokens_per_gpu: int,
              time_limit_s: float, plot_step: int, on_plan: Callable[[int, str, Plan], None] | None) -> None:
     ctx = PlanContext(cost=s.cost, tokens_per_gpu=tokens_per_gpu, cp_size=s.cp_size,
-                      time_limit_s=time_limit_s)
+                      time_limit_s=time_limit_s, remap_enabled=s.remap_enabled)
     try:
         t0 = time.perf_counter()
         plan = s.planner.plan(lens, ctx)

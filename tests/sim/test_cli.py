@@ -16,7 +16,7 @@ from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.sim.cli import main
 from megatron_zeppelin.sim.progress import Progress
-from megatron_zeppelin.sim.simulate import STRATEGY_NAMES
+from megatron_zeppelin.sim.simulate import STRATEGY_NAMES, uses_routing
 from megatron_zeppelin.sim.timeline import step_timeline
 from megatron_zeppelin.topology import load_cluster
 
@@ -90,7 +90,7 @@ def test_dumped_plans_reproduce_the_reported_numbers(run):
             assert plan.world_size == 8 and plan.token_cap in (None, 4096)
             batches.setdefault(k, list(plan.seq_lens))
             assert list(plan.seq_lens) == batches[k]          # every strategy saw the same batch
-            times.append(step_timeline(plan, cost.routed(name == "zeppelin")).step_s)
+            times.append(step_timeline(plan, cost.routed(uses_routing(name))).step_s)
         assert r["step_time_s"] == pytest.approx(sum(times) / STEPS, rel=1e-9)
     lower = sum(cost.lower_bound_s(batches[k]) for k in range(STEPS)) / STEPS
     assert result["lower_bound_step_s"] == pytest.approx(lower, rel=1e-9)
