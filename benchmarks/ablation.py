@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_zeppelin.cost import CostModel
-from megatron_zeppelin.cost.model import RING_BWD_BYTES_RATIO
+from megatron_zeppelin.cost.model import REMAP_SWITCHES_PER_LAYER
 from megatron_zeppelin.errors import ConfigError, exit_on_user_error
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Mode, Plan
@@ -49,9 +49,6 @@ RUNGS: tuple[str, ...] = (BASELINE, "zeppelin_base", "zeppelin_noremap", "zeppel
 #: Column heading of each rung.
 LABELS = {BASELINE: BASELINE, "zeppelin_base": "zeppelin_base", "zeppelin_noremap": "+routing",
           "zeppelin": "+remap"}
-#: Layout switches per layer and step: attention -> linear and back, forward and
-#: backward (the factor ``CostModel.remap_s`` applies).
-REMAP_SWITCHES_PER_LAYER = 4
 K = 1024
 #: What the report's columns mean (printed under the command).
 COLUMNS = (f"Step times come from the analytic cost model (docs/simulator.md): they rank variants, they do not "
@@ -84,23 +81,14 @@ READING = """## Reading the table
 
 # ------------------------------------------------------------------- bytes
 def ring_bytes(plan: Plan, cost: CostModel) -> float:
-    """Bytes all ring attention of one step moves: per ring of ``k`` ranks over a
-    sequence of ``L`` tokens, ``k - 1`` steps in which the ranks together send
-    the K/V of ``L`` tokens, forward plus ``RING_BWD_BYTES_RATIO`` x that backward
-    (``CostModel.ring_cost``'s accounting), in every layer."""
-    m = cost.model
-    tokens = sum((p.size - 1) * plan.seq_lens[p.seq] for p in plan.attention if p.mode is Mode.RING)
-    return tokens * m.kv_bytes_per_token * m.num_layers * (1 + RING_BWD_BYTES_RATIO)
+    """Bytes all ring attention of one step moves (``CostModel.ring_bytes``)."""
+    return sum(cost.ring_bytes(plan.seq_lens[p.seq], p.size) for p in plan.attention if p.mode is Mode.RING)
 
 
 def ulysses_bytes(plan: Plan, cost: CostModel) -> float:
-    """Bytes all Ulysses groups of one step move (``CostModel.ulysses_cost``'s
-    accounting): each of ``d`` ranks sends ``(d-1)/d`` of its ``L/d`` tokens' Q, K,
-    V and output, twice per layer (forward and backward)."""
-    m = cost.model
-    per_token = (2 * m.hidden_size + 2 * m.kv_size) * m.dtype_bytes
-    tokens = sum(plan.seq_lens[p.seq] * (p.size - 1) / p.size for p in plan.attention if p.mode is Mode.ULYSSES)
-    return tokens * per_token * 2 * m.num_layers
+    """Bytes all Ulysses groups of one step move (``CostModel.ulysses_bytes``)."""
+    return sum(cost.ulysses_bytes(plan.seq_lens[p.seq], p.size)
+               for p in plan.attention if p.mode is Mode.ULYSSES)
 
 
 def remap_bytes(plan: Plan, cost: CostModel) -> tuple[float, float]:

@@ -21,6 +21,8 @@ ATTN_BWD_RATIO = 2.5
 LINEAR_BWD_RATIO = 2.0
 #: Ring backward bytes / forward bytes: K,V travel again and dK,dV travel back.
 RING_BWD_BYTES_RATIO = 2.0
+#: Layout switches per layer and step: attention -> linear and back, forward and backward.
+REMAP_SWITCHES_PER_LAYER = 4
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,14 @@ class CostModel:
         total = step_fwd + step_bwd + (k - 1) * (max(step_fwd, x_fwd) + max(step_bwd, x_bwd))
         return RingCost(compute * n, transfer * n, total * n)
 
+    def ring_bytes(self, length: int, ring_size: int) -> float:
+        """Bytes all ranks of a ring over one sequence send in a step: ``k - 1``
+        steps in which together they pass the K/V of ``L`` tokens, forward plus
+        ``RING_BWD_BYTES_RATIO`` times that backward, in every layer."""
+        m = self.model
+        return ((ring_size - 1) * length * m.kv_bytes_per_token * m.num_layers
+                * (1 + RING_BWD_BYTES_RATIO))
+
     # ------------------------------------------------------------- ulysses
     def alltoall_s(self, bytes_per_rank: float, group_size: int, link: LinkSpec) -> float:
         """One all-to-all where each rank sends ``(d-1)/d`` of ``bytes_per_rank``."""
@@ -132,6 +142,18 @@ class CostModel:
         sent = bytes_per_rank * (group_size - 1) / group_size
         return link.latency_us * 1e-6 * (group_size - 1) + sent / (link.bandwidth_GBps * 1e9)
 
+    def ulysses_bytes_per_rank(self, length: int, group_size: int) -> float:
+        """Bytes one rank of a Ulysses group puts in each all-to-all's input: its
+        ``L/d`` tokens' Q, K, V and output."""
+        m = self.model
+        return (length / group_size) * (2 * m.hidden_size + 2 * m.kv_size) * m.dtype_bytes
+
+    def ulysses_bytes(self, length: int, group_size: int) -> float:
+        """Bytes all ranks of a Ulysses group send in a step: each sends ``(d-1)/d``
+        of its all-to-all input, forward and backward, in every layer."""
+        d = group_size
+        return 2 * self.model.num_layers * d * self.ulysses_bytes_per_rank(length, d) * (d - 1) / d
+
     def ulysses_cost(self, length: int, group_size: int, link: LinkSpec) -> RingCost:
         """Ulysses sequence parallelism of one sequence over ``d`` ranks: all-to-all
         of Q, K, V (tokens -> heads), full-sequence attention on ``heads / d``,
@@ -139,8 +161,7 @@ class CostModel:
         Nothing overlaps (the all-to-alls sit on the critical path)."""
         m, d = self.model, group_size
         compute = self.attn_s(causal_pairs(0, length) / d, length)
-        per_rank_bytes = (length / d) * (2 * m.hidden_size + 2 * m.kv_size) * m.dtype_bytes
-        comm = 2 * m.num_layers * self.alltoall_s(per_rank_bytes, d, link)
+        comm = 2 * m.num_layers * self.alltoall_s(self.ulysses_bytes_per_rank(length, d), d, link)
         return RingCost(compute, comm, compute + comm)
 
     # ---------------------------------------------------------------- remap
@@ -152,7 +173,7 @@ class CostModel:
         nic_bw = c.nic.bandwidth_GBps * (c.topology.nics_per_node if self.routing else 1)
         one = max(intra_bytes / (c.nvlink.bandwidth_GBps * 1e9), inter_bytes / (nic_bw * 1e9))
         one += messages * c.nvlink.latency_us * 1e-6 if intra_bytes or inter_bytes else 0.0
-        return 4 * self.model.num_layers * one
+        return REMAP_SWITCHES_PER_LAYER * self.model.num_layers * one
 
     # ------------------------------------------------------------ estimates
     def lower_bound_s(self, seq_lens: Sequence[int]) -> float:
