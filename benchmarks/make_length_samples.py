@@ -44,6 +44,11 @@ def samples(seed: int) -> dict[str, tuple[np.ndarray, str]]:
             ("synthetic-books", books, "book-like: log-normal median ~60K + Pareto tail from 200K")):
         lens = np.clip(np.rint(values), 16, MAX_DOC).astype(np.int64)
         out[name] = (rng.permutation(lens), what)
+    # CPU scale for the trainer demo: with --max-seq-len 1024 --tokens-per-gpu 384
+    # a step holds local sequences, intra-node rings and inter-node rings at once.
+    tiny = np.concatenate([lognormal(rng, 900, 60, 1.0), pareto(rng, 100, 400, 1.0)])
+    lens = np.clip(np.rint(tiny), 16, MAX_DOC).astype(np.int64)
+    out["tiny-longtail"] = (rng.permutation(lens), "CPU demo scale: log-normal median ~60 + 10% Pareto tail from 400")
     return out
 
 
