@@ -1,0 +1,73 @@
+"""A Megatron-Core ``GPTModel`` whose RoPE follows each token's own position.
+
+``GPTModel._preprocess`` builds rotary angles for the contiguous range
+``0..max_seqlen`` (and moves them to CUDA).  ``ZeppelinGPTModel`` overrides only
+that step when the batch carries :class:`ZeppelinPackedSeqParams`: the angles
+are built from ``packed_seq_params.position_ids`` (one per token), and Megatron's
+own THD RoPE applies them token by token.  Everything else -- embedding, layers,
+output layer, loss -- is Megatron's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.megatron.packed import ZeppelinPackedSeqParams
+from megatron_zeppelin.megatron.rotary import rotary_freqs
+from megatron_zeppelin.megatron.spec import get_zeppelin_layer_spec
+from megatron_zeppelin.model_config import ModelConfig
+
+
+class ZeppelinGPTModel(GPTModel):
+    """``GPTModel`` with per-token rotary positions for Zeppelin's packed buffers."""
+
+    def _preprocess(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    decoder_input: torch.Tensor | None = None, inference_context: Any = None,
+                    packed_seq_params: Any = None, **kwargs: Any) -> tuple:
+        if not isinstance(packed_seq_params, ZeppelinPackedSeqParams):
+            return super()._preprocess(input_ids, position_ids, decoder_input=decoder_input,
+                                       inference_context=inference_context,
+                                       packed_seq_params=packed_seq_params, **kwargs)
+        if inference_context is not None:
+            raise ConfigError("ZeppelinGPTModel's packed path is for training; run inference "
+                              "without ZeppelinPackedSeqParams")
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        rotary_pos_emb = None
+        if self.position_embedding_type == "rope":
+            rotary_pos_emb = rotary_freqs(self.rotary_pos_emb, packed_seq_params.position_ids)
+        # (decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
+        #  sequence_len_offset, padding_mask) -- GPTModel.forward's unpacking.
+        return decoder_input, rotary_pos_emb, None, None, None, kwargs.get("padding_mask")
+
+
+def transformer_config(model: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                       cpu_init: bool = True) -> TransformerConfig:
+    """LLaMA-style ``TransformerConfig`` (RMSNorm, SwiGLU, no biases, no dropout)."""
+    return TransformerConfig(
+        num_layers=model.num_layers, hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=cpu_init,
+        # Fusions need CUDA kernels; fused RoPE would also ignore per-token positions.
+        apply_rope_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False)
+
+
+def build_gpt_model(model: ModelConfig, *, max_seq_len: int, dtype: torch.dtype = torch.float32,
+                    remap: bool = False, use_te: bool | None = None) -> ZeppelinGPTModel:
+    """A ``ZeppelinGPTModel`` with the Zeppelin layer spec, initialised on the CPU from
+    torch's default generator (also on GPU machines: seeding that generator
+    identically on every rank gives identical replicas; move it with ``.to``)."""
+    config = transformer_config(model, dtype=dtype, cpu_init=True)
+    return ZeppelinGPTModel(
+        config=config, transformer_layer_spec=get_zeppelin_layer_spec(remap=remap, use_te=use_te),
+        vocab_size=model.vocab_size, max_sequence_length=max_seq_len,
+        position_embedding_type="rope", share_embeddings_and_output_weights=False)

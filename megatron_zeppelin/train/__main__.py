@@ -1,0 +1,29 @@
+"""``python -m megatron_zeppelin.train``: see :mod:`megatron_zeppelin.train.cli`."""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from megatron_zeppelin.errors import exit_on_user_error
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    if sys.argv and sys.argv[0].endswith("__main__.py"):
+        sys.argv[0] = "megatron_zeppelin.train"  # error lines name the command, not __main__.py
+    from megatron_zeppelin.train.cli import parse_args
+    from megatron_zeppelin.train.launch import ChildFailed, launch
+
+    def run() -> None:
+        cfg = parse_args(argv)
+        try:
+            launch(cfg)
+        except ChildFailed as exc:
+            print(f"megatron_zeppelin.train: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+
+    exit_on_user_error(run)
+
+
+if __name__ == "__main__":
+    main()

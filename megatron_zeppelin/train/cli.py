@@ -1,0 +1,148 @@
+"""Command line of ``python -m megatron_zeppelin.train`` -> :class:`TrainConfig`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from megatron_zeppelin.errors import ConfigError
+
+STRATEGIES = ("zeppelin", "reference", "te_cp", "packing_dp", "megatron_hybrid_cp", "flexsp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run, as the command line gave it."""
+
+    nodes: int
+    """Nodes (simulated on CPU)."""
+    gpus_per_node: int
+    """Ranks per node."""
+    nics_per_node: int | None
+    """NICs per node (None: the cluster preset's, reduced to divide ``gpus_per_node``)."""
+    cluster: str
+    """Cluster preset name or YAML path (performance numbers for the planner)."""
+    strategy: str
+    """Planner name, or ``reference`` (plain data parallelism, the oracle)."""
+    model: str
+    """Model preset name or YAML path."""
+    lengths: str | None
+    """Document lengths file (synthetic token ids)."""
+    data: str | None
+    """Megatron indexed dataset prefix (``PREFIX.bin`` / ``PREFIX.idx``)."""
+    max_seq_len: int
+    """Longest sequence; longer documents are cut into pieces."""
+    tokens_per_gpu: int
+    """Per-rank token budget: global batch = this x world size; also the planner's cap."""
+    steps: int
+    """Optimizer steps to run (after a ``--load``, counted from the checkpoint's step)."""
+    seed: int
+    """Seeds the weights, the sampler and the synthetic tokens."""
+    lr: float = 1e-3
+    """Adam learning rate."""
+    dtype: str = "fp32"
+    """``fp32`` or ``bf16`` parameters and activations."""
+    routing: bool = False
+    """Route inter-node transfers over every NIC of a node (routing layer)."""
+    remap: bool = False
+    """Token-balanced linear layout through the remapping layer."""
+    json_log: str | None = None
+    """Append one JSON line per step to this file."""
+    save: str | None = None
+    """Directory to write the checkpoint to after the last step."""
+    load: str | None = None
+    """Directory to resume from (model, optimizer and sampler state)."""
+    dump_plans: str | None = None
+    """Directory to write each step's Plan JSON to."""
+    backend: str = "auto"
+    """Attention kernel backend: ``torch``, ``flash``, ``te`` or ``auto``."""
+    timeout_s: float = 90.0
+    """Collective timeout: a dead peer turns into an error after this long."""
+    quiet: bool = False
+    """No progress bar / per-step console line."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def check(self) -> "TrainConfig":
+        """Cheap checks before any process starts (each names the fix)."""
+        for name in ("nodes", "gpus_per_node", "max_seq_len", "tokens_per_gpu"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.steps < 0:
+            raise ConfigError(f"--steps must be >= 0, got {self.steps}")
+        if (self.lengths is None) == (self.data is None):
+            raise ConfigError("give exactly one of --lengths FILE (synthetic tokens) or --data PREFIX "
+                              "(Megatron indexed dataset)")
+        if self.lengths is not None and not Path(self.lengths).is_file():
+            raise ConfigError(f"lengths file {self.lengths!r} does not exist; pass a .npy or text file "
+                              "with one document length per line")
+        if self.data is not None:
+            missing = [self.data + ext for ext in (".bin", ".idx") if not Path(self.data + ext).is_file()]
+            if missing:
+                raise ConfigError(f"dataset prefix {self.data!r} has no {' / '.join(missing)}; pass the "
+                                  "prefix of an existing Megatron indexed dataset (without .bin/.idx)")
+        capacity = self.tokens_per_gpu * self.world_size
+        if self.max_seq_len > capacity:
+            raise ConfigError(f"--max-seq-len {self.max_seq_len} is longer than the cluster can hold "
+                              f"({self.world_size} ranks x {self.tokens_per_gpu} tokens per GPU = "
+                              f"{capacity}); raise --tokens-per-gpu or the rank count, or lower --max-seq-len")
+        if self.load is not None and not Path(self.load).is_dir():
+            raise ConfigError(f"--load {self.load!r} is not a directory; pass the --save directory "
+                              "of an earlier run")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
+        return self
+
+
+def _on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+    return value == "on"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_zeppelin.train",
+        description="Train a Megatron-Core GPT with a Zeppelin (or baseline) plan per step. On CPU it "
+                    "spawns nodes x GPUs processes (gloo); under torchrun/srun it uses NCCL.")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--nics-per-node", type=int, default=None)
+    p.add_argument("--cluster", default="cpu-sim", help="cluster preset name or YAML (default cpu-sim)")
+    p.add_argument("--strategy", required=True, choices=STRATEGIES)
+    p.add_argument("--model", default="tiny", help="model preset name or YAML (default tiny)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--lengths", help="document lengths file (.npy or text); synthetic token ids")
+    src.add_argument("--data", help="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
+    p.add_argument("--max-seq-len", type=int, required=True)
+    p.add_argument("--tokens-per-gpu", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--routing", type=_on_off, default=False, metavar="on|off")
+    p.add_argument("--remap", type=_on_off, default=False, metavar="on|off")
+    p.add_argument("--json-log", metavar="OUT.jsonl")
+    p.add_argument("--save", metavar="DIR")
+    p.add_argument("--load", metavar="DIR")
+    p.add_argument("--dump-plans", metavar="DIR")
+    p.add_argument("--backend", choices=("torch", "flash", "te", "auto"), default="auto")
+    p.add_argument("--timeout", type=float, default=float(os.environ.get("ZEPPELIN_TIMEOUT_S", 90)),
+                   help="seconds before a collective waiting on a dead peer fails (default 90)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or per-step line")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    a = build_parser().parse_args(argv)
+    return TrainConfig(
+        nodes=a.nodes, gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, cluster=a.cluster,
+        strategy=a.strategy, model=a.model, lengths=a.lengths, data=a.data, max_seq_len=a.max_seq_len,
+        tokens_per_gpu=a.tokens_per_gpu, steps=a.steps, seed=a.seed, lr=a.lr, dtype=a.dtype,
+        routing=a.routing, remap=a.remap, json_log=a.json_log, save=a.save, load=a.load,
+        dump_plans=a.dump_plans, backend=a.backend, timeout_s=a.timeout, quiet=a.quiet).check()

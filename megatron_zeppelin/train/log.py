@@ -1,0 +1,100 @@
+"""Per-step record: the JSON line (a public contract) and the console summary."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import IO, Sequence
+
+from megatron_zeppelin.plan import TierCounts
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one optimizer step did, gathered on rank 0.  JSON keys may be added, never removed."""
+
+    step: int
+    """Step number (0-based, continues after ``--load``)."""
+    loss: float
+    """Per-token mean loss over the whole global batch."""
+    grad_norm: float
+    """L2 norm of the summed (data-parallel) gradient."""
+    num_tokens: int
+    """Tokens in the global batch."""
+    plan: TierCounts
+    """Sequences per tier."""
+    attn_pairs_per_rank: Sequence[int]
+    """Causal query-key pairs each rank computed this step (forward, per layer)."""
+    linear_tokens_per_rank: Sequence[int]
+    """Tokens each rank ran through the projections and MLP."""
+    attention_tokens_per_rank: Sequence[int]
+    """Tokens each rank held in the attention layout."""
+    intra_node_bytes: int
+    """Bytes sent between GPUs of the same node (all layers, forward and backward)."""
+    inter_node_per_nic: Sequence[Sequence[int]]
+    """``[node][nic]`` bytes sent through each NIC (all layers, forward and backward)."""
+    step_time_s: float
+    """Wall time of the step on rank 0 (plan, forward, backward, optimizer)."""
+
+    def to_dict(self) -> dict:
+        return {
+            "step": self.step, "loss": self.loss, "grad_norm": self.grad_norm,
+            "num_tokens": self.num_tokens,
+            "plan": {"local": self.plan.local, "intra": self.plan.intra, "inter": self.plan.inter,
+                     "ulysses": self.plan.ulysses},
+            "attn_pairs_per_rank": list(self.attn_pairs_per_rank),
+            "linear_tokens_per_rank": list(self.linear_tokens_per_rank),
+            "attention_tokens_per_rank": list(self.attention_tokens_per_rank),
+            "bytes": {"intra_node": self.intra_node_bytes,
+                      "inter_node_per_nic": [list(n) for n in self.inter_node_per_nic]},
+            "step_time_s": self.step_time_s,
+        }
+
+    @property
+    def pair_imbalance(self) -> float:
+        """max / mean of ``attn_pairs_per_rank`` (1.0 = perfectly balanced)."""
+        mean = sum(self.attn_pairs_per_rank) / max(len(self.attn_pairs_per_rank), 1)
+        return max(self.attn_pairs_per_rank) / mean if mean else 1.0
+
+    def summary(self, total_steps: int) -> str:
+        """One console line: progress bar, loss, tiers, pair imbalance, bytes, time."""
+        width = 20
+        done = round(width * (self.step + 1) / max(total_steps, 1))
+        bar = "#" * done + "." * (width - done)
+        inter = sum(sum(n) for n in self.inter_node_per_nic)
+        p = self.plan
+        return (f"[{bar}] step {self.step + 1}/{total_steps} loss {self.loss:.5f} "
+                f"| tiers local {p.local} intra {p.intra} inter {p.inter} ulysses {p.ulysses} "
+                f"| pairs max/mean {self.pair_imbalance:.2f} "
+                f"| bytes intra {_mb(self.intra_node_bytes)} inter {_mb(inter)} "
+                f"| {self.num_tokens} tok {self.step_time_s:.2f}s")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f}MB"
+
+
+class StepLogger:
+    """Writes JSON lines and console summaries (rank 0 only)."""
+
+    def __init__(self, json_path: str | None, total_steps: int, quiet: bool,
+                 console: IO[str] = sys.stderr) -> None:
+        self._json = open(json_path, "a", encoding="utf-8") if json_path else None
+        self._total = total_steps
+        self._console = None if quiet else console
+
+    def log(self, record: StepRecord) -> None:
+        if self._json is not None:
+            self._json.write(json.dumps(record.to_dict()) + "\n")
+            self._json.flush()
+        if self._console is not None:
+            print(record.summary(self._total), file=self._console, flush=True)
+
+    def note(self, message: str) -> None:
+        """A one-off notice (e.g. a feature that is not available); printed even when quiet."""
+        print(f"note: {message}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._json is not None:
+            self._json.close()

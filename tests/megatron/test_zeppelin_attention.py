@@ -1,0 +1,159 @@
+"""ZeppelinAttention and ZeppelinGPTModel on one rank against plain references."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_zeppelin.attention.backends import get_backend
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.megatron import (ZeppelinAttention, build_gpt_model, build_packed_seq_params,
+                                        get_zeppelin_layer_spec, packed_causal_attention, rotary_freqs,
+                                        transformer_config)
+from megatron_zeppelin.model_config import ModelConfig
+from megatron_zeppelin.plan import Mode, Plan, Span, placement
+from megatron_zeppelin.planner.base import same_layout_linear
+
+MODEL = ModelConfig(name="t", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                    ffn_hidden_size=64, vocab_size=64)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-process gloo world with Megatron's parallel state (TP = PP = CP = 1)."""
+    with tempfile.NamedTemporaryFile() as store:
+        dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1,
+                                timeout=timedelta(seconds=60))
+        parallel_state.initialize_model_parallel()
+        yield
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _model(seed: int = 0):
+    torch.manual_seed(seed)
+    return build_gpt_model(MODEL, max_seq_len=64)
+
+
+def _forward(model, ids: torch.Tensor, spans: list[Span], plan: Plan | None = None, labels=None):
+    packed = build_packed_seq_params(spans, plan=plan, rank=0, communicator=None,
+                                     backend=get_backend("torch"), device=CPU)
+    return model(ids[None], packed.position_ids[None], None, labels=None if labels is None else labels[None],
+                 packed_seq_params=packed)
+
+
+def test_rotary_freqs_match_megatron_angles():
+    rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True)
+    positions = torch.tensor([5, 0, 3, 17, 2])
+    want = torch.cat([rope.get_freqs_non_repeated(18)] * 2, dim=-1)[positions]
+    torch.testing.assert_close(rotary_freqs(rope, positions)[:, 0, 0], want, rtol=0, atol=0)
+
+
+def test_packed_causal_attention_matches_masked_softmax():
+    torch.manual_seed(1)
+    lens = [3, 1, 6]
+    q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    cu = torch.tensor([0, 3, 4, 10], dtype=torch.int32)
+    out = packed_causal_attention(q, k, v, cu, 0.3)
+    seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
+    pos = torch.arange(10)
+    allowed = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(2, 1)) * 0.3
+    probs = scores.masked_fill(~allowed, -math.inf).softmax(-1)
+    want = torch.einsum("hqk,khd->qhd", probs, v.repeat_interleave(2, 1))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_buffer_equals_sequences_run_alone(one_rank):
+    """Masking and per-sequence RoPE: a packed buffer of three sequences gives each
+    sequence the logits and gradients it gets alone, with positions from 0."""
+    model = _model()
+    lens = [5, 9, 3]
+    ids = torch.randint(0, MODEL.vocab_size, (sum(lens),))
+    spans = [Span(i, 0, n) for i, n in enumerate(lens)]
+    packed_loss = _forward(model, ids, spans, labels=ids.roll(-1))
+    packed_loss.sum().backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    start = 0
+    for i, n in enumerate(lens):
+        alone = _forward(model, ids[start:start + n], [Span(i, 0, n)], labels=ids.roll(-1)[start:start + n])
+        torch.testing.assert_close(alone[0], packed_loss[0, start:start + n], rtol=1e-5, atol=1e-6)
+        alone.sum().backward()
+        start += n
+    for got, p in zip(packed_grads, model.parameters()):
+        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_thd_rope_applies_each_tokens_own_position(one_rank):
+    """Zigzag chunks [0, 2) and [6, 8) of a sequence plus a whole second sequence:
+    Megatron's THD RoPE fed ``rotary_freqs`` rotates every row exactly as RoPE of
+    the whole sequence rotates that row's position."""
+    config = transformer_config(MODEL)
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
+    spans = [Span(0, 0, 2), Span(0, 6, 8), Span(1, 0, 3)]
+    packed = build_packed_seq_params(spans, plan=None, rank=0, communicator=None, backend=None, device=CPU)
+    torch.manual_seed(2)
+    full = {0: torch.randn(8, 2, 8), 1: torch.randn(3, 2, 8)}
+    rows = torch.cat([full[sp.seq][sp.start:sp.end] for sp in spans])
+    got = apply_rotary_pos_emb(rows, rotary_freqs(rope, packed.position_ids), config=config,
+                               cu_seqlens=packed.cu_seqlens_q, cp_group=dist.group.WORLD)
+    whole = {i: apply_rotary_pos_emb(x[:, None], rotary_freqs(rope, torch.arange(len(x))),
+                                     config=config)[:, 0] for i, x in full.items()}
+    want = torch.cat([whole[sp.seq][sp.start:sp.end] for sp in spans])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got, rows)
+
+
+def test_engine_path_equals_plain_path(one_rank):
+    """A one-rank all-local Plan through the engine equals plain packed attention."""
+    model = _model(5)
+    lens = [4, 7, 2]
+    ids = torch.randint(0, MODEL.vocab_size, (sum(lens),))
+    attention = tuple(placement(i, n, Mode.LOCAL, [0]) for i, n in enumerate(lens))
+    plan = Plan(strategy="t", world_size=1, gpus_per_node=1, seq_lens=tuple(lens), attention=attention,
+                linear=same_layout_linear(1, attention)).validate()
+    spans = plan.attention_spans(0)
+    results = []
+    for p in (None, plan):
+        loss = _forward(model, ids, spans, plan=p, labels=ids.roll(-1))
+        loss.sum().backward()
+        results.append((loss.detach(), [q.grad.clone() for q in model.parameters()]))
+        model.zero_grad()
+    (plain, plain_grads), (engine, engine_grads) = results
+    torch.testing.assert_close(engine, plain, rtol=1e-5, atol=1e-6)
+    for got, want in zip(engine_grads, plain_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_attention_rejects_what_it_cannot_compute():
+    base = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    with pytest.raises(ConfigError, match="dropout"):
+        ZeppelinAttention(config=transformer_config(MODEL), attention_dropout=0.1, **base)
+    fused = transformer_config(MODEL)
+    fused.apply_rope_fusion = True
+    with pytest.raises(ConfigError, match="rope"):
+        ZeppelinAttention(config=fused, **base)
+    with pytest.raises(ConfigError, match="causal"):
+        ZeppelinAttention(config=transformer_config(MODEL), layer_number=1,
+                          attn_mask_type=AttnMaskType.no_mask, attention_type="self")
+    # Keyword arguments of later Megatron-Core versions are accepted.
+    ZeppelinAttention(config=transformer_config(MODEL), cp_comm_type="p2p", pg_collection=None,
+                      model_comm_pgs=None, some_future_kwarg=1, **base)
+
+
+def test_layer_spec_plugs_zeppelin_attention():
+    spec = get_zeppelin_layer_spec(use_te=False)
+    assert spec.submodules.self_attention.submodules.core_attention is ZeppelinAttention
+    # The base spec is not modified: Megatron's own local spec keeps its attention.
+    assert get_zeppelin_layer_spec(use_te=False) is not spec
