@@ -36,9 +36,9 @@ from megatron_zeppelin.errors import ConfigError, exit_on_user_error
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Mode, Plan
 from megatron_zeppelin.presets import CONFIG_ROOT
+from megatron_zeppelin.sampler import batch_budget
 from megatron_zeppelin.sampler.lengths import load_lengths
-from megatron_zeppelin.sim.simulate import (BASELINE, batch_budget, build_strategies, sample_batches, simulate,
-                                            te_cp_size)
+from megatron_zeppelin.sim.simulate import BASELINE, build_strategies, sample_batches, simulate, te_cp_size
 from megatron_zeppelin.sim.timeline import remap_time, step_timeline
 from megatron_zeppelin.topology import load_cluster
 

@@ -26,9 +26,9 @@ from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import exit_on_user_error
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.presets import CONFIG_ROOT
+from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 from megatron_zeppelin.sampler.lengths import load_lengths
-from megatron_zeppelin.sim.simulate import (BASELINE, DEFAULT_BATCH_FILL, batch_budget, build_strategies,
-                                            sample_batches, simulate, te_cp_size)
+from megatron_zeppelin.sim.simulate import BASELINE, build_strategies, sample_batches, simulate, te_cp_size
 from megatron_zeppelin.topology import load_cluster
 
 REPO = Path(__file__).resolve().parent.parent

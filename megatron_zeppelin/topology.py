@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.presets import build_dataclass, load_yaml, resolve_preset

@@ -33,34 +33,23 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_zeppelin.comm.collectives import torch_all_reduce_max
 from megatron_zeppelin.cost import CostModel
-from megatron_zeppelin.errors import ConfigError, PlanError
+from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.integration.args import check_args
 from megatron_zeppelin.integration.checkpoint import data_state, restore_sampler
 from megatron_zeppelin.integration.data import SPLITS, DocumentBlend, open_blends
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan import Plan
-from megatron_zeppelin.planner.base import PlanContext, get_planner, same_layout_linear
-from megatron_zeppelin.sampler import GlobalBatch, TokenBudgetSampler
-from megatron_zeppelin.sim.simulate import batch_budget
+from megatron_zeppelin.plan.agreement import AllReduceMax, check_same_plan
+from megatron_zeppelin.planner.base import PlanContext, get_planner
+from megatron_zeppelin.sampler import GlobalBatch, TokenBudgetSampler, batch_budget
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import build_rank_batch
 
-AllReduceMax = Callable[[Sequence[int]], Sequence[int]]
 
 
 # --------------------------------------------------------------- layer spec
-def remap_enabled(args: Any) -> bool:
-    """``--zeppelin-remap on`` and the remapping layer is installed."""
-    if args.zeppelin_remap != "on":
-        return False
-    try:
-        from megatron_zeppelin.remap import remap_module_spec  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def zeppelin_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
     """Megatron ``--spec`` builder: the GPT layer with ``ZeppelinAttention``.
 
@@ -76,7 +65,7 @@ def layer_spec_for(args: Any, transformer_config: Any) -> Any:
     """The Zeppelin layer spec for Megatron's flags and transformer config."""
     from megatron_zeppelin.megatron.spec import get_zeppelin_layer_spec
 
-    return get_zeppelin_layer_spec(qk_layernorm=bool(transformer_config.qk_layernorm), remap=remap_enabled(args),
+    return get_zeppelin_layer_spec(qk_layernorm=bool(transformer_config.qk_layernorm), remap=args.zeppelin_remap == "on",
                                    use_te=transformer_config.transformer_impl == "transformer_engine")
 
 
@@ -143,36 +132,6 @@ def __getattr__(name: str) -> Any:
         config_cls, builder_cls = _zeppelin_gpt_classes()
         return config_cls if name == "ZeppelinGPTModelConfig" else builder_cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# ------------------------------------------------------------- plan check
-class PlanMismatchError(PlanError):
-    """Ranks computed different Plans for the same global batch."""
-
-
-def check_same_plan(plan: Plan, batch_index: int, all_reduce_max: AllReduceMax) -> None:
-    """Raise :class:`PlanMismatchError` unless every rank holds ``plan``.
-
-    One all-reduce of ``[f, -f]`` with MAX gives ``max f`` and ``-min f``; they are
-    equal exactly when every rank has the same fingerprint ``f``.
-    """
-    fp = plan.fingerprint()
-    hi, neg_lo = all_reduce_max([fp, -fp])
-    if hi != fp or -neg_lo != fp:
-        raise PlanMismatchError(
-            f"ranks computed different Plans for global batch {batch_index} (fingerprints from {-neg_lo} "
-            f"to {hi}, this rank {fp}); every rank must see the same data and flags: check that "
-            "--data-path files, --seed, --seq-length, the --zeppelin-* flags and the megatron-zeppelin "
-            "version are identical on every node")
-
-
-def torch_all_reduce_max(device: torch.device) -> AllReduceMax:
-    """All-reduce (MAX) of a few int64 values over the default process group."""
-    def reduce(values: Sequence[int]) -> list[int]:
-        t = torch.tensor(list(values), dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.tolist()
-    return reduce
 
 
 # ------------------------------------------------------------------ batches
@@ -321,17 +280,12 @@ def plan_topology(topology: Topology, world_size: int, tp: int, tp_rank: int) ->
 
 
 def build_plan_fn(planner: str, cost: CostModel, tokens_per_gpu: int, remap: bool,
-                  time_limit_s: float) -> Callable[[Sequence[int]], Plan]:
+                  time_limit_s: float, tp_size: int = 1) -> Callable[[Sequence[int]], Plan]:
     """``seq_lens -> validated Plan`` (the linear layout is the attention layout without remap)."""
     impl = get_planner(planner)
-    ctx = PlanContext(cost=cost, tokens_per_gpu=tokens_per_gpu, time_limit_s=time_limit_s)
-
-    def make_plan(seq_lens: Sequence[int]) -> Plan:
-        plan = impl.plan(list(seq_lens), ctx)
-        if not remap:
-            plan = dataclasses.replace(plan, linear=same_layout_linear(plan.world_size, plan.attention))
-        return plan.validate()
-    return make_plan
+    ctx = PlanContext(cost=cost, tokens_per_gpu=tokens_per_gpu, time_limit_s=time_limit_s,
+                      tp_size=tp_size, remap_enabled=remap)
+    return lambda seq_lens: impl.plan(list(seq_lens), ctx).validate()
 
 
 def _data_parallel_group(tp: int, dp: int) -> dist.ProcessGroup:
@@ -385,12 +339,9 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
     plan_cluster.topology.check_world_size(dp)
     model = model_config_from_args(args)
     routing = args.zeppelin_routing == "on"
-    if args.zeppelin_remap == "on" and not remap_enabled(args) and dist.get_rank() == 0:
-        print("zeppelin: --zeppelin-remap on: the remapping layer is not installed; the linear modules "
-              "run on the attention layout", flush=True)
     cost = CostModel(plan_cluster, model, routing=routing)
-    make_plan = build_plan_fn(args.zeppelin_planner, cost, args.zeppelin_tokens_per_gpu, remap_enabled(args),
-                              args.zeppelin_planner_time_limit)
+    make_plan = build_plan_fn(args.zeppelin_planner, cost, args.zeppelin_tokens_per_gpu,
+                              args.zeppelin_remap == "on", args.zeppelin_planner_time_limit, tp)
     communicator = _build_communicator(_data_parallel_group(tp, dp), own_cluster.topology, cost, routing,
                                        getattr(args, "params_dtype", torch.float32), device)
     backend = get_backend(args.zeppelin_backend)

@@ -27,6 +27,23 @@ import numpy as np
 from megatron_zeppelin.errors import ConfigError
 
 
+#: Fraction of the cluster's token capacity (tokens per GPU x GPUs) a global batch
+#: fills.  A little slack lets whole-sequence packers (te_cp's THD replicas,
+#: packing_dp) place every batch, as their own data loaders would, and leaves
+#: the zeppelin planner room for its zigzag chunk granularity; 1.0 fills the
+#: memory exactly and often leaves no feasible placement.
+DEFAULT_BATCH_FILL = 0.95
+
+
+def batch_budget(tokens_per_gpu: int, world_size: int, max_seq_len: int,
+                 fill: float = DEFAULT_BATCH_FILL) -> int:
+    """Global batch token budget: ``fill`` of the cluster's capacity, never below
+    one full-length sequence (the sampler must be able to place one)."""
+    if not 0 < fill <= 1:
+        raise ConfigError(f"--batch-fill must be in (0, 1], got {fill}")
+    return max(max_seq_len, int(fill * tokens_per_gpu * world_size))
+
+
 @dataclass(frozen=True)
 class Piece:
     """Tokens ``[start, end)`` of one document: the unit the sampler places in batches."""

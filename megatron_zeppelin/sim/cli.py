@@ -22,11 +22,12 @@ from megatron_zeppelin.errors import ConfigError, exit_on_user_error
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.presets import CONFIG_ROOT
+from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 from megatron_zeppelin.sampler.lengths import load_lengths
 from megatron_zeppelin.sim.progress import Progress
-from megatron_zeppelin.sim.simulate import (BASELINE, DEFAULT_BATCH_FILL, STRATEGY_NAMES, SimResult, Strategy,
-                                            batch_budget, build_strategies, format_table, infeasible_notes,
-                                            sample_batches, simulate, te_cp_size)
+from megatron_zeppelin.sim.simulate import (BASELINE, STRATEGY_NAMES, SimResult, Strategy, build_strategies,
+                                            format_table, infeasible_notes, sample_batches, simulate,
+                                            te_cp_size)
 from megatron_zeppelin.topology import load_cluster
 
 DEFAULT_LENGTHS = "synthetic-longtail"

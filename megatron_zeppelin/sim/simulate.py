@@ -26,11 +26,6 @@ from megatron_zeppelin.sim.timeline import StepTimeline, step_timeline
 
 #: The baseline every speedup is measured against.
 BASELINE = "te_cp"
-#: Fraction of the cluster's token capacity (tokens per GPU x GPUs) a global batch
-#: fills.  A little slack lets whole-sequence packers (te_cp's THD replicas,
-#: packing_dp) place every batch, as their own data loaders would; 1.0 fills
-#: the memory exactly and often leaves them no feasible packing.
-DEFAULT_BATCH_FILL = 0.95
 
 
 @dataclass(frozen=True)
@@ -92,15 +87,6 @@ def te_cp_size(max_seq_len: int, tokens_per_gpu: int) -> int:
     while max_seq_len > c * tokens_per_gpu:
         c *= 2
     return c
-
-
-def batch_budget(tokens_per_gpu: int, world_size: int, max_seq_len: int,
-                 fill: float = DEFAULT_BATCH_FILL) -> int:
-    """Global batch token budget: ``fill`` of the cluster's capacity, never below
-    one full-length sequence (the sampler must be able to place one)."""
-    if not 0 < fill <= 1:
-        raise ConfigError(f"--batch-fill must be in (0, 1], got {fill}")
-    return max(max_seq_len, int(fill * tokens_per_gpu * world_size))
 
 
 def sample_batches(doc_lengths: np.ndarray, *, max_seq_len: int, tokens_per_batch: int, steps: int,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 
 STRATEGIES = ("zeppelin", "reference", "te_cp", "packing_dp", "megatron_hybrid_cp", "flexsp")
 
@@ -36,7 +37,8 @@ class TrainConfig:
     max_seq_len: int
     """Longest sequence; longer documents are cut into pieces."""
     tokens_per_gpu: int
-    """Per-rank token budget: global batch = this x world size; also the planner's cap."""
+    """Per-rank token cap of the planners; the global batch is ``batch_fill`` x
+    this x world size tokens."""
     steps: int
     """Optimizer steps to run (after a ``--load``, counted from the checkpoint's step)."""
     seed: int
@@ -45,10 +47,13 @@ class TrainConfig:
     """Adam learning rate."""
     dtype: str = "fp32"
     """``fp32`` or ``bf16`` parameters and activations."""
-    routing: bool = False
+    routing: bool = True
     """Route inter-node transfers over every NIC of a node (routing layer)."""
-    remap: bool = False
+    remap: bool = True
     """Token-balanced linear layout through the remapping layer."""
+    batch_fill: float = DEFAULT_BATCH_FILL
+    """Fraction of the cluster's token capacity a global batch fills (slack lets
+    every strategy place every batch)."""
     json_log: str | None = None
     """Append one JSON line per step to this file."""
     save: str | None = None
@@ -67,6 +72,11 @@ class TrainConfig:
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """Global batch token budget."""
+        return batch_budget(self.tokens_per_gpu, self.world_size, self.max_seq_len, self.batch_fill)
 
     def check(self) -> "TrainConfig":
         """Cheap checks before any process starts (each names the fix)."""
@@ -94,6 +104,7 @@ class TrainConfig:
         if self.load is not None and not Path(self.load).is_dir():
             raise ConfigError(f"--load {self.load!r} is not a directory; pass the --save directory "
                               "of an earlier run")
+        batch_budget(self.tokens_per_gpu, self.world_size, self.max_seq_len, self.batch_fill)  # checks the fill
         if self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
         return self
@@ -125,8 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--routing", type=_on_off, default=False, metavar="on|off")
-    p.add_argument("--remap", type=_on_off, default=False, metavar="on|off")
+    p.add_argument("--routing", type=_on_off, default=True, metavar="on|off",
+                   help="routed inter-node transfers over every NIC (default on)")
+    p.add_argument("--remap", type=_on_off, default=True, metavar="on|off",
+                   help="token-balanced layout for the MLPs (default on)")
+    p.add_argument("--batch-fill", type=float, default=DEFAULT_BATCH_FILL,
+                   help=f"global batch = this x tokens-per-gpu x world tokens (default {DEFAULT_BATCH_FILL})")
     p.add_argument("--json-log", metavar="OUT.jsonl")
     p.add_argument("--save", metavar="DIR")
     p.add_argument("--load", metavar="DIR")
@@ -144,5 +159,5 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         nodes=a.nodes, gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, cluster=a.cluster,
         strategy=a.strategy, model=a.model, lengths=a.lengths, data=a.data, max_seq_len=a.max_seq_len,
         tokens_per_gpu=a.tokens_per_gpu, steps=a.steps, seed=a.seed, lr=a.lr, dtype=a.dtype,
-        routing=a.routing, remap=a.remap, json_log=a.json_log, save=a.save, load=a.load,
+        routing=a.routing, remap=a.remap, batch_fill=a.batch_fill, json_log=a.json_log, save=a.save, load=a.load,
         dump_plans=a.dump_plans, backend=a.backend, timeout_s=a.timeout, quiet=a.quiet).check()

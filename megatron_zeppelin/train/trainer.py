@@ -10,7 +10,6 @@ world, so every strategy computes the same gradient as plain data parallelism.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import time
 from dataclasses import dataclass
@@ -23,12 +22,14 @@ import torch.distributed as dist
 from megatron_zeppelin.attention.backends import AttentionBackend, get_backend
 from megatron_zeppelin.attention.engine import AttentionCounter
 from megatron_zeppelin.comm.base import ByteCounters, Communicator
+from megatron_zeppelin.comm.collectives import torch_all_reduce_max
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import ConfigError, PlanError
 from megatron_zeppelin.megatron import build_gpt_model, build_packed_seq_params
 from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.plan import Plan
-from megatron_zeppelin.planner.base import PlanContext, get_planner, same_layout_linear
+from megatron_zeppelin.plan.agreement import check_same_plan
+from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.sampler import GlobalBatch, ZeppelinBatchSampler
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import (TokenSource, build_rank_batch, make_token_source,
@@ -86,13 +87,13 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
     model_cfg = load_model(cfg.model)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     # The reference's linear layout is its attention layout: nothing to remap.
-    remap = cfg.remap and cfg.strategy != REFERENCE and _remap_available(note)
+    remap = cfg.remap and cfg.strategy != REFERENCE
     torch.manual_seed(cfg.seed)  # Megatron's CPU init draws from torch's default generator
     model = build_gpt_model(model_cfg, max_seq_len=cfg.max_seq_len, dtype=dtype, remap=remap).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     source, doc_lengths = make_token_source(cfg.lengths, cfg.data, cfg.seed, model_cfg.vocab_size)
     sampler = ZeppelinBatchSampler(doc_lengths, max_seq_len=cfg.max_seq_len,
-                                   tokens_per_batch=cfg.tokens_per_gpu * world_size, seed=cfg.seed)
+                                   tokens_per_batch=cfg.tokens_per_batch, seed=cfg.seed)
     counters = ByteCounters()
     comm = None if cfg.strategy == REFERENCE else make_communicator(cfg, cluster, model_cfg, counters,
                                                                      dtype, device, note)
@@ -103,14 +104,6 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
     if cfg.load:
         load_checkpoint(run, Path(cfg.load))
     return run
-
-
-def _remap_available(note: Callable[[str], None]) -> bool:
-    if importlib.util.find_spec("megatron_zeppelin.remap") is None:
-        note("--remap on: the remapping layer is not available; running with the linear "
-             "layout equal to the attention layout")
-        return False
-    return True
 
 
 def make_communicator(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfig,
@@ -136,14 +129,12 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
     if cfg.strategy == REFERENCE:
         return lambda lens: reference_plan(lens, topo.world_size, topo.gpus_per_node)
     planner = get_planner(cfg.strategy)
+    # Without the remapping layer the linear modules see the attention layout.
     ctx = PlanContext(cost=CostModel(cluster, model_cfg, routing=cfg.routing),
-                      tokens_per_gpu=cfg.tokens_per_gpu)
+                      tokens_per_gpu=cfg.tokens_per_gpu, remap_enabled=remap)
 
     def make_plan(seq_lens: Sequence[int]) -> Plan:
         plan = planner.plan(list(seq_lens), ctx)
-        if not remap:
-            # Without the remapping layer the linear modules see the attention layout.
-            plan = dataclasses.replace(plan, linear=same_layout_linear(plan.world_size, plan.attention))
         try:
             return plan.validate()
         except PlanError as exc:
@@ -151,20 +142,11 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
     return make_plan
 
 
-def check_same_plan(plan: Plan, device: torch.device) -> None:
-    """Every rank planned independently: prove they agree (min == max fingerprint)."""
-    fp = torch.tensor([plan.fingerprint(), -plan.fingerprint()], dtype=torch.int64, device=device)
-    dist.all_reduce(fp, op=dist.ReduceOp.MAX)
-    if fp[0].item() != -fp[1].item():
-        raise RuntimeError("ranks computed different Plans for the same batch; the planner must be "
-                           "deterministic (same input, same plan on every rank)")
-
-
 def train_step(run: Run, batch: GlobalBatch) -> StepRecord:
     """Plan, forward, backward, all-reduce and update for one global batch."""
     t0 = time.perf_counter()
     plan = run.make_plan(batch.seq_lens)
-    check_same_plan(plan, run.device)
+    check_same_plan(plan, batch.index, torch_all_reduce_max(run.device))
     if run.cfg.dump_plans and run.rank == 0:
         out = Path(run.cfg.dump_plans)
         out.mkdir(parents=True, exist_ok=True)

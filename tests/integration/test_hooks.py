@@ -12,11 +12,10 @@ from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.integration import SPEC, add_zeppelin_args
 from megatron_zeppelin.integration.checkpoint import restore_sampler
 from megatron_zeppelin.integration.data import open_blends
+from megatron_zeppelin.plan.agreement import PlanMismatchError, check_same_plan
 from megatron_zeppelin.integration.hooks import (
-    PlanMismatchError,
     ZeppelinLoader,
     build_plan_fn,
-    check_same_plan,
     format_plan_log,
     get_batch,
     get_batch_by_keys,
@@ -25,7 +24,7 @@ from megatron_zeppelin.integration.hooks import (
     record_batch,
 )
 from megatron_zeppelin.model_config import load_model
-from megatron_zeppelin.sim.simulate import batch_budget
+from megatron_zeppelin.sampler import batch_budget
 from megatron_zeppelin.topology import Topology, load_cluster
 
 from tests.integration.indexed_data import doc_tokens

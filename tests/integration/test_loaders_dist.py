@@ -97,8 +97,9 @@ def _plan_check_case(rank, world_size, lens_by_rank):
     import torch
 
     from megatron_zeppelin.cost import CostModel
-    from megatron_zeppelin.integration.hooks import PlanMismatchError, build_plan_fn, check_same_plan
-    from megatron_zeppelin.integration.hooks import torch_all_reduce_max
+    from megatron_zeppelin.comm.collectives import torch_all_reduce_max
+    from megatron_zeppelin.integration.hooks import build_plan_fn
+    from megatron_zeppelin.plan.agreement import PlanMismatchError, check_same_plan
     from megatron_zeppelin.model_config import load_model
     from megatron_zeppelin.topology import load_cluster
 

@@ -22,7 +22,7 @@ LOCAL, RING, ULYSSES = Mode.LOCAL, Mode.RING, Mode.ULYSSES
 
 
 def make_cost(nodes: int = 2, gpus: int = 2, nics: int = 2, routing: bool = True) -> CostModel:
-    cluster = load_cluster("cpu-sim")
+    cluster = load_cluster("h100-8x400g")
     topo = Topology(nodes=nodes, gpus_per_node=gpus, nics_per_node=nics)
     return CostModel(dataclasses.replace(cluster, topology=topo), load_model("llama-7b"), routing=routing)
 

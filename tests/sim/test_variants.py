@@ -17,7 +17,8 @@ from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Mode, Plan, Span, placement
 from megatron_zeppelin.planner.base import PlanContext, same_layout_linear
-from megatron_zeppelin.sim.simulate import (BASELINE, STRATEGY_NAMES, VARIANTS, batch_budget, build_strategies,
+from megatron_zeppelin.sampler import batch_budget
+from megatron_zeppelin.sim.simulate import (BASELINE, STRATEGY_NAMES, VARIANTS, build_strategies,
                                             sample_batches, simulate, te_cp_size, uses_routing)
 from megatron_zeppelin.topology import LinkSpec, Topology, load_cluster
 
