@@ -49,6 +49,10 @@ class TrainConfig:
     """``fp32`` or ``bf16`` parameters and activations."""
     routing: bool = True
     """Route inter-node transfers over every NIC of a node (routing layer)."""
+    min_routed_bytes: float | None = None
+    """Cross-node messages smaller than this go direct.  None: the cost model's
+    break-even on GPUs; 0 on a simulated CPU cluster, whose loopback links have
+    no cost worth modelling, so every cross-node message exercises the routing."""
     remap: bool = True
     """Token-balanced linear layout through the remapping layer."""
     batch_fill: float = DEFAULT_BATCH_FILL
@@ -105,6 +109,8 @@ class TrainConfig:
             raise ConfigError(f"--load {self.load!r} is not a directory; pass the --save directory "
                               "of an earlier run")
         batch_budget(self.tokens_per_gpu, self.world_size, self.max_seq_len, self.batch_fill)  # checks the fill
+        if self.min_routed_bytes is not None and self.min_routed_bytes < 0:
+            raise ConfigError(f"--min-routed-bytes must be >= 0, got {self.min_routed_bytes}")
         if self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
         return self
@@ -138,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--routing", type=_on_off, default=True, metavar="on|off",
                    help="routed inter-node transfers over every NIC (default on)")
+    p.add_argument("--min-routed-bytes", type=float, default=None, metavar="BYTES",
+                   help="cross-node messages below this go direct (default: the cost model's break-even "
+                        "on GPUs, 0 on a simulated CPU cluster)")
     p.add_argument("--remap", type=_on_off, default=True, metavar="on|off",
                    help="token-balanced layout for the MLPs (default on)")
     p.add_argument("--batch-fill", type=float, default=DEFAULT_BATCH_FILL,
@@ -159,5 +168,5 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         nodes=a.nodes, gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, cluster=a.cluster,
         strategy=a.strategy, model=a.model, lengths=a.lengths, data=a.data, max_seq_len=a.max_seq_len,
         tokens_per_gpu=a.tokens_per_gpu, steps=a.steps, seed=a.seed, lr=a.lr, dtype=a.dtype,
-        routing=a.routing, remap=a.remap, batch_fill=a.batch_fill, json_log=a.json_log, save=a.save, load=a.load,
+        routing=a.routing, min_routed_bytes=a.min_routed_bytes, remap=a.remap, batch_fill=a.batch_fill, json_log=a.json_log, save=a.save, load=a.load,
         dump_plans=a.dump_plans, backend=a.backend, timeout_s=a.timeout, quiet=a.quiet).check()

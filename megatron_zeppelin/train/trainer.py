@@ -115,9 +115,10 @@ def make_communicator(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: Model
     group = dist.new_group(list(range(cluster.topology.world_size)))
     if cfg.routing:
         from megatron_zeppelin.comm.routing import RoutedCommunicator, min_routed_bytes
-        return RoutedCommunicator(group, cluster.topology, counters,
-                                  min_routed_bytes(CostModel(cluster, model_cfg)), dtype=dtype,
-                                  device=device)
+        threshold = cfg.min_routed_bytes
+        if threshold is None:
+            threshold = 0.0 if device.type == "cpu" else min_routed_bytes(CostModel(cluster, model_cfg))
+        return RoutedCommunicator(group, cluster.topology, counters, threshold, dtype=dtype, device=device)
     from megatron_zeppelin.comm.direct import DirectCommunicator
     return DirectCommunicator(group, topology=cluster.topology, counters=counters)
 
