@@ -18,6 +18,7 @@ the least any layout with these targets can send over the NICs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -81,6 +82,13 @@ def balance_linear(attention: Sequence[SeqPlacement], seq_lens: Sequence[int], w
     held = [0] * w
     for p in attention:
         seq = p.seq
+        if len(p.ranks) == 1 and len(p.shards[0]) == 1:
+            # Local sequences (most of a batch): one span, no inner loops.
+            (s, e), = p.shards[0]
+            rank = p.ranks[0]
+            buffers[rank].append(Span(seq, s, e))
+            held[rank] += e - s
+            continue
         for rank, ranges in zip(p.ranks, p.shards):
             buf = buffers[rank]
             for s, e in ranges:
@@ -131,6 +139,57 @@ def balance_linear(attention: Sequence[SeqPlacement], seq_lens: Sequence[int], w
     # Inter-node level: only each node's net surplus is left to cross the NICs.
     match([s for s in senders if s.left], [d for d in receivers if d[1] > 0])
     return tuple(tuple(spans) for spans in linear)
+
+
+@dataclass(frozen=True)
+class RemapVolume:
+    """What :func:`balance_linear` moves for given per-rank token counts, from the
+    counts alone (a planner prices the remap of a candidate before building it)."""
+
+    intra_sent: np.ndarray
+    """Tokens each rank sends to ranks of its own node."""
+    intra_received: np.ndarray
+    """Tokens each rank receives from ranks of its own node."""
+    inter_sent: np.ndarray
+    """Tokens each rank sends to other nodes."""
+    inter_received: np.ndarray
+    """Tokens each rank receives from other nodes."""
+    peers: np.ndarray
+    """Distinct ranks each rank exchanges tokens with (one message each)."""
+
+
+def remap_volume(held: Sequence[int], gpus_per_node: int) -> RemapVolume:
+    """Per-rank volumes of :func:`balance_linear`'s matching (same targets, same
+    two-pointer order: intra-node first, then each node's net surplus in rank
+    order), vectorised: O(W g) instead of building spans."""
+    held = np.asarray(held, dtype=np.int64)
+    w, g = len(held), gpus_per_node
+    targets = np.asarray(linear_targets(held, int(held.sum())), dtype=np.int64)
+    surplus, deficit = np.maximum(held - targets, 0), np.maximum(targets - held, 0)
+    # Intra-node: per node, the first min(surplus, deficit) tokens of each side
+    # in rank order are matched.
+    s, d = surplus.reshape(-1, g), deficit.reshape(-1, g)
+    moved = np.minimum(s.sum(axis=1), d.sum(axis=1))[:, None]
+    s_hi, d_hi = np.minimum(np.cumsum(s, axis=1), moved), np.minimum(np.cumsum(d, axis=1), moved)
+    s_lo, d_lo = np.minimum(np.cumsum(s, axis=1) - s, moved), np.minimum(np.cumsum(d, axis=1) - d, moved)
+    # Sender i and receiver j exchange a message when their intervals overlap.
+    pairs = (s_lo[:, :, None] < d_hi[:, None, :]) & (d_lo[:, None, :] < s_hi[:, :, None]) \
+        & (s_hi > s_lo)[:, :, None] & (d_hi > d_lo)[:, None, :]
+    peers = (pairs.sum(axis=2) + pairs.sum(axis=1)).reshape(-1)
+    intra_sent, intra_received = (s_hi - s_lo).reshape(-1), (d_hi - d_lo).reshape(-1)
+    # Inter-node: the leftovers, one global two-pointer pass in rank order.
+    out, inn = surplus - intra_sent, deficit - intra_received
+    out_hi, in_hi = np.cumsum(out), np.cumsum(inn)
+    out_lo, in_lo = out_hi - out, in_hi - inn
+    senders, receivers = out > 0, inn > 0
+    starts, ends = in_lo[receivers], in_hi[receivers]
+    # Partners of an interval [lo, hi): those starting before hi minus those ending by lo.
+    peers[senders] += np.searchsorted(starts, out_hi[senders]) \
+        - np.searchsorted(ends, out_lo[senders], "right")
+    starts, ends = out_lo[senders], out_hi[senders]
+    peers[receivers] += np.searchsorted(starts, in_hi[receivers]) \
+        - np.searchsorted(ends, in_lo[receivers], "right")
+    return RemapVolume(intra_sent, intra_received, out, inn, peers)
 
 
 class _Tail:

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, Plan, Span, placement
-from megatron_zeppelin.planner.linear_layout import balance_linear, linear_targets
+from megatron_zeppelin.planner.linear_layout import balance_linear, linear_targets, remap_volume
 
 
 def _plan(lens, placements, world, gpn, cap=None) -> Plan:
@@ -140,3 +140,24 @@ def test_cap_and_coverage_errors_are_clear():
         balance_linear(placements, [8], 2, 2, token_cap=3)
     with pytest.raises(InfeasibleError, match="place every sequence exactly once"):
         balance_linear(placements, [8, 5], 2, 2)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(attention_layouts())
+def test_remap_volume_matches_the_schedule(layout):
+    # The planner prices the remap from token counts alone: every per-rank
+    # volume and peer count must equal what balance_linear's layout moves.
+    lens, placements, world, gpn = layout
+    plan = _plan(lens, placements, world, gpn)
+    volume = remap_volume(plan.attention_tokens_per_rank(), gpn)
+    intra_out, intra_in, inter_out, inter_in = ([0] * world for _ in range(4))
+    peers: list[set[int]] = [set() for _ in range(world)]
+    for t in plan.remap_schedule():
+        peers[t.src].add(t.dst)
+        peers[t.dst].add(t.src)
+        same = t.src // gpn == t.dst // gpn
+        (intra_out if same else inter_out)[t.src] += t.length
+        (intra_in if same else inter_in)[t.dst] += t.length
+    assert volume.intra_sent.tolist() == intra_out and volume.intra_received.tolist() == intra_in
+    assert volume.inter_sent.tolist() == inter_out and volume.inter_received.tolist() == inter_in
+    assert volume.peers.tolist() == [len(p) for p in peers]
