@@ -10,6 +10,7 @@ output layer, loss -- is Megatron's.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -58,7 +59,9 @@ def transformer_config(model: ModelConfig, *, dtype: torch.dtype = torch.float32
         params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=cpu_init,
         # Fusions need CUDA kernels; fused RoPE would also ignore per-token positions.
         apply_rope_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False)
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        # Megatron's default "full" is deprecated (and warns on every rank); [] means the same.
+        cuda_graph_scope=[])
 
 
 def build_gpt_model(model: ModelConfig, *, max_seq_len: int, dtype: torch.dtype = torch.float32,
@@ -67,7 +70,15 @@ def build_gpt_model(model: ModelConfig, *, max_seq_len: int, dtype: torch.dtype 
     torch's default generator (also on GPU machines: seeding that generator
     identically on every rank gives identical replicas; move it with ``.to``)."""
     config = transformer_config(model, dtype=dtype, cpu_init=True)
-    return ZeppelinGPTModel(
-        config=config, transformer_layer_spec=get_zeppelin_layer_spec(remap=remap, use_te=use_te),
-        vocab_size=model.vocab_size, max_sequence_length=max_seq_len,
-        position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    # Megatron logs "Unknown MLP type" for the remap wrapper around the MLP (it
+    # checks the exact class); the wrapped MLP still gets Megatron's default groups.
+    layer_log = logging.getLogger("megatron.core.transformer.transformer_layer")
+    level = layer_log.level
+    layer_log.setLevel(logging.ERROR)
+    try:
+        return ZeppelinGPTModel(
+            config=config, transformer_layer_spec=get_zeppelin_layer_spec(remap=remap, use_te=use_te),
+            vocab_size=model.vocab_size, max_sequence_length=max_seq_len,
+            position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    finally:
+        layer_log.setLevel(level)

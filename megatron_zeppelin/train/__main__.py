@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Sequence
 
 from megatron_zeppelin.errors import exit_on_user_error
@@ -11,6 +12,9 @@ from megatron_zeppelin.errors import exit_on_user_error
 def main(argv: Sequence[str] | None = None) -> None:
     if sys.argv and sys.argv[0].endswith("__main__.py"):
         sys.argv[0] = "megatron_zeppelin.train"  # error lines name the command, not __main__.py
+    # megatron.core warns at import that TransformerEngine/Apex are missing; on a
+    # CPU run that is expected, and the backend in use is printed per run anyway.
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
     from megatron_zeppelin.train.cli import parse_args
     from megatron_zeppelin.train.launch import ChildFailed, launch
 

@@ -68,11 +68,25 @@ class StepRecord:
                 f"| tiers local {p.local} intra {p.intra} inter {p.inter} ulysses {p.ulysses} "
                 f"| pairs max/mean {self.pair_imbalance:.2f} "
                 f"| bytes intra {_mb(self.intra_node_bytes)} inter {_mb(inter)} "
+                f"NICs {nic_bars(self.inter_node_per_nic)} "
                 f"| {self.num_tokens} tok {self.step_time_s:.2f}s")
 
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.2f}MB"
+
+
+_BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+def nic_bars(per_nic: list[list[int]]) -> str:
+    """One block character per NIC, height = its inter-node bytes relative to the
+    busiest NIC, nodes in brackets: ``[████][████]`` is perfectly
+    spread, ``[   █][   █]`` is one NIC per node doing all the work."""
+    top = max((b for node in per_nic for b in node), default=0)
+    if top == 0:
+        return "idle"
+    return "".join("[" + "".join(_BLOCKS[round(8 * b / top)] for b in node) + "]" for node in per_nic)
 
 
 class StepLogger:
@@ -90,6 +104,11 @@ class StepLogger:
             self._json.flush()
         if self._console is not None:
             print(record.summary(self._total), file=self._console, flush=True)
+
+    def header(self, message: str) -> None:
+        """What the run is about to do (console only)."""
+        if self._console is not None:
+            print(message, file=self._console, flush=True)
 
     def note(self, message: str) -> None:
         """A one-off notice (e.g. a feature that is not available); printed even when quiet."""

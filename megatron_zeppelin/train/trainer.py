@@ -71,7 +71,7 @@ class Run:
     backend: AttentionBackend
     source: TokenSource
     remap: bool
-    """The MLPs run on the plan's linear layout (``--remap on`` and the layer exists)."""
+    """The MLPs run on the plan's linear layout (``--remap on``, not the reference)."""
     step: int = 0
 
     @property
@@ -239,6 +239,18 @@ def load_checkpoint(run: Run, directory: Path) -> None:
     run.step = int(state["step"])
 
 
+def describe(run: Run) -> str:
+    """One line saying what this run does."""
+    cfg, topo, m = run.cfg, run.cluster.topology, run.model_cfg
+    on = {True: "on", False: "off"}
+    features = ("plain attention, no communication" if cfg.strategy == REFERENCE else
+                f"{type(run.backend).__name__} kernels, routing {on[cfg.routing]}, remap {on[run.remap]}")
+    return (f"{cfg.strategy} on {topo.nodes} nodes x {topo.gpus_per_node} GPUs ({topo.nics_per_node} NICs "
+            f"per node, {'gloo on CPU' if run.device.type == 'cpu' else 'NCCL'}); model {m.name} "
+            f"({m.num_layers} layers, hidden {m.hidden_size}); {features}; {cfg.steps} steps of at most "
+            f"{cfg.tokens_per_batch} tokens, cap {cfg.tokens_per_gpu} per GPU")
+
+
 def run_rank(cfg: TrainConfig, rank: int, world_size: int, device: torch.device) -> None:
     """Train ``cfg.steps`` steps in total (a ``--load`` run continues up to it)."""
     from megatron.core import parallel_state, tensor_parallel
@@ -249,6 +261,7 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, device: torch.device)
     note = logger.note if rank == 0 else (lambda message: None)
     try:
         run = build_run(cfg, rank, world_size, device, note)
+        logger.header(describe(run))
         batches = iter(run.sampler)
         while run.step < cfg.steps:
             record = train_step(run, next(batches))
