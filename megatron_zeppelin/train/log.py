@@ -34,6 +34,10 @@ class StepRecord:
     """Bytes sent between GPUs of the same node (all layers, forward and backward)."""
     inter_node_per_nic: Sequence[Sequence[int]]
     """``[node][nic]`` bytes sent through each NIC (all layers, forward and backward)."""
+    remap_intra_node_bytes: int
+    """Of ``intra_node_bytes``: what the layout switches (remap) sent inside nodes."""
+    remap_inter_node_bytes: int
+    """Bytes the layout switches sent to other nodes (counted in ``inter_node_per_nic`` too)."""
     step_time_s: float
     """Wall time of the step on rank 0 (plan, forward, backward, optimizer)."""
 
@@ -47,7 +51,9 @@ class StepRecord:
             "linear_tokens_per_rank": list(self.linear_tokens_per_rank),
             "attention_tokens_per_rank": list(self.attention_tokens_per_rank),
             "bytes": {"intra_node": self.intra_node_bytes,
-                      "inter_node_per_nic": [list(n) for n in self.inter_node_per_nic]},
+                      "inter_node_per_nic": [list(n) for n in self.inter_node_per_nic],
+                      "remap_intra_node": self.remap_intra_node_bytes,
+                      "remap_inter_node": self.remap_inter_node_bytes},
             "step_time_s": self.step_time_s,
         }
 

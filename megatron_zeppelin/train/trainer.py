@@ -29,6 +29,7 @@ from megatron_zeppelin.megatron import build_gpt_model, build_packed_seq_params
 from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.agreement import check_same_plan
+from megatron_zeppelin.remap import RemapContext, RemapCounters, set_remap_context
 from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.sampler import GlobalBatch, ZeppelinBatchSampler
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
@@ -68,6 +69,8 @@ class Run:
     make_plan: Callable[[Sequence[int]], Plan]
     comm: Communicator | None
     counters: ByteCounters
+    remap_counters: RemapCounters
+    """Bytes the layout switches sent (also inside ``counters``: same communicator)."""
     backend: AttentionBackend
     source: TokenSource
     remap: bool
@@ -100,6 +103,7 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
     run = Run(cfg=cfg, rank=rank, world_size=world_size, device=device, cluster=cluster,
               model_cfg=model_cfg, model=model, optimizer=optimizer, sampler=sampler,
               make_plan=make_planner(cfg, cluster, model_cfg, remap), comm=comm, counters=counters,
+              remap_counters=RemapCounters(),
               backend=get_backend(cfg.backend), source=source, remap=remap)
     if cfg.load:
         load_checkpoint(run, Path(cfg.load))
@@ -156,14 +160,15 @@ def train_step(run: Run, batch: GlobalBatch) -> StepRecord:
     pad = 0 if spans else 1  # Megatron's layers cannot run on zero tokens
     data = build_rank_batch(spans, batch.pieces, run.source, run.device, pad_tokens=pad)
     run.counters.reset()
+    run.remap_counters.reset()
     pairs = AttentionCounter()
     packed = build_packed_seq_params(
         spans, plan=None if plan.strategy == REFERENCE else plan, rank=run.rank,
         communicator=run.comm, backend=run.backend, device=run.device, pad_tokens=pad,
         counters=pairs)
     if run.remap:
-        from megatron_zeppelin.remap import RemapContext, set_remap_context
-        set_remap_context(run.model, RemapContext(plan=plan, rank=run.rank, comm=run.comm))
+        set_remap_context(run.model, RemapContext(plan=plan, rank=run.rank, comm=run.comm,
+                                                  counters=run.remap_counters))
     label_count = num_label_tokens(batch.seq_lens)
     token_loss = run.model(data.tokens[None], packed.position_ids[None], None,
                            labels=data.labels[None], packed_seq_params=packed)  # [1, t]
@@ -175,7 +180,8 @@ def train_step(run: Run, batch: GlobalBatch) -> StepRecord:
     stats = torch.tensor([loss_sum.item(), pairs.forward_pairs // run.model_cfg.num_layers,
                           run.counters.intra_node,
                           *[run.counters.inter_node_per_nic.get(n, 0)
-                            for n in range(run.topology.nics_per_node)]],
+                            for n in range(run.topology.nics_per_node)],
+                          run.remap_counters.remap_intra_node, run.remap_counters.remap_inter_node],
                          dtype=torch.float64, device=run.device)
     gathered = [torch.empty_like(stats) for _ in range(run.world_size)]
     dist.all_gather(gathered, stats)
@@ -197,7 +203,9 @@ def _record(run: Run, plan: Plan, batch: GlobalBatch, rows: torch.Tensor, grad_n
         attn_pairs_per_rank=[int(x) for x in rows[:, 1]],
         linear_tokens_per_rank=plan.linear_tokens_per_rank(),
         attention_tokens_per_rank=plan.attention_tokens_per_rank(),
-        intra_node_bytes=int(rows[:, 2].sum()), inter_node_per_nic=inter, step_time_s=seconds)
+        intra_node_bytes=int(rows[:, 2].sum()), inter_node_per_nic=inter,
+        remap_intra_node_bytes=int(rows[:, -2].sum()), remap_inter_node_bytes=int(rows[:, -1].sum()),
+        step_time_s=seconds)
 
 
 def allreduce_grads(model: torch.nn.Module) -> float:

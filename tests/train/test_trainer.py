@@ -78,8 +78,17 @@ def test_remap_and_routing_keep_the_losses(runs):
         assert z["loss"] == pytest.approx(r["loss"], rel=1e-4)
         linear, attention = z["linear_tokens_per_rank"], z["attention_tokens_per_rank"]
         assert sum(linear) == sum(attention) == z["num_tokens"]
-    # Without the remapping layer the linear layout is the attention layout.
+    # Without the remapping layer the linear layout is the attention layout and nothing is remapped.
     assert all(z["linear_tokens_per_rank"] == z["attention_tokens_per_rank"] for z in runs["zeppelin"])
+    assert all(z["bytes"]["remap_intra_node"] == z["bytes"]["remap_inter_node"] == 0 for z in runs["zeppelin"])
+    # With it, every step whose layouts differ moves hidden states (4 switches per layer), and the
+    # remap bytes are part of what the communicator sent.
+    moved = [z for z in runs["remap"] if z["linear_tokens_per_rank"] != z["attention_tokens_per_rank"]]
+    assert moved
+    for z in moved:
+        b = z["bytes"]
+        assert b["remap_intra_node"] + b["remap_inter_node"] > 0
+        assert b["remap_intra_node"] <= b["intra_node"]
 
 
 def test_json_lines_report_what_ran(runs):
