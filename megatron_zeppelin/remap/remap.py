@@ -211,8 +211,19 @@ def with_remap(mlp_class: type) -> type:
 
 
 def remap_module_spec(mlp_spec):
-    """A Megatron-Core MLP ``ModuleSpec`` whose module runs on the linear layout
-    (no Megatron import here: the spec is a dataclass, only its class changes)."""
+    """A Megatron-Core MLP spec whose module runs on the linear layout (no Megatron
+    import here: only the MLP class changes).
+
+    Megatron-Core 0.16-0.18 give a ``ModuleSpec``; 0.19 gives
+    ``partial(MLP.as_mlp_submodule, submodules=...)``, a classmethod factory: the
+    same factory is bound to the remapping subclass instead."""
+    if isinstance(mlp_spec, functools.partial):
+        owner = getattr(mlp_spec.func, "__self__", None)
+        if not isinstance(owner, type):
+            raise ConfigError(f"cannot place the remapping layer around the MLP built by {mlp_spec.func!r} "
+                              "(expected a classmethod of an MLP class); run with remap off")
+        factory = getattr(with_remap(owner), mlp_spec.func.__name__)
+        return functools.partial(factory, *mlp_spec.args, **mlp_spec.keywords)
     module = mlp_spec.module
     if isinstance(module, tuple):  # ModuleSpec allows (import path, class name)
         module = getattr(importlib.import_module(module[0]), module[1])

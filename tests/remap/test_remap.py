@@ -162,6 +162,22 @@ def test_mlp_mixin_runs_on_the_linear_layout_and_keeps_parameter_names():
     assert torch.allclose(x.grad, mlp.linear_fc1.weight.sum(0).expand(8, 1, 4))
 
 
+def test_mlp_factory_partial_of_megatron_0_19_is_rebound_to_the_remap_class():
+    import functools
+
+    class FactoryMLP(_RecordingMLP):
+        @classmethod
+        def as_mlp_submodule(cls, submodules, config, **_):  # the shape of MLP.as_mlp_submodule
+            return cls(submodules)
+
+    spec = remap_module_spec(functools.partial(FactoryMLP.as_mlp_submodule, submodules=4))
+    mlp = spec(config=None, pg_collection=None, is_mtp_layer=False)
+    assert type(mlp) is with_remap(FactoryMLP) and hasattr(mlp, "to_linear")
+    assert [n for n, _ in mlp.named_parameters()] == ["linear_fc1.weight"]
+    with pytest.raises(ConfigError, match="remap off"):
+        remap_module_spec(functools.partial(lambda **kw: None, submodules=4))
+
+
 # ------------------------------------------------------------- multi-process
 def _there_and_back(rank, world_size, seeds, routed):
     topo = Topology(nodes=WORLD // GPN, gpus_per_node=GPN, nics_per_node=2)
