@@ -95,6 +95,19 @@ class CostModel:
         return LinkSpec(bandwidth_GBps=min(spread, dispatch_cap),
                         latency_us=nic.latency_us + 2 * nvl.latency_us)
 
+    def alltoall_link(self, ranks: Sequence[int]) -> LinkSpec:
+        """The per-GPU link of an all-to-all (Ulysses) over ``ranks``.
+
+        Inside a node that is NVLink.  Across nodes every GPU sends its share
+        through the node's NICs at the same time, so each gets ``NICs / GPUs``
+        of a NIC: unlike a ring's node boundary, there is no idle NIC for
+        routing to borrow."""
+        topo, nic, nvl = self.cluster.topology, self.cluster.nic, self.cluster.nvlink
+        if len({topo.node_of(r) for r in ranks}) == 1:
+            return nvl
+        share = nic.bandwidth_GBps * topo.nics_per_node / topo.gpus_per_node
+        return LinkSpec(bandwidth_GBps=min(share, nvl.bandwidth_GBps), latency_us=nic.latency_us)
+
     def routed(self, routing: bool) -> "CostModel":
         return replace(self, routing=routing)
 

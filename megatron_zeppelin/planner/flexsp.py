@@ -154,7 +154,7 @@ def seq_time_fn(cost: CostModel) -> Callable[[int, int], float]:
     (attention on ``heads/d``, all-to-alls, and ``1/d`` of the linear work)."""
     @lru_cache(maxsize=None)
     def t(length: int, d: int) -> float:
-        link = cost.link_for(range(d))
+        link = cost.alltoall_link(range(d))
         return cost.ulysses_cost(length, d, link).total_s + cost.linear_s(length) / d
     return t
 

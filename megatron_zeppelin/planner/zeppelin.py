@@ -52,21 +52,22 @@ class _Pass:
     ranks (beyond what the token cap forces): long sequences cannot crowd out
     the next ones."""
     spill: bool = True
-    """Allow inter-node rings where an intra-node one would do (off: only when
-    the token cap forces more ranks than a node has; Ulysses groups, whose
-    all-to-alls are priced on the link they use, may still span nodes)."""
+    """Let the inter-node tier (searched only when no intra-node group fits)
+    use rings (off: only when the token cap forces more ranks than a node has;
+    Ulysses groups, whose all-to-alls are priced on the link they use, may
+    still span nodes)."""
     remap: bool = True
     """Balance attention alone, then remap to a token-balanced linear layout
     (``PlanContext.remap_enabled``); off: the linear modules keep the attention
     layout, so attention plus linear time is balanced per rank."""
 
 
-#: Passes, per linear layout in order of usefulness: the greedy best subsets of
-#: a grid (levels 0.9-1.35, densities 0-0.4, share and spill on/off) on 10-20
-#: steps of six corpora at 64 GPUs (docs/planner.md); large clusters run only
-#: the first few of their layout.
+#: Passes, per linear layout in order of usefulness: greedy best subsets of a
+#: grid of settings on six corpora at 64 GPUs (docs/planner.md; remap on
+#: re-tuned for the all-to-all link fix, with a cheap first setting, the only
+#: one large clusters run).
 PASSES: tuple[_Pass, ...] = (
-    _Pass(1.1, 0.0, spill=False), _Pass(1.0, 0.0), _Pass(1.2, 0.0, spill=False), _Pass(1.2, 0.4),
+    _Pass(1.05, 0.0, spill=False), _Pass(1.0, 0.1), _Pass(1.05, 0.0), _Pass(1.1, 0.2),
     _Pass(1.0, 0.2, spill=False, remap=False), _Pass(0.9, 0.0, spill=False, remap=False),
     _Pass(1.0, 0.0, spill=False, remap=False), _Pass(1.1, 0.2, spill=False, remap=False))
 #: A sequence is "light" when its local attention takes at most LIGHT_TIME of
@@ -111,6 +112,8 @@ class _TierTimes:
         # link_for only distinguishes one node (NVLink) from several (NICs).
         self.intra = cost.link_for([0, 1]) if gpus_per_node > 1 else None
         self.inter = cost.link_for([0, gpus_per_node]) if nodes > 1 else None
+        # All-to-alls get no routing gain across nodes (every GPU's NIC share is busy).
+        self.a2a_inter = cost.alltoall_link([0, gpus_per_node]) if nodes > 1 else None
         self._memo: dict[tuple[int, int, bool], tuple[float, float]] = {}
 
     def ulysses(self, length: int, d: int, inter: bool) -> float:
@@ -118,7 +121,7 @@ class _TierTimes:
         key = (length, -d, inter)
         hit = self._memo.get(key)
         if hit is None:
-            hit = (self.cost.ulysses_cost(length, d, self.inter if inter else self.intra).total_s, 0.0)
+            hit = (self.cost.ulysses_cost(length, d, self.a2a_inter if inter else self.intra).total_s, 0.0)
             self._memo[key] = hit
         return hit[0]
 
@@ -369,29 +372,33 @@ class _Packer:
                 return (r,), False
         ranked = _Ranked(proj, room)
 
+        def ring_spread(k: int) -> float:
+            """The ring's total work spread over all ranks (see :func:`_lower`)."""
+            return k * self._rank_time(length, k) / self.w
+
         def ring_peak(k: int, nth: int) -> float:
             """Load of the ``nth`` least-loaded rank with room for the shard of a
             ring of ``k``, plus that shard (``nth = k``: the ring's peak)."""
             return ranked.kth(nth, self._largest_shard(length, k)) + self._rank_time(length, k) \
                 + per_token * length / k
 
-        # Intra-node sizes first, then inter-node ones: within each tier a
-        # ring's per-rank time falls with k (its total work grows), across the
-        # node boundary it jumps to the NIC link.  Split no more than needed.
-        best: tuple[float, int] | None = None
-        segments = [(k_lo, min(self.g, k_hi))]
-        if spill or k_lo > self.g:
-            segments.append((max(k_lo, self.g + 1), k_hi))
-        for lo, hi in segments:
+        # Tiers: intra-node groups first, inter-node ones only when no intra-node
+        # ring or Ulysses group fits under the target.  Within a tier a ring's
+        # per-rank time falls with k (its total work grows), and across the node
+        # boundary both jump to the NICs: a ring to the routed link, an
+        # all-to-all to each GPU's NIC share.  Split no more than needed.
+        best: tuple[float, int, float] | None = None
+        ulysses: tuple[float, int, float] | None = None
+        tiers = [(k_lo, min(self.g, k_hi)), (max(k_lo, self.g + 1), k_hi)]
+        for lo, hi in tiers:
             if lo > hi:
                 continue
-            found = _first_fit(lo, hi, ring_peak, target)
-            if found is not None and (best is None or found[0] < best[0]):
-                best = found
-            if best is not None and best[0] <= target:
+            if spill or lo <= self.g or k_lo > self.g:
+                best = _lower(best, _first_fit(lo, hi, ring_peak, target, ring_spread))
+            ulysses = _lower(ulysses, self._ulysses_fit(length, lo, hi, ranked, target, per_token))
+            if any(c is not None and c[0] <= target for c in (best, ulysses)):
                 break
-        ulysses = self._ulysses_fit(length, k_lo, k_hi, ranked, target, per_token)
-        if ulysses is not None and (best is None or self._prefer_ulysses(length, best, ulysses, target)):
+        if ulysses is not None and (best is None or self._prefer_ulysses(best, ulysses, target)):
             d = ulysses[1]
             return self._pick_ranks(d, np.where(room >= -(-length // d), proj, np.inf)), True
         if best is None:
@@ -400,30 +407,31 @@ class _Packer:
         return self._pick_ranks(k, np.where(room >= self._largest_shard(length, k), proj, np.inf)), False
 
     def _ulysses_fit(self, length: int, k_lo: int, k_hi: int, ranked: "_Ranked",
-                     target: float, per_token: float) -> tuple[float, int] | None:
+                     target: float, per_token: float) -> tuple[float, int, float] | None:
         """Smallest Ulysses group (heads divide evenly, shards fit the cap) that
-        fits under ``target``, else the one with the lowest resulting load.  Its
+        fits under ``target``, else the best by :func:`_lower`.  Its
         kernel sees whole-length blocks (no short-block efficiency loss) but its
         all-to-alls block: it wins for long sequences on fast links."""
-        best: tuple[float, int] | None = None
+        best: tuple[float, int, float] | None = None
         for d in self.ulysses_sizes:
             if d < k_lo or d > k_hi or 2 * d > length:
                 continue
-            f = ranked.kth(d, -(-length // d)) + self.times.ulysses(length, d, d > self.g) \
-                + per_token * length / d
-            if best is None or f < best[0]:
-                best = (f, d)
+            t = self.times.ulysses(length, d, d > self.g)
+            f = ranked.kth(d, -(-length // d)) + t + per_token * length / d
+            if not np.isfinite(f):
+                continue
             if f <= target:
-                break
-        return best if best is not None and np.isfinite(best[0]) else None
+                return f, d, d * t / self.w
+            best = _lower(best, (f, d, d * t / self.w))
+        return best
 
-    def _prefer_ulysses(self, length: int, ring: tuple[float, int], ulysses: tuple[float, int],
+    @staticmethod
+    def _prefer_ulysses(ring: tuple[float, int, float], ulysses: tuple[float, int, float],
                         target: float) -> bool:
-        """Both fit: the one with less total work (GPU-seconds); else the lower load."""
+        """Both fit: the one with less total work (GPU-seconds); else :func:`_lower`."""
         if ring[0] <= target and ulysses[0] <= target:
-            k, d = ring[1], ulysses[1]
-            return d * self.times.ulysses(length, d, d > self.g) < k * self._rank_time(length, k)
-        return ulysses[0] < ring[0]
+            return ulysses[2] < ring[2]
+        return _lower(ring, ulysses) is ulysses
 
     def _pick_ranks(self, k: int, key: np.ndarray) -> tuple[int, ...]:
         """Node bucket, then GPU buckets: a ring that fits in a node goes to the
@@ -621,15 +629,28 @@ class _Ranked:
         return float(self.proj[j]) if j < len(self.proj) else np.inf
 
 
-def _first_fit(lo: int, hi: int, peak, target: float) -> tuple[float, int] | None:
+def _lower(a: tuple[float, int, float] | None,
+           b: tuple[float, int, float] | None) -> tuple[float, int, float] | None:
+    """Of two ``(peak, size, spread)`` candidates that do not both fit the
+    target, the one with the lower ``peak + spread``: ``spread`` is the group's total work over
+    the world size, what it adds to the level every rank ends near.  A wider
+    group lowers its own peak but costs more work (short kernel blocks, NIC
+    transfers); by peak alone the search took 32- to 64-rank groups for 30-100k
+    token sequences once nothing fitted, doubling their work (None: no candidate)."""
+    if a is None:
+        return b
+    return b if b is not None and b[0] + b[2] < a[0] + a[2] else a
+
+
+def _first_fit(lo: int, hi: int, peak, target: float, spread) -> tuple[float, int, float] | None:
     """Within one tier: the smallest k in ``[lo, hi]`` whose ``peak(k, k)`` (the
     load the group's shards raise their k-th least-loaded rank to) is at most
-    ``target``, else the k with the lowest peak among those tried (None: too
-    few ranks have token room)."""
+    ``target``, else the k with the lowest ``peak + spread(k)`` among those
+    tried (:func:`_lower`; None: too few ranks have token room)."""
     # The smallest size is always a candidate: for tiny sequences latency
     # makes a ring slower than its first size, not faster.
     f = peak(lo, lo)
-    best = (f, lo) if np.isfinite(f) else None
+    best = (f, lo, spread(lo)) if np.isfinite(f) else None
     if best is not None and f <= target:
         return best
     k = lo
@@ -649,10 +670,9 @@ def _first_fit(lo: int, hi: int, peak, target: float) -> tuple[float, int] | Non
         f = peak(kk, kk)
         if not np.isfinite(f):
             continue
-        if best is None or f < best[0]:
-            best = (f, kk)
         if f <= target:
-            break
+            return f, kk, spread(kk)
+        best = _lower(best, (f, kk, spread(kk)))
     return best
 
 

@@ -107,7 +107,7 @@ def attention_phase(cost: CostModel, plan: Plan) -> list[tuple[float, float]]:
             rings[p.ranks].append(length)
         else:
             _add(grouped, ulysses_comm, p.ranks,
-                 cost.ulysses_cost(length, p.size, cost.link_for(p.ranks)))
+                 cost.ulysses_cost(length, p.size, cost.alltoall_link(p.ranks)))
     for ranks, lengths in rings.items():
         _add(grouped, ring_exposed, ranks, cost.ring_cost(lengths, len(ranks), cost.link_for(ranks)))
     # Local work runs inside the ring gaps; only the part of the gaps it cannot

@@ -63,6 +63,16 @@ def test_routing_spreads_inter_node_bandwidth(cost):
     assert big < cost.routed(False).ring_cost([262144], 16, direct).total_s
 
 
+def test_alltoall_link_gets_no_routing_gain(cost):
+    assert cost.alltoall_link(range(8)) == cost.cluster.nvlink
+    across = cost.alltoall_link(range(16))
+    # 8 NICs for 8 GPUs: each GPU has one NIC's bandwidth, routed or not.
+    assert across.bandwidth_GBps == cost.cluster.nic.bandwidth_GBps
+    assert cost.routed(False).alltoall_link(range(16)) == across
+    a800 = CostModel(load_cluster("a800-4x200g"), load_model("llama-7b"))
+    assert a800.alltoall_link(range(16)).bandwidth_GBps == pytest.approx(25 / 2)  # 2 GPUs per NIC
+
+
 def test_ulysses_and_remap_costs(cost):
     nvl = cost.cluster.nvlink
     u = cost.ulysses_cost(32768, 8, nvl)

@@ -308,3 +308,35 @@ def test_plans_a_thousand_sequences_quickly():
         planner.plan(lens, ctx)
     # Budget 20 ms on an idle core; generous here because CI machines are shared.
     assert (time.process_time() - t0) / 3 < 0.2
+
+
+def test_a_missed_target_weighs_a_groups_total_work():
+    # Once no size fits the target, a wide group's lower peak must pay for the
+    # work it adds to every rank's level (short kernel blocks, NIC transfers).
+    narrow, wide = (1.00, 8, 0.50), (0.90, 32, 0.70)
+    assert zeppelin._lower(narrow, wide) is narrow
+    assert zeppelin._lower(wide, narrow) is narrow
+    assert zeppelin._lower(None, wide) is wide and zeppelin._lower(wide, None) is wide
+    cheap_wide = (0.90, 32, 0.55)
+    assert zeppelin._lower(narrow, cheap_wide) is cheap_wide
+
+
+def test_routing_turns_inter_node_groups_into_rings_when_the_model_says_so():
+    # llama-13b's 40 heads allow Ulysses groups of 10, 20, 40 across nodes,
+    # and a cross-node all-to-all only gets each GPU's NIC share; a ring's one
+    # boundary crossing gets all NICs when routed.  So with routing the long
+    # sequences that need inter-node groups run as rings and the step is
+    # faster; without it they stay Ulysses groups.
+    ctx = make_ctx(8, model="llama-13b")
+    unrouted = dataclasses.replace(ctx, cost=ctx.cost.routed(False))
+    lens = long_tail_batches(7, int(0.95 * 16384 * 64), 3)[2]
+
+    def inter_node(plan, mode):
+        return [p for p in plan.attention if p.mode is mode and len({r // 8 for r in p.ranks}) > 1]
+
+    routed_plan = ZeppelinPlanner().plan(lens, ctx).validate()
+    unrouted_plan = ZeppelinPlanner().plan(lens, unrouted).validate()
+    assert len(inter_node(routed_plan, Mode.RING)) >= 2
+    assert inter_node(unrouted_plan, Mode.RING) == []
+    assert len(inter_node(unrouted_plan, Mode.ULYSSES)) > len(inter_node(routed_plan, Mode.ULYSSES))
+    assert step_timeline(routed_plan, ctx.cost).step_s < 0.99 * step_timeline(unrouted_plan, ctx.cost).step_s

@@ -106,7 +106,7 @@ def test_identical_rank_tuples_pack_into_one_ring():
 def test_ulysses_comm_is_not_hidden_by_local_work():
     cost = make_cost()
     plan = make_plan(cost, [8192, 65536], [(ULYSSES, (0, 1, 2, 3)), (LOCAL, (0,))])
-    uc = cost.ulysses_cost(8192, 4, cost.link_for((0, 1, 2, 3)))
+    uc = cost.ulysses_cost(8192, 4, cost.alltoall_link((0, 1, 2, 3)))
     tl = step_timeline(plan, cost)
     assert tl.ranks[0].exposed_comm_s == pytest.approx(uc.exposed_s, rel=1e-12)
     assert tl.ranks[0].attn_compute_s == pytest.approx(uc.compute_s + cost.local_attn_s(65536), rel=1e-12)
