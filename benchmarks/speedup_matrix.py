@@ -9,7 +9,7 @@ CP group past one node -- the case where its ring crosses the slow NICs.
     python benchmarks/speedup_matrix.py --quick   # a 2x2x2x2 corner of it
 
 Length distributions: ``../shared/data/lengths/*.npy`` when that folder exists,
-plus the bundled synthetic ones (``configs/lengths/``).  Prints a markdown
+plus the bundled synthetic ones (``configs/lengths/synthetic-*.npy``).  Prints a markdown
 report and writes it to docs/results/speedup_matrix.md.
 """
 
@@ -40,7 +40,8 @@ K = 1024
 
 def default_lengths() -> list[Path]:
     shared = sorted(SHARED_LENGTHS.glob("*.npy")) if SHARED_LENGTHS.is_dir() else []
-    return shared + sorted((CONFIG_ROOT / "lengths").glob("*.npy"))
+    # tiny-longtail is the CPU demo's sample (~60-token documents), not a corpus.
+    return shared + sorted((CONFIG_ROOT / "lengths").glob("synthetic-*.npy"))
 
 
 def cell(model: str, cluster_name: str, max_len: int, lengths_name: str, doc_lengths, args) -> dict:
