@@ -347,12 +347,15 @@ class _Packer:
             # part of the batch's work (beyond what the cap forces), so the
             # first long ones cannot crowd out the next.
             share = int(min(self.w, np.ceil(setting.share * self.w * c / total)))
-            ranks, ulysses = self._choose(length, target, loads, share, setting.spill)
+            # The level every rank would end at without this sequence: a group's
+            # total work (spread) lifts it from there.
+            floor = target - setting.level * c / self.w
+            ranks, ulysses = self._choose(length, target, loads, share, setting.spill, floor)
             placed += self._apply(i, ranks, loads, ulysses)
             out.set(i, ranks, ulysses)
 
     def _choose(self, length: int, target: float, loads: _Loads, share: int,
-                spill: bool) -> tuple[tuple[int, ...], bool]:
+                spill: bool, floor: float) -> tuple[tuple[int, ...], bool]:
         """Ranks for one heavy sequence, and whether they form a Ulysses group."""
         k_lo = self._min_ring(length)
         k_hi = max(k_lo, min(self.w, length // 2, share))
@@ -394,11 +397,12 @@ class _Packer:
             if lo > hi:
                 continue
             if spill or lo <= self.g or k_lo > self.g:
-                best = _lower(best, _first_fit(lo, hi, ring_peak, target, ring_spread))
-            ulysses = _lower(ulysses, self._ulysses_fit(length, lo, hi, ranked, target, per_token))
+                best = _lower(best, _first_fit(lo, hi, ring_peak, target, ring_spread, floor), floor)
+            ulysses = _lower(ulysses, self._ulysses_fit(length, lo, hi, ranked, target, per_token, floor),
+                             floor)
             if any(c is not None and c[0] <= target for c in (best, ulysses)):
                 break
-        if ulysses is not None and (best is None or self._prefer_ulysses(best, ulysses, target)):
+        if ulysses is not None and (best is None or self._prefer_ulysses(best, ulysses, target, floor)):
             d = ulysses[1]
             return self._pick_ranks(d, np.where(room >= -(-length // d), proj, np.inf)), True
         if best is None:
@@ -407,7 +411,7 @@ class _Packer:
         return self._pick_ranks(k, np.where(room >= self._largest_shard(length, k), proj, np.inf)), False
 
     def _ulysses_fit(self, length: int, k_lo: int, k_hi: int, ranked: "_Ranked",
-                     target: float, per_token: float) -> tuple[float, int, float] | None:
+                     target: float, per_token: float, floor: float) -> tuple[float, int, float] | None:
         """Smallest Ulysses group (heads divide evenly, shards fit the cap) that
         fits under ``target``, else the best by :func:`_lower`.  Its
         kernel sees whole-length blocks (no short-block efficiency loss) but its
@@ -422,16 +426,16 @@ class _Packer:
                 continue
             if f <= target:
                 return f, d, d * t / self.w
-            best = _lower(best, (f, d, d * t / self.w))
+            best = _lower(best, (f, d, d * t / self.w), floor)
         return best
 
     @staticmethod
     def _prefer_ulysses(ring: tuple[float, int, float], ulysses: tuple[float, int, float],
-                        target: float) -> bool:
+                        target: float, floor: float) -> bool:
         """Both fit: the one with less total work (GPU-seconds); else :func:`_lower`."""
         if ring[0] <= target and ulysses[0] <= target:
             return ulysses[2] < ring[2]
-        return _lower(ring, ulysses) is ulysses
+        return _lower(ring, ulysses, floor) is ulysses
 
     def _pick_ranks(self, k: int, key: np.ndarray) -> tuple[int, ...]:
         """Node bucket, then GPU buckets: a ring that fits in a node goes to the
@@ -629,24 +633,30 @@ class _Ranked:
         return float(self.proj[j]) if j < len(self.proj) else np.inf
 
 
-def _lower(a: tuple[float, int, float] | None,
-           b: tuple[float, int, float] | None) -> tuple[float, int, float] | None:
+def _lower(a: tuple[float, int, float] | None, b: tuple[float, int, float] | None,
+           floor: float) -> tuple[float, int, float] | None:
     """Of two ``(peak, size, spread)`` candidates that do not both fit the
-    target, the one with the lower ``peak + spread``: ``spread`` is the group's total work over
-    the world size, what it adds to the level every rank ends near.  A wider
-    group lowers its own peak but costs more work (short kernel blocks, NIC
-    transfers); by peak alone the search took 32- to 64-rank groups for 30-100k
-    token sequences once nothing fitted, doubling their work (None: no candidate)."""
+    target, the one with the lower estimated step ``max(peak, floor + spread)``:
+    ``spread`` is the group's total work over the world size, what it lifts the
+    level every rank ends near from ``floor`` (that level without this
+    sequence).  A wider group lowers its own peak but costs more work (short
+    kernel blocks, NIC transfers): by peak alone the search took 32- to 64-rank
+    groups for 30-100k token sequences once nothing fitted, doubling their work;
+    by ``peak + spread`` it left ranks idle when nothing else could fill them
+    (None: no candidate)."""
     if a is None:
         return b
-    return b if b is not None and b[0] + b[2] < a[0] + a[2] else a
+    if b is None:
+        return a
+    return b if max(b[0], floor + b[2]) < max(a[0], floor + a[2]) else a
 
 
-def _first_fit(lo: int, hi: int, peak, target: float, spread) -> tuple[float, int, float] | None:
+def _first_fit(lo: int, hi: int, peak, target: float, spread,
+               floor: float) -> tuple[float, int, float] | None:
     """Within one tier: the smallest k in ``[lo, hi]`` whose ``peak(k, k)`` (the
     load the group's shards raise their k-th least-loaded rank to) is at most
-    ``target``, else the k with the lowest ``peak + spread(k)`` among those
-    tried (:func:`_lower`; None: too few ranks have token room)."""
+    ``target``, else the best k among those tried by :func:`_lower` (None: too
+    few ranks have token room)."""
     # The smallest size is always a candidate: for tiny sequences latency
     # makes a ring slower than its first size, not faster.
     f = peak(lo, lo)
@@ -672,7 +682,7 @@ def _first_fit(lo: int, hi: int, peak, target: float, spread) -> tuple[float, in
             continue
         if f <= target:
             return f, kk, spread(kk)
-        best = _lower(best, (f, kk, spread(kk)))
+        best = _lower(best, (f, kk, spread(kk)), floor)
     return best
 
 

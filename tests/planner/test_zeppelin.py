@@ -311,14 +311,32 @@ def test_plans_a_thousand_sequences_quickly():
 
 
 def test_a_missed_target_weighs_a_groups_total_work():
-    # Once no size fits the target, a wide group's lower peak must pay for the
-    # work it adds to every rank's level (short kernel blocks, NIC transfers).
+    # Once no size fits the target, a candidate is judged by the step it leads
+    # to: its own peak, or the level its total work lifts every rank to.
     narrow, wide = (1.00, 8, 0.50), (0.90, 32, 0.70)
-    assert zeppelin._lower(narrow, wide) is narrow
-    assert zeppelin._lower(wide, narrow) is narrow
-    assert zeppelin._lower(None, wide) is wide and zeppelin._lower(wide, None) is wide
+    assert zeppelin._lower(narrow, wide, 0.5) is narrow      # 1.00 vs max(0.90, 1.20)
+    assert zeppelin._lower(wide, narrow, 0.5) is narrow
+    assert zeppelin._lower(None, wide, 0.5) is wide and zeppelin._lower(wide, None, 0.5) is wide
     cheap_wide = (0.90, 32, 0.55)
-    assert zeppelin._lower(narrow, cheap_wide) is cheap_wide
+    assert zeppelin._lower(narrow, cheap_wide, 0.3) is cheap_wide  # 1.00 vs max(0.90, 0.85)
+    # Nothing else to run (floor 0): idle ranks cost nothing, so the wider ring
+    # with the lower peak wins although it does more work in total.
+    six, eight = (1.00, 6, 0.75), (0.94, 8, 0.94)
+    assert zeppelin._lower(six, eight, 0.0) is eight
+
+
+def test_a_lone_long_sequence_uses_every_rank_when_the_model_says_so():
+    # One sequence that needs 6 of 8 ranks (cap): a ring over all 8 is faster by
+    # the cost model, and leaves no rank idle.
+    topo = Topology(nodes=2, gpus_per_node=4, nics_per_node=4)
+    cost = CostModel(dataclasses.replace(load_cluster("cpu-sim"), topology=topo), load_model("tiny"))
+    ctx = PlanContext(cost=cost, tokens_per_gpu=384)
+    link = cost.link_for(range(8))
+    assert cost.ring_cost([2048], 8, link).total_s < cost.ring_cost([2048], 6, link).total_s
+    plan = ZeppelinPlanner().plan([2048], ctx).validate()
+    assert plan.attention[0].size == 8
+    pairs = plan.attn_pairs_per_rank()
+    assert max(pairs) / (sum(pairs) / len(pairs)) < 1.01
 
 
 def test_routing_turns_inter_node_groups_into_rings_when_the_model_says_so():
