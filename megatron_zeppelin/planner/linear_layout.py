@@ -163,7 +163,7 @@ def remap_volume(held: Sequence[int], gpus_per_node: int) -> RemapVolume:
     two-pointer order: intra-node first, then each node's net surplus in rank
     order), vectorised: O(W g) instead of building spans."""
     held = np.asarray(held, dtype=np.int64)
-    w, g = len(held), gpus_per_node
+    g = gpus_per_node
     targets = np.asarray(linear_targets(held, int(held.sum())), dtype=np.int64)
     surplus, deficit = np.maximum(held - targets, 0), np.maximum(targets - held, 0)
     # Intra-node: per node, the first min(surplus, deficit) tokens of each side

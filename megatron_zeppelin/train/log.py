@@ -116,10 +116,6 @@ class StepLogger:
         if self._console is not None:
             print(message, file=self._console, flush=True)
 
-    def note(self, message: str) -> None:
-        """A one-off notice (e.g. a feature that is not available); printed even when quiet."""
-        print(f"note: {message}", file=sys.stderr, flush=True)
-
     def close(self) -> None:
         if self._json is not None:
             self._json.close()

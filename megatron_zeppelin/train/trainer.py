@@ -82,8 +82,7 @@ class Run:
         return self.cluster.topology
 
 
-def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device,
-              note: Callable[[str], None]) -> Run:
+def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device) -> Run:
     """Model (identical on every rank), optimizer, sampler, planner, communicator."""
     cluster = resolve_cluster(cfg)
     cluster.topology.check_world_size(world_size)
@@ -99,7 +98,7 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
                                    tokens_per_batch=cfg.tokens_per_batch, seed=cfg.seed)
     counters = ByteCounters()
     comm = None if cfg.strategy == REFERENCE else make_communicator(cfg, cluster, model_cfg, counters,
-                                                                     dtype, device, note)
+                                                                     dtype, device)
     run = Run(cfg=cfg, rank=rank, world_size=world_size, device=device, cluster=cluster,
               model_cfg=model_cfg, model=model, optimizer=optimizer, sampler=sampler,
               make_plan=make_planner(cfg, cluster, model_cfg, remap), comm=comm, counters=counters,
@@ -111,8 +110,7 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
 
 
 def make_communicator(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfig,
-                      counters: ByteCounters, dtype: torch.dtype, device: torch.device,
-                      note: Callable[[str], None]) -> Communicator:
+                      counters: ByteCounters, dtype: torch.dtype, device: torch.device) -> Communicator:
     """Direct point-to-point, or routed over every NIC (``--routing on``).  The
     communicator gets a group of its own so its transfers never interleave with
     the gradient all-reduce on the default group."""
@@ -266,9 +264,8 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, device: torch.device)
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)  # Megatron's CUDA RNG tracker
     logger = StepLogger(cfg.json_log if rank == 0 else None, cfg.steps, quiet=cfg.quiet or rank != 0)
-    note = logger.note if rank == 0 else (lambda message: None)
     try:
-        run = build_run(cfg, rank, world_size, device, note)
+        run = build_run(cfg, rank, world_size, device)
         logger.header(describe(run))
         batches = iter(run.sampler)
         while run.step < cfg.steps:
