@@ -116,10 +116,7 @@ class Plan:
     def _attention_index(self) -> list[list[Span]]:
         cached = self.__dict__.get("_attn_index")
         if cached is None:
-            cached = [[] for _ in range(self.world_size)]
-            for p in self.attention:
-                for rank, ranges in zip(p.ranks, p.shards):
-                    cached[rank].extend(Span(p.seq, s, e) for s, e in ranges)
+            cached = attention_buffers(self.world_size, self.attention)
             object.__setattr__(self, "_attn_index", cached)
         return cached
 
@@ -297,6 +294,21 @@ class Plan:
         """63-bit hash of the layouts; ranks all-reduce it to prove they agree."""
         digest = hashlib.blake2b(self.to_json().encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") >> 1
+
+
+def attention_buffers(world_size: int, attention: Sequence[SeqPlacement]) -> list[list[Span]]:
+    """Every rank's tokens in the attention layout, in buffer order: placements
+    in order, each placement's shards in order (``Plan.attention_spans``)."""
+    buffers: list[list[Span]] = [[] for _ in range(world_size)]
+    for p in attention:
+        if len(p.ranks) == 1 and len(p.shards[0]) == 1:
+            # Local sequences (most of a batch): one span, no inner loops.
+            (s, e), = p.shards[0]
+            buffers[p.ranks[0]].append(Span(p.seq, s, e))
+            continue
+        for rank, ranges in zip(p.ranks, p.shards):
+            buffers[rank].extend(Span(p.seq, s, e) for s, e in ranges)
+    return buffers
 
 
 def _expected_shards(mode: Mode, length: int, size: int) -> tuple | None:

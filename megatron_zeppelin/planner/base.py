@@ -14,7 +14,7 @@ from typing import Protocol, Sequence
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.plan import Plan, SeqPlacement, Span
+from megatron_zeppelin.plan import Plan, SeqPlacement, Span, attention_buffers
 from megatron_zeppelin.topology import Topology
 
 
@@ -76,8 +76,4 @@ def get_planner(name: str) -> Planner:
 
 def same_layout_linear(world_size: int, attention: Sequence[SeqPlacement]) -> tuple[tuple[Span, ...], ...]:
     """Linear layout equal to the attention layout (strategies without remap)."""
-    per_rank: list[list[Span]] = [[] for _ in range(world_size)]
-    for p in attention:
-        for rank, ranges in zip(p.ranks, p.shards):
-            per_rank[rank].extend(Span(p.seq, s, e) for s, e in ranges)
-    return tuple(tuple(spans) for spans in per_rank)
+    return tuple(tuple(spans) for spans in attention_buffers(world_size, attention))

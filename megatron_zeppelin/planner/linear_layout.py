@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.plan import SeqPlacement, Span
+from megatron_zeppelin.plan import SeqPlacement, Span, attention_buffers
 
 
 def linear_targets(held: Sequence[int], total: int) -> list[int]:
@@ -78,22 +78,8 @@ def balance_linear(attention: Sequence[SeqPlacement], seq_lens: Sequence[int], w
     ``linear[r]``: rank ``r``'s spans, its kept prefix first (attention-buffer
     order), then what it receives, intra-node senders before inter-node ones."""
     w, g = world_size, gpus_per_node
-    buffers: list[list[Span]] = [[] for _ in range(w)]
-    held = [0] * w
-    for p in attention:
-        seq = p.seq
-        if len(p.ranks) == 1 and len(p.shards[0]) == 1:
-            # Local sequences (most of a batch): one span, no inner loops.
-            (s, e), = p.shards[0]
-            rank = p.ranks[0]
-            buffers[rank].append(Span(seq, s, e))
-            held[rank] += e - s
-            continue
-        for rank, ranges in zip(p.ranks, p.shards):
-            buf = buffers[rank]
-            for s, e in ranges:
-                buf.append(Span(seq, s, e))
-                held[rank] += e - s
+    buffers = attention_buffers(w, attention)
+    held = [sum(sp.end - sp.start for sp in buf) for buf in buffers]
     total = int(sum(seq_lens))
     if sum(held) != total:
         raise InfeasibleError(f"linear layout: the attention layout holds {sum(held)} tokens but the "
