@@ -81,10 +81,9 @@ def summary(lengths: np.ndarray) -> str:
 
 def plot(lengths: np.ndarray, out: Path, title: str) -> None:
     """Histogram (documents per bin, bars) with each bin's share of tokens (line)."""
-    import matplotlib
+    from megatron_zeppelin.sim.plot import pyplot, save_figure  # matplotlib only when plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     left, docs, tokens = log2_histogram(lengths)
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -99,12 +98,7 @@ def plot(lengths: np.ndarray, out: Path, title: str) -> None:
     ax.set_title(title)
     fig.legend(loc="upper right", bbox_to_anchor=(0.88, 0.88))
     fig.tight_layout()
-    try:
-        fig.savefig(out, dpi=120)
-    except OSError as exc:
-        raise ConfigError(f"cannot write {str(out)!r}: {exc.strerror}; pick a writable path") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, out)
 
 
 def what_if(lengths: np.ndarray, args: argparse.Namespace) -> str:

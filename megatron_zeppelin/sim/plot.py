@@ -18,8 +18,8 @@ LABELS = {"attention": "attention compute", "exposed_comm": "exposed attention c
           "remap": "remap", "linear": "linear (proj + MLP)"}
 
 
-def plot_timelines(result: SimResult, path: Path, *, title: str = "") -> None:
-    """Draw the kept timeline of every feasible strategy into ``path`` (PNG, SVG, PDF)."""
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (no display), or a clear error."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -27,6 +27,24 @@ def plot_timelines(result: SimResult, path: Path, *, title: str = "") -> None:
     except ImportError:
         raise ConfigError("--plot needs matplotlib; pip install matplotlib (or "
                           "pip install megatron-zeppelin[plot])") from None
+    return plt
+
+
+def save_figure(fig, path: str | Path) -> None:
+    """Write ``fig`` (format from the suffix) and close it; an unwritable path is
+    a one-line error, not a traceback."""
+    plt = pyplot()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:
+        raise ConfigError(f"cannot write plot {str(path)!r}: {exc.strerror}; pick a writable path") from None
+    finally:
+        plt.close(fig)
+
+
+def plot_timelines(result: SimResult, path: Path, *, title: str = "") -> None:
+    """Draw the kept timeline of every feasible strategy into ``path`` (PNG, SVG, PDF)."""
+    plt = pyplot()
     timelines = [(name, r.timeline) for name, r in result.strategies.items() if r.timeline is not None]
     if not timelines:
         raise ConfigError("nothing to plot: no strategy placed the plotted step; pick another "
@@ -54,9 +72,4 @@ def plot_timelines(result: SimResult, path: Path, *, title: str = "") -> None:
     if title:
         fig.suptitle(title, x=0.01, y=1 - 0.1 / fig.get_figheight(), ha="left", va="top", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as exc:
-        raise ConfigError(f"cannot write plot {str(path)!r}: {exc.strerror}; pick a writable path") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)
