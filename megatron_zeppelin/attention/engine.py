@@ -1,35 +1,38 @@
 """The attention engine: one rank's share of a whole Plan's attention in one layer.
 
-Zeppelin's three queues per rank -- inter-node rings, intra-node rings, local
-sequences -- run in that order so the slowest transfers start first, and local
-compute fills the rounds in which the rank has no ring work (see
-:mod:`megatron_zeppelin.attention.schedule` for why the rounds are global).
-Whatever local work is left after the rings runs as one packed varlen call.
+Every rank derives the same schedule of the layer from the Plan
+(``schedule/attention.py``) and executes its own lanes of it
+(``comm/lanes.py``): inter-node transfers are posted first, and the compute
+lane runs whichever op is ready first, so intra-node rings, Ulysses work and
+local sequences run while transfers are in flight.  The simulator replays the
+same schedule (``sim/replay.py``).
 
-:func:`plan_attention` is differentiable through one ``autograd.Function`` whose
-backward replays the same schedule with the backward steps (dK/dV around the
-rings, dO/dQKV through the Ulysses all-to-alls).
+This module binds the schedule's ops to tensors: a compute op runs its ring
+step, Ulysses head block or packed local sequences; a message's send tensor
+and receive buffer come from the ring or Ulysses position that owns it.
+:func:`plan_attention` is differentiable through one ``autograd.Function``
+whose backward executes the backward schedule of the same layer.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from megatron_zeppelin.attention.backends import AttentionBackend, get_backend
 from megatron_zeppelin.attention.layout import Piece, rank_pieces
-from megatron_zeppelin.attention.ring import RingJob, ring_backward, ring_forward
-from megatron_zeppelin.attention.schedule import Wave, build_waves, run_waves
-from megatron_zeppelin.attention.ulysses import UlyssesJob, ulysses_backward, ulysses_forward
-from megatron_zeppelin.comm.base import Communicator
+from megatron_zeppelin.attention.ring import RingBackward, RingForward
+from megatron_zeppelin.attention.ulysses import UlyssesBackward, UlyssesForward
+from megatron_zeppelin.comm.lanes import run_without_transfers
+from megatron_zeppelin.comm.rounds import LaneCommunicator
 from megatron_zeppelin.plan.plan import Mode, Plan
 from megatron_zeppelin.plan.shards import causal_pairs
-
-#: Queue order of the tiers (the slowest transfers start first).
-TIER_ORDER = {"inter": 0, "intra": 1, "ulysses": 2}
+from megatron_zeppelin.schedule import geometry as geo
+from megatron_zeppelin.schedule.attention import AttnShape, Transport, attention_schedule
+from megatron_zeppelin.schedule.ops import Op, Schedule
+from megatron_zeppelin.topology import Topology
 
 
 @dataclass
@@ -47,79 +50,66 @@ class AttentionCounter:
         self.backward_pairs = 0
 
 
-@dataclass(frozen=True)
-class EngineSchedule:
-    """What every rank derives from a Plan and the head shapes, once per plan."""
+@dataclass
+class LayerSchedules:
+    """What every rank derives once per plan, head shape and transport."""
 
-    jobs: tuple[RingJob | UlyssesJob, ...]
-    """Distributed placements (rings and Ulysses groups)."""
-    job_of_placement: dict[int, int]
-    """``plan.attention`` index -> job id, for distributed placements."""
-    waves: tuple[Wave, ...]
-    """Waves in execution order (inter rings, intra rings, Ulysses)."""
     plan: Plan
-    """The plan it was derived from."""
-    _views: dict = field(default_factory=dict, repr=False, compare=False)
+    forward: Schedule
+    backward: Schedule
+    _pieces: dict[int, dict[int, Piece]] = field(default_factory=dict, repr=False)
+    _mids: dict[bool, dict[tuple, int]] = field(default_factory=dict, repr=False)
 
-    def rank_view(self, rank: int) -> "RankView":
-        """This rank's pieces, computed once per rank."""
-        view = self._views.get(rank)
-        if view is None:
-            local, dist = [], {}
-            for piece in rank_pieces(self.plan, rank):
-                job = self.job_of_placement.get(piece.index)
-                if job is None:
-                    local.append(piece)
-                else:
-                    dist[job] = piece
-            tokens = sum(p.rows.stop - p.rows.start for p in (*local, *dist.values()))
-            view = self._views[rank] = RankView(tuple(local), dist, tokens)
-        return view
+    def pieces(self, rank: int) -> dict[int, Piece]:
+        """Placement index -> the rank's rows of it."""
+        if rank not in self._pieces:
+            self._pieces[rank] = {p.index: p for p in rank_pieces(self.plan, rank)}
+        return self._pieces[rank]
 
-
-@dataclass(frozen=True)
-class RankView:
-    """One rank's part of a schedule."""
-
-    local: tuple[Piece, ...]
-    """Local sequences, in queue (plan) order."""
-    dist: dict[int, Piece]
-    """Job id -> the rank's rows of that ring / Ulysses placement."""
-    tokens: int
-    """Rows of the rank's q/k/v buffers."""
+    def message_ids(self, backward: bool) -> dict[tuple, int]:
+        if backward not in self._mids:
+            sched = self.backward if backward else self.forward
+            self._mids[backward] = {binding: mid for mid, binding in sched.messages.items()}
+        return self._mids[backward]
 
 
-# A few recent schedules by (plan object, head shape).  A schedule holds its
-# plan, so an id in the key is never reused while its entry lives.
-_CACHE: dict[tuple, EngineSchedule] = {}
+# A few recent schedules by (plan object, shape, transport).  An entry holds
+# its plan, so an id in the key is never reused while its entry lives.
+_CACHE: dict[tuple, LayerSchedules] = {}
 _CACHE_SIZE = 8
 
 
-def build_schedule(plan: Plan, q_heads: int, kv_heads: int, head_dim: int,
-                   dtype: torch.dtype = torch.float32) -> EngineSchedule:
-    """The schedule of ``plan``'s attention (cached per plan object, head shape and
-    dtype, so a model's layers derive it once)."""
-    key = (id(plan), q_heads, kv_heads, head_dim, dtype)
+def build_schedule(plan: Plan, shape: AttnShape, comm: LaneCommunicator | None) -> LayerSchedules:
+    """Forward and backward schedules of ``plan``'s attention layer (cached, so a
+    model's layers derive them once).  Without a communicator the transport is
+    direct (the plan must then move nothing)."""
+    transport = comm.transport if comm is not None else Transport(
+        Topology(nodes=1, gpus_per_node=plan.world_size, nics_per_node=1))
+    key = (id(plan), shape, transport)
     hit = _CACHE.get(key)
     if hit is not None and hit.plan is plan:
         return hit
-    jobs, tiers, job_of = [], [], {}
-    for index, p in enumerate(plan.attention):
-        if p.mode is Mode.LOCAL:
-            continue
-        job_of[index] = len(jobs)
-        tiers.append(TIER_ORDER[plan.tier_of(p)])
-        jobs.append(RingJob(p, kv_heads * head_dim, dtype) if p.mode is Mode.RING
-                    else UlyssesJob(p, q_heads, kv_heads, head_dim, dtype))
-    schedule = EngineSchedule(tuple(jobs), job_of, build_waves(jobs, tiers) if jobs else (), plan)
+    for p in plan.attention:
+        if p.mode is Mode.ULYSSES and (shape.q_heads % p.size or shape.kv_heads % p.size):
+            from megatron_zeppelin.attention.ulysses import check_heads
+            check_heads(p, shape.q_heads, shape.kv_heads)
+    entry = LayerSchedules(plan, attention_schedule(plan, shape, transport, False),
+                           attention_schedule(plan, shape, transport, True))
     if len(_CACHE) >= _CACHE_SIZE:
         _CACHE.pop(next(iter(_CACHE)))
-    _CACHE[key] = schedule
-    return schedule
+    _CACHE[key] = entry
+    return entry
+
+
+def attn_shape(q: torch.Tensor, k: torch.Tensor) -> AttnShape:
+    """The schedule's shape of this call's tensors (``q: [t, hq, d]``, ``k: [t, hk, d]``)."""
+    itemsize = q.element_size()
+    return AttnShape(q.shape[1], k.shape[1], q.shape[2], itemsize,
+                     torch.empty((), dtype=torch.promote_types(q.dtype, torch.float32)).element_size())
 
 
 def plan_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: Plan, rank: int,
-                   comm: Communicator, backend: AttentionBackend | str = "auto",
+                   comm: LaneCommunicator | None, backend: AttentionBackend | str = "auto",
                    softmax_scale: float | None = None,
                    counter: AttentionCounter | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens under ``plan``; differentiable.
@@ -130,14 +120,13 @@ def plan_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: P
     also ranks holding no tokens."""
     if isinstance(backend, str):
         backend = get_backend(backend)
-    schedule = build_schedule(plan, q.shape[1], k.shape[1], q.shape[2], q.dtype)
-    expected = schedule.rank_view(rank).tokens
+    layer = build_schedule(plan, attn_shape(q, k), comm)
+    expected = sum(p.rows.stop - p.rows.start for p in layer.pieces(rank).values())
     if q.shape[0] != expected or k.shape[0] != expected or v.shape[0] != expected:
         raise ValueError(f"rank {rank} holds {expected} tokens in the plan's attention layout, "
                          f"got q/k/v with {q.shape[0]}/{k.shape[0]}/{v.shape[0]} rows")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    run = _Run(rank, comm, backend, scale, counter if counter is not None else AttentionCounter(),
-               schedule)
+    run = _Run(rank, comm, backend, scale, counter if counter is not None else AttentionCounter(), layer)
     return _PlanAttention.apply(q, k, v, run)
 
 
@@ -146,32 +135,140 @@ class _Run:
     """Everything one call needs besides the tensors."""
 
     rank: int
-    comm: Communicator
+    comm: LaneCommunicator | None
     backend: AttentionBackend
     scale: float
     counter: AttentionCounter
-    schedule: EngineSchedule
-
-    def pieces(self) -> tuple[tuple[Piece, ...], dict[int, Piece]]:
-        view = self.schedule.rank_view(self.rank)
-        return view.local, view.dist
+    layer: LayerSchedules
 
 
-class _LocalQueue:
-    """Local sequences: one at a time while filling rounds, the rest in one varlen call."""
+class _Binding:
+    """Ops of one rank and one pass bound to tensors (shared by both passes)."""
 
-    def __init__(self, pieces: tuple[Piece, ...], compute: Callable[[list[Piece]], None]) -> None:
-        self._pending = list(pieces)
-        self._compute = compute
+    def __init__(self, run: _Run, backward: bool) -> None:
+        self.run, self.backward = run, backward
+        self.plan = run.layer.plan
+        self.pieces = run.layer.pieces(run.rank)
+        self.mids = run.layer.message_ids(backward)
+        self.bindings = (run.layer.backward if backward else run.layer.forward).messages
+        self.landed: dict[int, torch.Tensor] = {}     # message id -> its receive tensor
+        self.rings: dict[int, RingForward | RingBackward] = {}
+        self.groups: dict[int, UlyssesForward | UlyssesBackward] = {}
 
-    def fill(self) -> None:
-        if self._pending:
-            self._compute([self._pending.pop(0)])
+    def received(self, binding: tuple) -> torch.Tensor:
+        return self.landed[self.mids[binding]]
 
-    def drain(self) -> None:
-        if self._pending:
-            self._compute(self._pending)
-            self._pending = []
+    def recv_buffer(self, message: int) -> torch.Tensor:
+        buf = self.landed[message] = self._new_buffer(self.bindings[message])
+        return buf
+
+    def send_tensor(self, message: int) -> torch.Tensor:
+        kind, index, step, src = self.bindings[message][:4]
+        if kind == "kv":
+            return self.rings[index].kv(step)
+        if kind == "dkv":
+            return self.rings[index].dkv_to_send(step)
+        group = self.groups[index]
+        dst = self.bindings[message][3]
+        return group.pieces[dst] if kind == "a2a_in" else group.out_piece(dst)
+
+    def _new_buffer(self, binding: tuple) -> torch.Tensor:
+        kind, index = binding[0], binding[1]
+        if kind == "kv":
+            return self.rings[index].kv_buffer(binding[2], binding[3])
+        if kind == "dkv":
+            return self.rings[index].dkv_buffer(binding[2], binding[3])
+        return self.groups[index].buffer(kind, binding[2])
+
+
+class _ForwardBinding(_Binding):
+    def __init__(self, run: _Run, q, k, v) -> None:
+        super().__init__(run, backward=False)
+        self.q, self.k, self.v = q, k, v
+        self.out = torch.empty_like(q)
+        self.local_lse: dict[int, torch.Tensor] = {}
+        for index, piece in self.pieces.items():
+            p = self.plan.attention[index]
+            rows = piece.rows
+            if p.mode is Mode.RING:
+                self.rings[index] = RingForward(index, p, piece.pos, q[rows], k[rows], v[rows], self.received)
+            elif p.mode is Mode.ULYSSES:
+                self.groups[index] = UlyssesForward(index, p, piece.pos, self.received, q[rows], k[rows], v[rows])
+
+    def compute(self, op: Op) -> None:
+        kind = op.key[0]
+        run = self.run
+        if kind == "local":
+            self._local(list(op.key[1:]))
+        elif kind == "ring":
+            _, index, pos, step = op.key
+            self.rings[index].compute(step, run.backend, run.scale)
+        else:
+            self.groups[op.key[1]].compute(run.backend, run.scale)
+        run.counter.forward_pairs += op.pairs
+
+    def _local(self, indices: list[int]) -> None:
+        pieces = [self.pieces[i] for i in indices]
+        (pq, pk, pv), cu = _packed(pieces, self.q, self.k, self.v)
+        o, lse = self.run.backend.varlen_forward(pq, pk, pv, cu_seqlens=cu, scale=self.run.scale)
+        _unpack(pieces, o, self.out)
+        row = 0
+        for p in pieces:
+            n = p.rows.stop - p.rows.start
+            self.local_lse[p.index] = lse[:, row:row + n]
+            row += n
+
+    def finish(self) -> dict[int, tuple]:
+        """Write ring and Ulysses outputs; return what backward needs per placement."""
+        saved = {}
+        for index, ring in self.rings.items():
+            self.out[self.pieces[index].rows] = ring.acc.to(self.q.dtype)
+            saved[index] = ring.lse
+        for index, group in self.groups.items():
+            self.out[self.pieces[index].rows] = group.output()
+            saved[index] = group.saved
+        return saved
+
+
+class _BackwardBinding(_Binding):
+    def __init__(self, run: _Run, dout, q, k, v, out, saved, local_lse) -> None:
+        super().__init__(run, backward=True)
+        self.dout, self.q, self.k, self.v, self.out = dout, q, k, v, out
+        self.local_lse = local_lse
+        self.dq, self.dk, self.dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for index, piece in self.pieces.items():
+            p = self.plan.attention[index]
+            rows = piece.rows
+            if p.mode is Mode.RING:
+                self.rings[index] = RingBackward(index, p, piece.pos, q[rows], k[rows], v[rows], self.received,
+                                                 dout[rows], out[rows], saved[index])
+            elif p.mode is Mode.ULYSSES:
+                self.groups[index] = UlyssesBackward(index, p, piece.pos, self.received, dout[rows], saved[index])
+
+    def compute(self, op: Op) -> None:
+        kind = op.key[0]
+        run = self.run
+        if kind == "local":
+            self._local(list(op.key[1:]))
+        elif kind == "ring":
+            _, index, pos, step = op.key
+            self.rings[index].compute(step, run.backend, run.scale)
+        else:
+            self.groups[op.key[1]].compute(run.backend, run.scale)
+        run.counter.backward_pairs += op.pairs
+
+    def _local(self, indices: list[int]) -> None:
+        pieces = [self.pieces[i] for i in indices]
+        (pd, pq, pk, pv, po), cu = _packed(pieces, self.dout, self.q, self.k, self.v, self.out)
+        lse = torch.cat([self.local_lse[p.index] for p in pieces], dim=1)
+        grads = self.run.backend.varlen_backward(pd, pq, pk, pv, po, lse, cu_seqlens=cu, scale=self.run.scale)
+        for packed, dest in zip(grads, (self.dq, self.dk, self.dv)):
+            _unpack(pieces, packed, dest)
+
+    def finish(self) -> None:
+        for index, part in (*self.rings.items(), *self.groups.items()):
+            rows = self.pieces[index].rows
+            self.dq[rows], self.dk[rows], self.dv[rows] = part.grads()
 
 
 def _packed(pieces: list[Piece], *tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -192,86 +289,29 @@ def _unpack(pieces: list[Piece], packed: torch.Tensor, dest: torch.Tensor) -> No
 
 
 class _PlanAttention(torch.autograd.Function):
-    """Forward and backward of every placement of one rank, in schedule order."""
+    """Forward and backward schedules of one rank, executed by the communicator's lanes."""
 
     @staticmethod
     def forward(ctx, q, k, v, run: _Run):
-        local, dist = run.pieces()
-        out = torch.empty_like(q)
-        local_lse: dict[int, torch.Tensor] = {}              # placement index -> lse [hq, n]
-
-        def compute_local(pieces: list[Piece]) -> None:
-            (pq, pk, pv), cu = _packed(pieces, q, k, v)
-            o, lse = run.backend.varlen_forward(pq, pk, pv, cu_seqlens=cu, scale=run.scale)
-            _unpack(pieces, o, out)
-            row = 0
-            for p in pieces:
-                n = p.rows.stop - p.rows.start
-                local_lse[p.index] = lse[:, row:row + n]
-                row += n
-                run.counter.forward_pairs += causal_pairs(0, n)
-
-        queue = _LocalQueue(local, compute_local)
-        factories = {j: _forward_factory(run, j, piece, q, k, v) for j, piece in dist.items()}
-        results = run_waves(run.schedule.waves, False, run.comm, factories, queue.fill)
-        queue.drain()
-        saved = {}
-        for j, result in results.items():
-            piece = dist[j]
-            out[piece.rows] = result[0]
-            saved[j] = result[1]
-            run.counter.forward_pairs += result[2]
-        ctx.run, ctx.local_lse, ctx.saved = run, local_lse, saved
-        ctx.save_for_backward(q, k, v, out)
-        return out
+        binding = _ForwardBinding(run, q, k, v)
+        _execute(run, run.layer.forward, binding)
+        saved = binding.finish()
+        ctx.run, ctx.local_lse, ctx.saved = run, binding.local_lse, saved
+        ctx.save_for_backward(q, k, v, binding.out)
+        return binding.out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out = ctx.saved_tensors
         run: _Run = ctx.run
-        local, dist = run.pieces()
-        dout = dout.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-        def compute_local(pieces: list[Piece]) -> None:
-            (pd, pq, pk, pv, po), cu = _packed(pieces, dout, q, k, v, out)
-            lse = torch.cat([ctx.local_lse[p.index] for p in pieces], dim=1)
-            grads = run.backend.varlen_backward(pd, pq, pk, pv, po, lse, cu_seqlens=cu, scale=run.scale)
-            for packed, dest in zip(grads, (dq, dk, dv)):
-                _unpack(pieces, packed, dest)
-            run.counter.backward_pairs += sum(causal_pairs(0, p.rows.stop - p.rows.start) for p in pieces)
-
-        queue = _LocalQueue(local, compute_local)
-        factories = {j: _backward_factory(run, j, piece, dout, q, k, v, out, ctx.saved[j])
-                     for j, piece in dist.items()}
-        results = run_waves(run.schedule.waves, True, run.comm, factories, queue.fill)
-        queue.drain()
-        for j, (gq, gk, gv, pairs) in results.items():
-            rows = dist[j].rows
-            dq[rows], dk[rows], dv[rows] = gq, gk, gv
-            run.counter.backward_pairs += pairs
-        return dq, dk, dv, None
+        binding = _BackwardBinding(run, dout.contiguous(), q, k, v, out, ctx.saved, ctx.local_lse)
+        _execute(run, run.layer.backward, binding)
+        binding.finish()
+        return binding.dq, binding.dk, binding.dv, None
 
 
-def _forward_factory(run: _Run, j: int, piece: Piece, q, k, v):
-    job, rows = run.schedule.jobs[j], piece.rows
-    if isinstance(job, RingJob):
-        return lambda: ring_forward(job, piece.pos, q[rows], k[rows], v[rows], run.backend, run.scale)
-
-    def start():
-        out, saved = yield from ulysses_forward(job, piece.pos, q[rows], k[rows], v[rows],
-                                                run.backend, run.scale)
-        return out, saved, job.pairs()
-    return start
-
-
-def _backward_factory(run: _Run, j: int, piece: Piece, dout, q, k, v, out, saved):
-    job, rows = run.schedule.jobs[j], piece.rows
-    if isinstance(job, RingJob):
-        return lambda: ring_backward(job, piece.pos, dout[rows], q[rows], k[rows], v[rows], out[rows],
-                                     saved, run.backend, run.scale)
-
-    def start():
-        dq, dk, dv = yield from ulysses_backward(job, piece.pos, dout[rows], saved, run.backend, run.scale)
-        return dq, dk, dv, job.pairs()
-    return start
+def _execute(run: _Run, schedule: Schedule, binding: _Binding) -> None:
+    if run.comm is None:
+        run_without_transfers(schedule, run.rank, binding)
+    else:
+        run.comm.runner.run(schedule, binding, run.comm.trace)

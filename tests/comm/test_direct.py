@@ -111,8 +111,8 @@ def _timeout_case(rank, world_size):
 
 def test_timeout_surfaces_as_clear_error(world):
     message = world.run(_timeout_case)[0]
-    assert "round 0 did not complete" in message and "ranks [1]" in message
-    assert "same message lists" in message
+    assert message.startswith("rank 0: timed out after 1 s receiving op 0 (remap, remap) with rank 1")
+    assert "different schedules" in message
 
 
 def _wrong_topology_case(rank, world_size):

@@ -1,0 +1,136 @@
+"""``Communicator.start_round`` on top of the lane runner.
+
+A round's messages become a transfer-only schedule -- the same construction a
+layout switch has in the step schedule (``schedule/step.py``), so the remap's
+executed ops carry the ids the simulator gives them.  Both communicators are
+this class: the direct one never routes, the routed one routes every
+cross-node message of at least ``min_routed_bytes``.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_zeppelin.comm.base import ByteCounters, Message
+from megatron_zeppelin.comm.lanes import LaneRunner, OpTrace, _Call
+from megatron_zeppelin.schedule.attention import Transport, add_transfer
+from megatron_zeppelin.schedule.ops import Op, ScheduleBuilder
+from megatron_zeppelin.topology import Topology
+
+
+class RoundPending:
+    """A round in flight on this rank."""
+
+    def __init__(self, call: _Call | None) -> None:
+        self._call = call
+
+    def wait(self) -> None:
+        if self._call is not None:
+            call, self._call = self._call, None
+            call.wait()
+
+
+class _RoundBinding:
+    def __init__(self, ids: dict[int, int], sends: Mapping[int, torch.Tensor],
+                 recvs: Mapping[int, torch.Tensor]) -> None:
+        self.ids, self.sends, self.recvs = ids, sends, recvs
+
+    def compute(self, op: Op) -> None:          # rounds hold transfers only
+        raise AssertionError(f"a round has no compute op, got {op.name}")
+
+    def send_tensor(self, message: int) -> torch.Tensor:
+        return self.sends[self.ids[message]]
+
+    def recv_buffer(self, message: int) -> torch.Tensor:
+        return self.recvs[self.ids[message]]
+
+
+class LaneCommunicator:
+    """:class:`~megatron_zeppelin.comm.base.Communicator` executing schedules on
+    worker threads (gloo) or a stream of its own (NCCL)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, topology: Topology,
+                 counters: ByteCounters | None = None, min_routed_bytes: float = math.inf, *,
+                 dtype: torch.dtype | None = None, device: torch.device | None = None,
+                 timeout: timedelta | None = None) -> None:
+        """``min_routed_bytes``: messages crossing nodes at least this large are
+        routed over every NIC (inf: never).  ``dtype``: element type of messages
+        that do not carry their own itemsize (a proxy sizes its buffers from it).
+        ``timeout``: the deadline of every wait (default ``lanes.DEFAULT_TIMEOUT``)."""
+        self.group = group
+        self.topology = topology
+        self.counters = counters if counters is not None else ByteCounters()
+        self.min_routed_bytes = min_routed_bytes
+        self.itemsize = torch.empty((), dtype=dtype or torch.get_default_dtype()).element_size()
+        self.rank = dist.get_rank(group)
+        topology.check_world_size(dist.get_world_size(group))
+        nccl = dist.get_backend(group) == "nccl"
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        if nccl:
+            # A fresh NCCL group creates its communicator on the first collective,
+            # which must involve every rank: do it here, where every rank builds one.
+            dist.barrier(group=group)
+        self.device = device
+        self.transport = Transport(topology, min_routed_bytes)
+        self.runner = LaneRunner(group, self.rank, self.counters, device=device, timeout=timeout)
+        self.trace: OpTrace | None = None
+        """When set, every executed op's times are recorded here (``--dump-trace``)."""
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The communication stream on CUDA (None on CPU)."""
+        return self.runner.stream
+
+    def start_round(self, messages: Sequence[Message], sends: Mapping[int, torch.Tensor],
+                    recvs: Mapping[int, torch.Tensor]) -> RoundPending:
+        """Start a round (collective: every rank passes the same messages); returns at once."""
+        b = ScheduleBuilder(self.topology.world_size)
+        ids = {}
+        for index, m in enumerate(messages):
+            if m.src == m.dst:
+                if m.src == self.rank:
+                    recvs[m.id].copy_(sends[m.id])
+                continue
+            itemsize = m.itemsize or self._local_itemsize(m, sends, recvs)
+            mid = len(b.messages)
+            ids[mid] = m.id
+            add_transfer(b, (index,), self.transport, ("round", m.id), m.src, m.dst, m.numel, itemsize, [],
+                         tier="remap", name="remap", backward=False, route_id=m.id)
+        schedule = b.build()
+        _check(messages, sends, recvs, self.rank)
+        # Started on every rank, with lanes or without: calls are numbered
+        # collectively (their tags must agree).
+        return RoundPending(self.runner.start(schedule, _RoundBinding(ids, sends, recvs), self.trace))
+
+    def _local_itemsize(self, m: Message, sends, recvs) -> int:
+        # Direct transfers have no proxy to size: the tensor's own element size
+        # serves.  A routed message needs the same itemsize on every rank.
+        if self.min_routed_bytes == math.inf:
+            t = sends.get(m.id) if m.src == self.rank else recvs.get(m.id) if m.dst == self.rank else None
+            if t is not None:
+                return t.element_size()
+        return self.itemsize
+
+    def close(self) -> None:
+        """Stop the worker threads."""
+        self.runner.close()
+
+
+def _check(messages: Sequence[Message], sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],
+           rank: int) -> None:
+    for m in messages:
+        for side, table, owner in (("send", sends, m.src), ("receive", recvs, m.dst)):
+            if owner != rank:
+                continue
+            t = table.get(m.id)
+            if t is None:
+                raise ValueError(f"message {m.id} ({m.src} -> {m.dst}) has no {side} tensor on this rank")
+            if t.numel() != m.numel or not t.is_contiguous():
+                raise ValueError(f"message {m.id} ({m.src} -> {m.dst}) declares {m.numel} elements, the "
+                                 f"{side} tensor has {t.numel()} (contiguous: {t.is_contiguous()})")

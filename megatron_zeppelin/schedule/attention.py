@@ -1,0 +1,215 @@
+"""The schedule of one layer's attention under a Plan (forward or backward).
+
+Per sequence, by tier:
+
+* **ring** (zigzag, ``k`` ranks): per step ``s`` a compute op on every position
+  (its blocks against the K/V of owner ``pos - s``) and the transfers of the
+  next step's K/V -- plus, backward, the dK/dV travelling one step behind.  A
+  step's compute and the K/V it forwards both wait for the previous step's
+  arrival; nothing waits for a whole round of the world.
+* **ulysses** (``d`` ranks): an all-to-all to heads, one compute op per
+  position on its heads of the whole sequence, an all-to-all back.
+* **local**: compute ops of whole sequences, consecutive ones of a rank packed
+  into kernel calls of at least ``local_pack_tokens`` rows.
+
+The global order is by step, transfers of a step before its computes, tiers in
+queue order (inter-node rings, intra-node rings, Ulysses) and local work last:
+so a rank posts its inter-node transfers first, and because a compute lane runs
+the first *ready* op (``schedule/ops.py``), intra-node and local work run while
+they are in flight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_zeppelin.plan.plan import Mode, Plan
+from megatron_zeppelin.plan.shards import causal_pairs
+from megatron_zeppelin.schedule import geometry as geo
+from megatron_zeppelin.schedule.ops import COMM, COMPUTE, Schedule, ScheduleBuilder
+from megatron_zeppelin.schedule.routing import Phase, route_message
+from megatron_zeppelin.topology import Topology
+
+#: Queue order of the tiers (the slowest transfers start first, local work fills).
+TIER_ORDER = {"inter": 0, "intra": 1, "ulysses": 2, "local": 3}
+#: Order of local work in a segment: after every ring and Ulysses op.
+_LAST = 1 << 30
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """What sizes the ops of an attention layer besides the Plan."""
+
+    q_heads: int
+    """Query heads on this rank (after tensor parallelism)."""
+    kv_heads: int
+    """Key/value heads on this rank."""
+    head_dim: int
+    """Elements per head."""
+    itemsize: int = 2
+    """Bytes per element of q/k/v and outputs (K/V and Ulysses traffic travel in it)."""
+    acc_itemsize: int = 4
+    """Bytes per element of the dK/dV ring traffic (accumulated in fp32, fp64 for fp64)."""
+    local_pack_tokens: int = 512
+    """Consecutive local sequences of a rank share one kernel call until it holds
+    this many query rows: short sequences alone would pay a launch each, while
+    calls much longer than a ring step could not fill its gaps."""
+
+
+@dataclass(frozen=True)
+class Transport:
+    """How transfers travel: direct, or routed over every NIC of the node."""
+
+    topology: Topology
+    """Nodes, GPUs per node and each GPU's NIC."""
+    min_routed_bytes: float = math.inf
+    """Messages at least this large crossing nodes are routed (inf: routing off)."""
+
+
+def add_transfer(b: ScheduleBuilder, order: tuple, transport: Transport, binding: tuple, src: int, dst: int,
+                 numel: int, itemsize: int, deps: list[int], *, tier: str, name: str,
+                 backward: bool, route_id: int | None = None) -> list[int]:
+    """Add one message as transfer ops (one per hop); return the handles of the
+    hops that land on ``dst`` (what a consumer waits for).  ``route_id`` (default:
+    the message id) rotates the proxies among concurrent messages."""
+    mid = b.message(binding)
+    arrivals, last_leg = [], {}
+    route = mid if route_id is None else route_id
+    for i, h in enumerate(route_message(route, src, dst, numel, itemsize, transport.topology,
+                                        transport.min_routed_bytes)):
+        before = last_leg.get(h.piece)
+        handle = b.add((*order, i), [before] if before is not None else deps, kind=COMM, tier=tier,
+                       name=name if h.phase is Phase.DIRECT else f"{name}.{h.phase.name.lower()}",
+                       rank=h.src, peer=h.dst, nbytes=h.nbytes, nic=h.nic, backward=backward,
+                       key=(mid, h.piece, int(h.phase), h.offset, h.numel, h.itemsize))
+        last_leg[h.piece] = handle
+        if h.dst == dst:
+            arrivals.append(handle)
+    return arrivals
+
+
+class _Segment:
+    """Adds one segment's ops; roots on a rank depend on that rank's ``entry``."""
+
+    def __init__(self, b: ScheduleBuilder, prefix: tuple, entry: dict[int, list[int]]) -> None:
+        self.b, self.prefix, self.entry = b, prefix, entry
+        self.touching: dict[int, list[int]] = {}   # rank -> its compute ops and arrivals
+
+    def compute(self, order: tuple, rank: int, deps: list[int], **fields) -> int:
+        h = self.b.add((*self.prefix, *order), [*deps, *self.entry.get(rank, ())], kind=COMPUTE,
+                       rank=rank, **fields)
+        self.touching.setdefault(rank, []).append(h)
+        return h
+
+    def transfer(self, order: tuple, transport: Transport, binding: tuple, src: int, dst: int, numel: int,
+                 itemsize: int, deps: list[int], **fields) -> list[int]:
+        arrivals = add_transfer(self.b, (*self.prefix, *order), transport, binding, src, dst, numel,
+                                itemsize, deps or list(self.entry.get(src, ())), **fields)
+        self.touching.setdefault(dst, []).extend(arrivals)
+        return arrivals
+
+    def frontier(self) -> dict[int, list[int]]:
+        """Per rank, its ops of the segment that none of its other ops wait for:
+        what the rank's next segment starts after."""
+        out = {}
+        for rank, hs in self.touching.items():
+            inner = {d for h in hs for d in self.b.deps(h)}
+            out[rank] = [h for h in hs if h not in inner]
+        for rank, deps in self.entry.items():
+            out.setdefault(rank, list(deps))   # a rank with nothing here carries its entry on
+        return out
+
+
+def add_attention(b: ScheduleBuilder, prefix: tuple, plan: Plan, shape: AttnShape, transport: Transport,
+                  backward: bool, entry: dict[int, list[int]] | None = None) -> dict[int, list[int]]:
+    """Add one layer's attention (forward or backward); return each rank's frontier."""
+    seg = _Segment(b, prefix, entry or {})
+    kv_numel = shape.kv_heads * shape.head_dim
+    local: dict[int, list[int]] = {}
+    for index, p in enumerate(plan.attention):
+        tier = plan.tier_of(p)
+        if p.mode is Mode.LOCAL:
+            local.setdefault(p.ranks[0], []).append(index)
+        elif p.mode is Mode.RING:
+            _add_ring(seg, transport, index, p, TIER_ORDER[tier], tier, kv_numel, shape, backward)
+        else:
+            _add_ulysses(seg, transport, index, p, TIER_ORDER[tier], shape, backward)
+    for rank, indices in local.items():
+        for pack, members in enumerate(_packs(plan, indices, shape.local_pack_tokens)):
+            lengths = tuple(plan.seq_lens[plan.attention[i].seq] for i in members)
+            seg.compute((_LAST, pack), rank, [], tier="local",
+                        name="local_bwd" if backward else "local_fwd", backward=backward,
+                        pairs=sum(causal_pairs(0, n) for n in lengths), block=max(lengths),
+                        lengths=lengths, key=("local", *members))
+    return seg.frontier()
+
+
+def _packs(plan: Plan, indices: list[int], pack_tokens: int) -> list[list[int]]:
+    packs, tokens = [[]], 0
+    for i in indices:
+        if tokens >= pack_tokens:
+            packs.append([])
+            tokens = 0
+        packs[-1].append(i)
+        tokens += plan.seq_lens[plan.attention[i].seq]
+    return packs
+
+
+def _add_ring(seg: _Segment, transport: Transport, index: int, p, tier_order: int, tier: str,
+              kv_numel: int, shape: AttnShape, backward: bool) -> None:
+    k = p.size
+    size_of = {"kv": shape.itemsize, "dkv": shape.acc_itemsize}
+    kv_in: dict[int, list[int]] = {}    # pos -> arrivals of the K/V it holds this step
+    dkv_in: dict[int, list[int]] = {}   # pos -> arrivals of the dK/dV it holds this step
+    computed: dict[int, int] = {}       # pos -> its compute op of the previous step
+    for step in range(geo.ring_steps(p, backward)):
+        sent = geo.ring_messages(p, step, backward, kv_numel)
+        new_kv, new_dkv = {}, {}
+        for i, (kind, a, c, numel) in enumerate(sent):
+            if kind == "kv":
+                deps = kv_in.get(a, [])
+            else:
+                deps = [computed[a], *dkv_in.get(a, [])] if a in computed else dkv_in.get(a, [])
+            arrivals = seg.transfer((step, 0, tier_order, index, i), transport,
+                                    (kind, index, step, a), p.ranks[a], p.ranks[c], numel, size_of[kind],
+                                    list(deps), tier=tier, name=kind, backward=backward)
+            (new_kv if kind == "kv" else new_dkv)[c] = arrivals
+        if step < k:
+            for pos in range(k):
+                blocks = geo.ring_blocks(p, pos, (pos - step) % k)
+                rows = [q1 - q0 for q0, q1, *_ in blocks]
+                computed[pos] = seg.compute(
+                    (step, 1, tier_order, index, pos), p.ranks[pos], list(kv_in.get(pos, [])), tier=tier,
+                    name="ring_bwd" if backward else "ring_fwd", backward=backward,
+                    pairs=geo.block_pairs(blocks), block=sum(rows) // len(rows), key=("ring", index, pos, step))
+        kv_in, dkv_in = new_kv, new_dkv
+
+
+def _add_ulysses(seg: _Segment, transport: Transport, index: int, p, tier_order: int, shape: AttnShape,
+                 backward: bool) -> None:
+    arrived: dict[int, list[int]] = {}
+    for i, (a, c, numel) in enumerate(geo.ulysses_messages(p, 0, backward, shape.q_heads, shape.kv_heads,
+                                                         shape.head_dim)):
+        arrived.setdefault(c, []).extend(seg.transfer(
+            (0, 0, tier_order, index, i), transport, ("a2a_in", index, a, c), p.ranks[a], p.ranks[c], numel,
+            shape.itemsize, [], tier="ulysses", name="a2a_in", backward=backward))
+    length = p.shards[-1][0][1]
+    computed = {pos: seg.compute((1, 1, tier_order, index, pos), p.ranks[pos], arrived.get(pos, []),
+                                 tier="ulysses", name="ulysses_bwd" if backward else "ulysses_fwd",
+                                 backward=backward, pairs=geo.ulysses_pairs(p), block=length,
+                                 key=("ulysses", index, pos))
+                for pos in range(p.size)}
+    for i, (a, c, numel) in enumerate(geo.ulysses_messages(p, 2, backward, shape.q_heads, shape.kv_heads,
+                                                         shape.head_dim)):
+        seg.transfer((2, 0, tier_order, index, i), transport, ("a2a_out", index, a, c), p.ranks[a],
+                     p.ranks[c], numel, shape.itemsize, [computed[a]], tier="ulysses", name="a2a_out",
+                     backward=backward)
+
+
+def attention_schedule(plan: Plan, shape: AttnShape, transport: Transport, backward: bool) -> Schedule:
+    """One layer's attention as the engine runs it (the same ops, in the same
+    order, as that layer's segment of :func:`~megatron_zeppelin.schedule.step.step_schedule`)."""
+    b = ScheduleBuilder(plan.world_size)
+    add_attention(b, (), plan, shape, transport, backward)
+    return b.build()
