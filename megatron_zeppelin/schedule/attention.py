@@ -122,19 +122,29 @@ class _Segment:
 
 
 def add_attention(b: ScheduleBuilder, prefix: tuple, plan: Plan, shape: AttnShape, transport: Transport,
-                  backward: bool, entry: dict[int, list[int]] | None = None) -> dict[int, list[int]]:
-    """Add one layer's attention (forward or backward); return each rank's frontier."""
+                  backward: bool, entry: dict[int, list[int]] | None = None, *,
+                  pack_rings: bool = False) -> dict[int, list[int]]:
+    """Add one layer's attention (forward or backward); return each rank's frontier.
+
+    ``pack_rings`` runs all ring sequences of the same rank tuple as one ring
+    (TransformerEngine's THD layout: each step sends and computes all of them),
+    for baselines the engine does not run."""
     seg = _Segment(b, prefix, entry or {})
     kv_numel = shape.kv_heads * shape.head_dim
     local: dict[int, list[int]] = {}
+    rings: dict[tuple, list[int]] = {}
     for index, p in enumerate(plan.attention):
         tier = plan.tier_of(p)
         if p.mode is Mode.LOCAL:
             local.setdefault(p.ranks[0], []).append(index)
         elif p.mode is Mode.RING:
-            _add_ring(seg, transport, index, p, TIER_ORDER[tier], tier, kv_numel, shape, backward)
+            rings.setdefault(p.ranks if pack_rings else (index,), []).append(index)
         else:
             _add_ulysses(seg, transport, index, p, TIER_ORDER[tier], shape, backward)
+    for members in rings.values():
+        tier = plan.tier_of(plan.attention[members[0]])
+        _add_ring(seg, transport, [(i, plan.attention[i]) for i in members], TIER_ORDER[tier], tier, kv_numel,
+                  shape, backward)
     for rank, indices in local.items():
         for pack, members in enumerate(_packs(plan, indices, shape.local_pack_tokens)):
             lengths = tuple(plan.seq_lens[plan.attention[i].seq] for i in members)
@@ -156,8 +166,11 @@ def _packs(plan: Plan, indices: list[int], pack_tokens: int) -> list[list[int]]:
     return packs
 
 
-def _add_ring(seg: _Segment, transport: Transport, index: int, p, tier_order: int, tier: str,
-              kv_numel: int, shape: AttnShape, backward: bool) -> None:
+def _add_ring(seg: _Segment, transport: Transport, members: list[tuple[int, object]], tier_order: int,
+              tier: str, kv_numel: int, shape: AttnShape, backward: bool) -> None:
+    """A ring over the ranks of ``members`` (placements with one rank tuple): one
+    sequence for Zeppelin, every sequence of a CP group when packed."""
+    index, p = members[0]
     k = p.size
     size_of = {"kv": shape.itemsize, "dkv": shape.acc_itemsize}
     kv_in: dict[int, list[int]] = {}    # pos -> arrivals of the K/V it holds this step
@@ -165,6 +178,9 @@ def _add_ring(seg: _Segment, transport: Transport, index: int, p, tier_order: in
     computed: dict[int, int] = {}       # pos -> its compute op of the previous step
     for step in range(geo.ring_steps(p, backward)):
         sent = geo.ring_messages(p, step, backward, kv_numel)
+        for _, other in members[1:]:
+            sent = [(kind, a, c, n + m[3]) for (kind, a, c, n), m in
+                    zip(sent, geo.ring_messages(other, step, backward, kv_numel))]
         new_kv, new_dkv = {}, {}
         for i, (kind, a, c, numel) in enumerate(sent):
             if kind == "kv":
@@ -177,7 +193,7 @@ def _add_ring(seg: _Segment, transport: Transport, index: int, p, tier_order: in
             (new_kv if kind == "kv" else new_dkv)[c] = arrivals
         if step < k:
             for pos in range(k):
-                blocks = geo.ring_blocks(p, pos, (pos - step) % k)
+                blocks = [b for _, q in members for b in geo.ring_blocks(q, pos, (pos - step) % k)]
                 rows = [q1 - q0 for q0, q1, *_ in blocks]
                 computed[pos] = seg.compute(
                     (step, 1, tier_order, index, pos), p.ranks[pos], list(kv_in.get(pos, [])), tier=tier,

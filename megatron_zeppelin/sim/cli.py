@@ -6,12 +6,20 @@
         --strategies te_cp,zeppelin_base,zeppelin_noremap,zeppelin --json out.json --plot out.png
 
 Every strategy plans the same global batches (``ZeppelinBatchSampler``); the
-step time of each plan comes from the analytic cost model (docs/simulator.md).
+step time of each plan is the event replay of the schedule the engine runs,
+with cost-model durations (docs/simulator.md).  Two more forms:
+
+    python -m megatron_zeppelin.sim --plan PLAN.json --cluster C --model M    # time one dumped Plan
+    python -m megatron_zeppelin.sim replay TRACE.json --cluster C --model M   # re-time an executed trace
+
+Both end with the line ``step_time_s=<float>``; ``--trace OUT.json`` writes the
+modeled Chrome trace (Perfetto opens it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -25,9 +33,12 @@ from megatron_zeppelin.presets import CONFIG_ROOT
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 from megatron_zeppelin.sampler.lengths import load_lengths
 from megatron_zeppelin.sim.progress import Progress
-from megatron_zeppelin.sim.simulate import (BASELINE, STRATEGY_NAMES, SimResult, Strategy, build_strategies,
-                                            format_table, infeasible_notes, sample_batches, simulate,
-                                            te_cp_size)
+from megatron_zeppelin.schedule.trace import read_trace
+from megatron_zeppelin.sim.modeled_trace import check_fits, from_settings, replay_trace, write_modeled_trace
+from megatron_zeppelin.sim.simulate import (BASELINE, STRATEGY_NAMES, VARIANTS, SimResult, Strategy,
+                                            build_strategies, format_table, infeasible_notes, sample_batches,
+                                            simulate, te_cp_size, uses_routing)
+from megatron_zeppelin.sim.timeline import step_timeline, transport_of
 from megatron_zeppelin.topology import load_cluster
 
 DEFAULT_LENGTHS = "synthetic-longtail"
@@ -72,6 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, default=None, help="per-rank timeline plot of one step (.png)")
     p.add_argument("--plot-step", type=int, default=0, help="which step --plot draws")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="write the modeled Chrome trace of one step (--plot-step) of one strategy here")
+    p.add_argument("--trace-strategy", default=None,
+                   help="which strategy --trace draws (default: zeppelin if simulated, else the first)")
+    p.add_argument("--plan", type=Path, default=None,
+                   help="time this dumped Plan JSON instead of sampling batches (prints step_time_s=...)")
+    return p
+
+
+def build_replay_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m megatron_zeppelin.sim replay",
+                description="Re-time an executed (train --dump-trace) or modeled trace with the cost model.")
+    p.add_argument("trace", type=Path, help="a step{k}.json Chrome trace")
+    p.add_argument("--cluster", default="cpu-sim", help="cluster preset name or YAML file it ran on")
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the trace's world / "
+                                                            "GPUs per node)")
+    p.add_argument("--model", default="tiny", help="model preset name or YAML file it ran")
+    p.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
     return p
 
 
@@ -95,23 +124,36 @@ def _check_positive(args: argparse.Namespace, *names: str) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
-def run(argv: Sequence[str]) -> SimResult:
+def run(argv: Sequence[str]) -> SimResult | float:
     """Parse ``argv``, simulate, print the table, write the requested files."""
+    if argv and argv[0] == "replay":
+        return run_replay(build_replay_parser().parse_args(argv[1:]))
     args = build_parser().parse_args(argv)
+    if args.plan is not None:
+        return run_plan(args)
     config, strategies, batches = _setup(args)
+    names = [s.name for s in strategies]
+    traced = args.trace_strategy or ("zeppelin" if "zeppelin" in names else names[0])
+    if args.trace is not None and traced not in names:
+        raise ConfigError(f"--trace-strategy {traced} is not simulated; pick one of {', '.join(names)}")
     plot_timelines = None
     if args.plot is not None:   # import (and fail on a missing matplotlib) before the long part
         from megatron_zeppelin.sim.plot import plot_timelines
     if args.dump_plans is not None:
         _mkdir(args.dump_plans)
 
-    def dump(step: int, name: str, plan: Plan) -> None:
-        _write(args.dump_plans / f"step{step}_{name}.json", json.dumps(plan.to_dict()))
+    traced_plan: list[Plan] = []
+
+    def on_plan(step: int, name: str, plan: Plan) -> None:
+        if args.dump_plans is not None:
+            _write(args.dump_plans / f"step{step}_{name}.json", json.dumps(plan.to_dict()))
+        if step == args.plot_step and name == traced:
+            traced_plan.append(plan)
 
     progress = Progress(len(batches) * len(strategies), enabled=False if args.no_progress else None)
     result = simulate(batches, strategies, tokens_per_gpu=args.tokens_per_gpu,
                       time_limit_s=args.flexsp_time_limit, plot_step=args.plot_step,
-                      on_plan=dump if args.dump_plans is not None else None, progress=progress)
+                      on_plan=on_plan, progress=progress)
     print(_summary(config, result))
     print(format_table(result))
     for line in infeasible_notes(result):
@@ -121,7 +163,62 @@ def run(argv: Sequence[str]) -> SimResult:
     if plot_timelines is not None:
         plot_timelines(result, args.plot, title=f"{config['model']} on {config['world_size']}x "
                                                 f"{config['gpu']}, step {args.plot_step}")
+    if args.trace is not None and traced_plan:
+        cost = next(s.cost for s in strategies if s.name == traced)
+        write_modeled_trace(args.trace, traced_plan[0], cost, *from_settings(None, cost))
+        print(f"modeled trace of {traced}, step {args.plot_step}: {args.trace}")
     return result
+
+
+def run_plan(args: argparse.Namespace) -> float:
+    """``--plan``: the modeled step time of one dumped Plan."""
+    _check_positive(args, "nodes")
+    cluster = load_cluster(args.cluster, nodes=args.nodes)
+    doc = _read_json(args.plan, "plan", "a Plan JSON written by --dump-plans")
+    plan = Plan.from_dict(doc).validate()
+    cost = CostModel(cluster, load_model(args.model), routing=True)
+    check_fits(plan.world_size, cost, f"plan {str(args.plan)!r}")
+    attn, transport = from_settings(doc.get("engine"), cost)
+    if doc.get("engine") is None and plan.strategy not in VARIANTS:
+        cost = cost.routed(uses_routing(plan.strategy))
+        transport = transport_of(cost)
+    tl = step_timeline(plan, cost, attn=attn, transport=transport)
+    print(f"{plan.strategy}: {len(plan.seq_lens)} sequences, {sum(plan.seq_lens)} tokens on "
+          f"{plan.world_size} GPUs ({cluster.name}), {cost.model.name}; slowest rank {tl.slowest_rank}")
+    if args.json is not None:
+        _write(args.json, json.dumps({"plan": str(args.plan), "step_time_s": tl.step_s,
+                                      "ranks": [dataclasses.asdict(r) for r in tl.ranks]}, indent=2))
+    if args.trace is not None:
+        write_modeled_trace(args.trace, plan, cost, attn, transport)
+    print(f"step_time_s={tl.step_s!r}")
+    return tl.step_s
+
+
+def run_replay(args: argparse.Namespace) -> float:
+    """``replay``: re-time a trace's ops and dependencies with the cost model."""
+    schedule, meta, _ = read_trace(args.trace)
+    gpn = load_cluster(args.cluster).topology.gpus_per_node
+    nodes = args.nodes or max(schedule.world_size // gpn, 1)
+    cost = CostModel(load_cluster(args.cluster, nodes=nodes), load_model(args.model))
+    step_s = replay_trace(schedule, meta, cost, str(args.trace))
+    print(f"{args.trace}: {len(schedule.ops)} ops on {schedule.world_size} ranks, "
+          f"{meta.get('source', 'executed')} trace of {meta.get('strategy', '?')}")
+    if args.json is not None:
+        _write(args.json, json.dumps({"trace": str(args.trace), "step_time_s": step_s}, indent=2))
+    print(f"step_time_s={step_s!r}")
+    return step_s
+
+
+def _read_json(path: Path, what: str, expected: str) -> dict:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{what} file {str(path)!r} does not exist; pass {expected}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{what} file {str(path)!r} is not JSON ({exc}); pass {expected}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{what} file {str(path)!r} does not hold a JSON object; pass {expected}")
+    return doc
 
 
 def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], list[list[int]]]:

@@ -1,30 +1,33 @@
 """Modeled timeline of one training step of a Plan, per rank.
 
-A rank's step is three phases, all on its critical path:
+The step is the schedule the engine executes (``schedule/step.py``): every
+layer's attention (rings, Ulysses groups, local sequences as separate ops with
+their dependencies), the layout switches and the linear work, forward and
+backward.  :func:`step_timeline` replays it event by event with cost-model
+durations and link contention (``sim/replay.py``) -- what a rank waits for is
+what the engine would wait for, no more and no less.  The per-rank numbers
+below are read off that replay.
 
-* attention: the engine runs its inter-node rings, then intra-node rings, then
-  local sequences.  Ring transfers overlap the ring's own compute step by step
-  (``CostModel.ring_cost``); what they cannot hide (``exposed_s``) is a gap the
-  local work fills, because local attention needs no transfer.  Ulysses
-  all-to-alls are blocking collectives: nothing hides them.
-* remap: the all-to-all-v between the attention and the linear layout.  It is
-  collective, so every rank waits for the busiest link of the whole world.
-* linear: projections, MLP and output layer over the rank's linear tokens.
-
-Sequences whose rings share the exact same rank tuple are packed into one ring
-(TransformerEngine's THD layout sends all of them each step); a ring holding
-one sequence is Zeppelin's case.  The step ends when the slowest rank ends
-(gradient all-reduce), so ``step_s`` is the maximum over ranks.
+Strategies the engine does not run keep a schedule of their own shape built
+through the same machinery: ``te_cp`` packs all sequences of a CP group into
+one ring (TransformerEngine's THD layout sends all of them each step).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
-from megatron_zeppelin.cost import CostModel, RingCost
-from megatron_zeppelin.plan import Mode, Plan, TierCounts
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.plan import Plan, TierCounts
+from megatron_zeppelin.schedule.attention import AttnShape, Transport, add_attention
+from megatron_zeppelin.schedule.ops import Schedule, ScheduleBuilder
+from megatron_zeppelin.schedule.routing import min_routed_bytes
+from megatron_zeppelin.schedule.step import StepShape, add_linear, add_switch, remap_messages
+from megatron_zeppelin.sim.replay import replay_step
 
 #: Segment kinds, in the order a rank runs them (plots use the same order).
 SEGMENT_KINDS = ("attention", "exposed_comm", "remap", "linear")
@@ -53,11 +56,13 @@ class RankTimeline:
     attn_compute_s: float
     """Attention kernel time: rings, Ulysses shares and local sequences."""
     exposed_comm_s: float
-    """Attention communication neither ring compute nor local work could hide."""
+    """Time the rank's compute lane waited for transfers outside the layout
+    switches (communication neither ring compute nor local work could hide)."""
     remap_s: float
-    """Layout switches attention <-> linear (the world's busiest link)."""
+    """Time the rank spent in layout switches attention <-> linear."""
     total_s: float
-    """``linear_s + attn_compute_s + exposed_comm_s + remap_s``."""
+    """When the rank finished its step (``linear_s + attn_compute_s + exposed_comm_s
+    + remap_s``)."""
     segments: tuple[Segment, ...]
     """The same numbers laid out in time, for plotting."""
 
@@ -89,37 +94,6 @@ def imbalance(values: Sequence[float]) -> float:
     if not values or not any(values):
         return 1.0
     return max(values) * len(values) / sum(values)
-
-
-def attention_phase(cost: CostModel, plan: Plan) -> list[tuple[float, float]]:
-    """(compute_s, exposed_comm_s) of every rank's attention phase."""
-    w = plan.world_size
-    rings: dict[tuple[int, ...], list[int]] = defaultdict(list)
-    local = [0.0] * w
-    grouped = [0.0] * w      # compute of rings and Ulysses groups
-    ring_exposed = [0.0] * w
-    ulysses_comm = [0.0] * w
-    for p in plan.attention:
-        length = plan.seq_lens[p.seq]
-        if p.mode is Mode.LOCAL:
-            local[p.ranks[0]] += cost.local_attn_s(length)
-        elif p.mode is Mode.RING:
-            rings[p.ranks].append(length)
-        else:
-            _add(grouped, ulysses_comm, p.ranks,
-                 cost.ulysses_cost(length, p.size, cost.alltoall_link(p.ranks)))
-    for ranks, lengths in rings.items():
-        _add(grouped, ring_exposed, ranks, cost.ring_cost(lengths, len(ranks), cost.link_for(ranks)))
-    # Local work runs inside the ring gaps; only the part of the gaps it cannot
-    # fill stays exposed.  phase = sum(total) + max(0, local - ring_exposed).
-    return [(grouped[r] + local[r], ulysses_comm[r] + max(0.0, ring_exposed[r] - local[r]))
-            for r in range(w)]
-
-
-def _add(compute: list[float], exposed: list[float], ranks: Sequence[int], c: RingCost) -> None:
-    for r in ranks:
-        compute[r] += c.compute_s
-        exposed[r] += c.exposed_s
 
 
 def remap_time(cost: CostModel, plan: Plan) -> float:
@@ -160,25 +134,83 @@ def _inter_link(cost: CostModel, rank: int) -> tuple[int, int]:
     return (topo.node_of(rank), -1 if cost.routing else topo.nic_of(rank))
 
 
-def step_timeline(plan: Plan, cost: CostModel) -> StepTimeline:
+def step_shape(cost: CostModel, remap: bool) -> StepShape:
+    """The step shape of ``cost``'s model: heads and dtypes as the engine sends them
+    (K/V and outputs in the model dtype, dK/dV in fp32)."""
+    m = cost.model
+    return StepShape(num_layers=m.num_layers,
+                     attn=AttnShape(m.num_attention_heads, m.num_query_groups, m.head_dim, m.dtype_bytes, 4),
+                     hidden_size=m.hidden_size, remap=remap)
+
+
+def transport_of(cost: CostModel) -> Transport:
+    """Direct transfers, or routed above the cost model's break-even when ``cost.routing``."""
+    topo = cost.cluster.topology
+    return Transport(topo, min_routed_bytes(cost) if cost.routing else math.inf)
+
+
+def step_parts(plan: Plan, cost: CostModel, *, pack_rings: bool = False, attn: AttnShape | None = None,
+               transport: Transport | None = None) -> list[tuple[str, Schedule, Schedule]]:
+    """The segments of one layer of ``plan`` (forward and backward), as
+    :func:`~megatron_zeppelin.sim.replay.replay_step` takes them.  ``attn`` and
+    ``transport`` override what ``cost`` implies (a plan the trainer ran records
+    its own dtypes and routing threshold)."""
+    messages = remap_messages(plan)
+    shape = step_shape(cost, bool(messages))
+    if attn is not None:
+        shape = dataclasses.replace(shape, attn=attn)
+    transport = transport or transport_of(cost)
+    isz, row = shape.attn.itemsize, shape.hidden_size
+
+    def segment(add) -> Schedule:
+        b = ScheduleBuilder(plan.world_size)
+        add(b)
+        return b.build()
+
+    parts = [("attn", *(segment(lambda b, bw=bw: add_attention(b, (), plan, shape.attn, transport, bw,
+                                                                pack_rings=pack_rings))
+                        for bw in (False, True)))]
+    if messages:
+        parts.append(("to_linear", *(segment(lambda b, bw=bw: add_switch(b, (), messages, transport, row, isz,
+                                                                          bw, {}, reverse=bw))
+                                     for bw in (False, True))))
+    tokens = plan.linear_tokens_per_rank()
+    parts.append(("linear", *(segment(lambda b, bw=bw: add_linear(b, (), tokens, bw, {})) for bw in (False, True))))
+    if messages:
+        parts.append(("to_attn", *(segment(lambda b, bw=bw: add_switch(b, (), messages, transport, row, isz,
+                                                                        bw, {}, reverse=not bw))
+                                   for bw in (False, True))))
+    return parts
+
+
+#: Strategies whose attention the engine does not run as Zeppelin does: TE packs
+#: a CP group's sequences into one ring.
+PACKED_RING_STRATEGIES = ("te_cp",)
+
+
+def step_timeline(plan: Plan, cost: CostModel, *, attn: AttnShape | None = None,
+                  transport: Transport | None = None) -> StepTimeline:
     """Per-rank modeled time of one step of ``plan`` (see the module docstring)."""
-    remap = remap_time(cost, plan)
-    linear_tokens = plan.linear_tokens_per_rank()
+    parts = step_parts(plan, cost, pack_rings=plan.strategy in PACKED_RING_STRATEGIES, attn=attn,
+                       transport=transport)
+    replay = replay_step(parts, cost.model.num_layers, cost, plan.world_size)
     ranks = []
-    for rank, (compute, exposed) in enumerate(attention_phase(cost, plan)):
-        linear = cost.linear_s(linear_tokens[rank])
-        durations = dict(zip(SEGMENT_KINDS, (compute, exposed, remap, linear)))
+    for rank in range(plan.world_size):
+        busy = {tier: s for (r, tier), s in replay.busy_s.items() if r == rank}
+        linear = busy.pop("linear", 0.0)
+        compute = sum(busy.values())
+        remap = sum(replay.segment_s[name][rank] for name in ("to_linear", "to_attn") if name in replay.segment_s)
+        total = replay.finish_s[rank]
+        waiting = max(total - linear - compute - remap, 0.0)
+        durations = dict(zip(SEGMENT_KINDS, (compute, waiting, remap, linear)))
         segments, t = [], 0.0
         for kind in SEGMENT_KINDS:
             if durations[kind] > 0:
                 segments.append(Segment(kind, t, durations[kind]))
                 t += durations[kind]
-        ranks.append(RankTimeline(rank=rank, linear_s=linear, attn_compute_s=compute,
-                                  exposed_comm_s=exposed, remap_s=remap,
-                                  total_s=linear + compute + exposed + remap,
-                                  segments=tuple(segments)))
-    return StepTimeline(strategy=plan.strategy, ranks=tuple(ranks),
-                        step_s=max(r.total_s for r in ranks),
+        ranks.append(RankTimeline(rank=rank, linear_s=linear, attn_compute_s=compute, exposed_comm_s=waiting,
+                                  remap_s=remap, total_s=total, segments=tuple(segments)))
+    return StepTimeline(strategy=plan.strategy, ranks=tuple(ranks), step_s=replay.step_s,
                         attn_imbalance=imbalance(plan.attn_pairs_per_rank()),
-                        linear_imbalance=imbalance(linear_tokens),
+                        linear_imbalance=imbalance(plan.linear_tokens_per_rank()),
                         tiers=plan.tier_counts())

@@ -1,0 +1,89 @@
+"""Modeled traces and the replay of executed ones (``sim --trace``, ``sim replay``, ``sim --plan``).
+
+A modeled trace is the whole step schedule of a Plan (every layer, forward and
+backward; ``schedule/step.py``) replayed op by op; an executed trace
+(``train --dump-trace``) holds the same ops with the times the engine measured,
+and :func:`replay_trace` re-times them with the cost model.  The engine settings
+a plan ran with -- dtypes, routing threshold, local packing -- travel with it
+(the ``engine`` key of a dumped Plan, ``otherData`` of a trace) so that both
+sides build the very same ops.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.schedule.attention import AttnShape, Transport
+from megatron_zeppelin.schedule.ops import Schedule
+from megatron_zeppelin.schedule.step import StepShape, remap_messages, step_schedule
+from megatron_zeppelin.schedule.trace import write_trace
+from megatron_zeppelin.sim.replay import LaneState, OpTiming, replay_segment
+from megatron_zeppelin.sim.timeline import step_shape, transport_of
+
+
+def engine_settings(attn: AttnShape, transport: Transport) -> dict[str, Any]:
+    """What a plan or trace records of the engine that ran it."""
+    return {"q_heads": attn.q_heads, "kv_heads": attn.kv_heads, "head_dim": attn.head_dim,
+            "itemsize": attn.itemsize, "acc_itemsize": attn.acc_itemsize,
+            "local_pack_tokens": attn.local_pack_tokens,
+            "min_routed_bytes": None if math.isinf(transport.min_routed_bytes) else transport.min_routed_bytes}
+
+
+def from_settings(settings: Mapping[str, Any] | None, cost: CostModel) -> tuple[AttnShape, Transport]:
+    """The attention shape and transport of recorded ``settings`` (else ``cost``'s)."""
+    shape = step_shape(cost, True).attn
+    transport = transport_of(cost)
+    if not settings:
+        return shape, transport
+    try:
+        attn = AttnShape(int(settings["q_heads"]), int(settings["kv_heads"]), int(settings["head_dim"]),
+                         int(settings["itemsize"]), int(settings["acc_itemsize"]),
+                         int(settings["local_pack_tokens"]))
+        threshold = settings["min_routed_bytes"]
+        routed = Transport(cost.cluster.topology, math.inf if threshold is None else float(threshold))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"the recorded engine settings are malformed ({exc!r}); dump the plan again") from None
+    return attn, routed
+
+
+def check_fits(world_size: int, cost: CostModel, what: str) -> None:
+    world = cost.cluster.topology.world_size
+    if world_size != world:
+        raise ConfigError(f"{what} spans {world_size} ranks but the cluster has {world} GPUs "
+                          f"({cost.cluster.topology.nodes} nodes x {cost.cluster.topology.gpus_per_node}); "
+                          "pass the --cluster and --nodes it ran on")
+
+
+def modeled_step(plan: Plan, cost: CostModel, attn: AttnShape, transport: Transport) -> tuple[Schedule, list[OpTiming]]:
+    """The whole step schedule of ``plan`` replayed op by op (no layer skipped)."""
+    shape = StepShape(cost.model.num_layers, attn, cost.model.hidden_size, remap=bool(remap_messages(plan)))
+    schedule = step_schedule(plan, shape, transport).schedule
+    timings: list[OpTiming] = []
+    replay_segment(schedule, cost, LaneState(plan.world_size), timings)
+    return schedule, timings
+
+
+def write_modeled_trace(path, plan: Plan, cost: CostModel, attn: AttnShape, transport: Transport) -> float:
+    """Write the modeled trace of one step of ``plan``; returns its step time."""
+    schedule, timings = modeled_step(plan, cost, attn, transport)
+    write_trace(path, schedule, {t: (x.start_s * 1e6, x.end_s * 1e6) for t, x in enumerate(timings)},
+                {"source": "model", "strategy": plan.strategy, "cluster": cost.cluster.name,
+                 "model": cost.model.name, "num_layers": cost.model.num_layers,
+                 "engine": engine_settings(attn, transport)})
+    return max(x.end_s for x in timings) if timings else 0.0
+
+
+def replay_trace(schedule: Schedule, meta: Mapping[str, Any], cost: CostModel, path: str) -> float:
+    """Re-time an executed (or modeled) trace's ops and dependencies with ``cost``."""
+    check_fits(schedule.world_size, cost, f"trace {path!r}")
+    layers = meta.get("num_layers")
+    if layers is not None and layers != cost.model.num_layers:
+        raise ConfigError(f"trace {path!r} ran a {layers}-layer model but --model {cost.model.name} has "
+                          f"{cost.model.num_layers} layers; pass the model it ran")
+    timings: list[OpTiming] = []
+    replay_segment(schedule, cost, LaneState(schedule.world_size), timings)
+    return max((x.end_s for x in timings), default=0.0)
