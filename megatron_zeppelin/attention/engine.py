@@ -314,4 +314,4 @@ def _execute(run: _Run, schedule: Schedule, binding: _Binding) -> None:
     if run.comm is None:
         run_without_transfers(schedule, run.rank, binding)
     else:
-        run.comm.runner.run(schedule, binding, run.comm.trace)
+        run.comm.runner.run(schedule, binding, run.comm.recorder)

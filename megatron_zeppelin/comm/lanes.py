@@ -65,12 +65,36 @@ class Binding(Protocol):
 
 @dataclass
 class OpTrace:
-    """Executed times of this rank's ops (monotonic nanoseconds), for ``--dump-trace``."""
+    """Executed times of this rank's ops in one call (monotonic nanoseconds: one
+    clock for every process of a machine), for ``--dump-trace``."""
 
+    ops: int
+    """Ops in the call's schedule (what the step schedule's segment must hold)."""
     start_ns: dict[int, int] = field(default_factory=dict)
     """Op id -> when it started here (compute: kernel start; send: post)."""
     end_ns: dict[int, int] = field(default_factory=dict)
     """Op id -> when it ended here (compute: kernel end; receive: landed)."""
+    begin_ns: int = 0
+    """When the call began on this rank."""
+    finish_ns: int = 0
+    """When the call returned on this rank (every lane done)."""
+
+
+class StepRecorder:
+    """Every call of one step, in call order, with the times of this rank's ops."""
+
+    def __init__(self) -> None:
+        self.calls: list[OpTrace] = []
+        self.marks: dict[str, int] = {}
+        """Named instants of the step (e.g. ``backward_begin``), monotonic ns."""
+
+    def new_call(self, schedule: Schedule) -> OpTrace:
+        trace = OpTrace(len(schedule.ops), begin_ns=time.monotonic_ns())
+        self.calls.append(trace)
+        return trace
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.monotonic_ns()
 
 
 class _Done:
@@ -139,19 +163,20 @@ class LaneRunner:
             self._cuda_lane.shutdown(wait=True)
 
     # ------------------------------------------------------------------ run
-    def start(self, schedule: Schedule, binding: Binding, trace: OpTrace | None = None) -> "_Call":
+    def start(self, schedule: Schedule, binding: Binding, recorder: StepRecorder | None = None) -> "_Call":
         """Post this rank's communication lanes of ``schedule`` and return the call;
         ``call.run_compute()`` then runs the compute lane, ``call.wait()`` finishes.
         Collective: every rank starts every schedule, also one without ops of its
         own, because calls are numbered in order and the number is in the tags."""
+        trace = recorder.new_call(schedule) if recorder is not None else None
         call = _Call(self, schedule, binding, trace, self._calls % CALLS_IN_FLIGHT)
         self._calls += 1
         call.launch()
         return call
 
-    def run(self, schedule: Schedule, binding: Binding, trace: OpTrace | None = None) -> None:
+    def run(self, schedule: Schedule, binding: Binding, recorder: StepRecorder | None = None) -> None:
         """Run every op of this rank in ``schedule``; returns when all are done."""
-        call = self.start(schedule, binding, trace)
+        call = self.start(schedule, binding, recorder)
         try:
             call.run_compute()
         finally:
@@ -382,3 +407,5 @@ class _Call:
                 f"{self.r.timeout.total_seconds():g} s; a peer stalled or died"))
         if self.done.error is not None:
             raise self.done.error
+        if self.trace is not None:
+            self.trace.finish_ns = time.monotonic_ns()

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.comm.base import ByteCounters, Message
-from megatron_zeppelin.comm.lanes import LaneRunner, OpTrace, _Call
+from megatron_zeppelin.comm.lanes import LaneRunner, StepRecorder, _Call
 from megatron_zeppelin.schedule.attention import Transport, add_transfer
 from megatron_zeppelin.schedule.ops import Op, ScheduleBuilder
 from megatron_zeppelin.topology import Topology
@@ -79,8 +79,8 @@ class LaneCommunicator:
         self.device = device
         self.transport = Transport(topology, min_routed_bytes)
         self.runner = LaneRunner(group, self.rank, self.counters, device=device, timeout=timeout)
-        self.trace: OpTrace | None = None
-        """When set, every executed op's times are recorded here (``--dump-trace``)."""
+        self.recorder: StepRecorder | None = None
+        """When set, every call's executed op times are recorded here (``--dump-trace``)."""
 
     @property
     def stream(self) -> torch.cuda.Stream | None:
@@ -106,7 +106,7 @@ class LaneCommunicator:
         _check(messages, sends, recvs, self.rank)
         # Started on every rank, with lanes or without: calls are numbered
         # collectively (their tags must agree).
-        return RoundPending(self.runner.start(schedule, _RoundBinding(ids, sends, recvs), self.trace))
+        return RoundPending(self.runner.start(schedule, _RoundBinding(ids, sends, recvs), self.recorder))
 
     def _local_itemsize(self, m: Message, sends, recvs) -> int:
         # Direct transfers have no proxy to size: the tensor's own element size

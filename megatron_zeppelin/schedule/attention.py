@@ -21,6 +21,7 @@ they are in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -204,6 +205,10 @@ def _add_ring(seg: _Segment, transport: Transport, members: list[tuple[int, obje
 
 def _add_ulysses(seg: _Segment, transport: Transport, index: int, p, tier_order: int, shape: AttnShape,
                  backward: bool) -> None:
+    # An all-to-all loads every NIC of the node at once (each GPU sends its share
+    # through its own): there is no idle NIC for routing to borrow, only two
+    # extra hops to pay.  Its messages always go direct.
+    transport = dataclasses.replace(transport, min_routed_bytes=math.inf)
     arrived: dict[int, list[int]] = {}
     for i, (a, c, numel) in enumerate(geo.ulysses_messages(p, 0, backward, shape.q_heads, shape.kv_heads,
                                                          shape.head_dim)):

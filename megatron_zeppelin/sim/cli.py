@@ -34,7 +34,8 @@ from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 from megatron_zeppelin.sampler.lengths import load_lengths
 from megatron_zeppelin.sim.progress import Progress
 from megatron_zeppelin.schedule.trace import read_trace
-from megatron_zeppelin.sim.modeled_trace import check_fits, from_settings, replay_trace, write_modeled_trace
+from megatron_zeppelin.sim.modeled_trace import (check_fits, from_settings, replay_trace, with_recorded_topology,
+                                                 write_modeled_trace)
 from megatron_zeppelin.sim.simulate import (BASELINE, STRATEGY_NAMES, VARIANTS, SimResult, Strategy,
                                             build_strategies, format_table, infeasible_notes, sample_batches,
                                             simulate, te_cp_size, uses_routing)
@@ -176,7 +177,7 @@ def run_plan(args: argparse.Namespace) -> float:
     cluster = load_cluster(args.cluster, nodes=args.nodes)
     doc = _read_json(args.plan, "plan", "a Plan JSON written by --dump-plans")
     plan = Plan.from_dict(doc).validate()
-    cost = CostModel(cluster, load_model(args.model), routing=True)
+    cost = with_recorded_topology(CostModel(cluster, load_model(args.model), routing=True), doc.get("engine"))
     check_fits(plan.world_size, cost, f"plan {str(args.plan)!r}")
     attn, transport = from_settings(doc.get("engine"), cost)
     if doc.get("engine") is None and plan.strategy not in VARIANTS:
@@ -199,7 +200,8 @@ def run_replay(args: argparse.Namespace) -> float:
     schedule, meta, _ = read_trace(args.trace)
     gpn = load_cluster(args.cluster).topology.gpus_per_node
     nodes = args.nodes or max(schedule.world_size // gpn, 1)
-    cost = CostModel(load_cluster(args.cluster, nodes=nodes), load_model(args.model))
+    cost = with_recorded_topology(CostModel(load_cluster(args.cluster, nodes=nodes), load_model(args.model)),
+                                  meta.get("engine"))
     step_s = replay_trace(schedule, meta, cost, str(args.trace))
     print(f"{args.trace}: {len(schedule.ops)} ops on {schedule.world_size} ranks, "
           f"{meta.get('source', 'executed')} trace of {meta.get('strategy', '?')}")

@@ -11,6 +11,7 @@ sides build the very same ops.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping
 
@@ -23,14 +24,31 @@ from megatron_zeppelin.schedule.step import StepShape, remap_messages, step_sche
 from megatron_zeppelin.schedule.trace import write_trace
 from megatron_zeppelin.sim.replay import LaneState, OpTiming, replay_segment
 from megatron_zeppelin.sim.timeline import step_shape, transport_of
+from megatron_zeppelin.topology import Topology
 
 
 def engine_settings(attn: AttnShape, transport: Transport) -> dict[str, Any]:
     """What a plan or trace records of the engine that ran it."""
-    return {"q_heads": attn.q_heads, "kv_heads": attn.kv_heads, "head_dim": attn.head_dim,
+    topo = transport.topology
+    return {"nodes": topo.nodes, "gpus_per_node": topo.gpus_per_node, "nics_per_node": topo.nics_per_node,
+            "nic_affinity": list(topo.nic_affinity), "q_heads": attn.q_heads, "kv_heads": attn.kv_heads, "head_dim": attn.head_dim,
             "itemsize": attn.itemsize, "acc_itemsize": attn.acc_itemsize,
             "local_pack_tokens": attn.local_pack_tokens,
             "min_routed_bytes": None if math.isinf(transport.min_routed_bytes) else transport.min_routed_bytes}
+
+
+def with_recorded_topology(cost: CostModel, settings: Mapping[str, Any] | None) -> CostModel:
+    """``cost`` on the topology a run recorded (the trainer may override the
+    preset's GPUs and NICs per node); link speeds and GPU stay the cluster's."""
+    if not settings or "gpus_per_node" not in settings:
+        return cost
+    try:
+        topo = Topology(nodes=int(settings["nodes"]), gpus_per_node=int(settings["gpus_per_node"]),
+                        nics_per_node=int(settings["nics_per_node"]),
+                        nic_affinity=tuple(int(x) for x in settings.get("nic_affinity", ())))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"the recorded topology is malformed ({exc!r}); dump it again") from None
+    return dataclasses.replace(cost, cluster=dataclasses.replace(cost.cluster, topology=topo))
 
 
 def from_settings(settings: Mapping[str, Any] | None, cost: CostModel) -> tuple[AttnShape, Transport]:

@@ -66,6 +66,8 @@ class TrainConfig:
     """Directory to resume from (model, optimizer and sampler state)."""
     dump_plans: str | None = None
     """Directory to write each step's Plan JSON to."""
+    dump_trace: str | None = None
+    """Directory to write each step's executed Chrome trace to (``step{k}.json``)."""
     backend: str = "auto"
     """Attention kernel backend: ``torch``, ``flash``, ``te`` or ``auto``."""
     timeout_s: float = 90.0
@@ -113,6 +115,9 @@ class TrainConfig:
             raise ConfigError(f"--min-routed-bytes must be >= 0, got {self.min_routed_bytes}")
         if self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.dump_trace and self.strategy == "reference":
+            raise ConfigError("--dump-trace records the Zeppelin engine's ops; the reference strategy runs plain "
+                              "attention with no schedule: pick another --strategy or drop --dump-trace")
         return self
 
 
@@ -155,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", metavar="DIR")
     p.add_argument("--load", metavar="DIR")
     p.add_argument("--dump-plans", metavar="DIR")
+    p.add_argument("--dump-trace", metavar="DIR",
+                   help="write each step's executed timeline as a Chrome trace DIR/step{k}.json (Perfetto opens "
+                        "it; python -m megatron_zeppelin.sim replay re-times it)")
     p.add_argument("--backend", choices=("torch", "flash", "te", "auto"), default="auto")
     p.add_argument("--timeout", type=float, default=float(os.environ.get("ZEPPELIN_TIMEOUT_S", 90)),
                    help="seconds before a collective waiting on a dead peer fails (default 90)")
@@ -169,4 +177,4 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         strategy=a.strategy, model=a.model, lengths=a.lengths, data=a.data, max_seq_len=a.max_seq_len,
         tokens_per_gpu=a.tokens_per_gpu, steps=a.steps, seed=a.seed, lr=a.lr, dtype=a.dtype,
         routing=a.routing, min_routed_bytes=a.min_routed_bytes, remap=a.remap, batch_fill=a.batch_fill, json_log=a.json_log, save=a.save, load=a.load,
-        dump_plans=a.dump_plans, backend=a.backend, timeout_s=a.timeout, quiet=a.quiet).check()
+        dump_plans=a.dump_plans, dump_trace=a.dump_trace, backend=a.backend, timeout_s=a.timeout, quiet=a.quiet).check()

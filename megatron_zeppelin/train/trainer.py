@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,11 @@ from megatron_zeppelin.megatron import build_gpt_model, build_packed_seq_params
 from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.agreement import check_same_plan
+from megatron_zeppelin.comm.lanes import StepRecorder
 from megatron_zeppelin.remap import RemapContext, RemapCounters, set_remap_context
+from megatron_zeppelin.schedule.attention import AttnShape
+from megatron_zeppelin.sim.modeled_trace import engine_settings
+from megatron_zeppelin.train.trace_dump import rank_record, write_step_trace
 from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.sampler import GlobalBatch, ZeppelinBatchSampler
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
@@ -153,7 +158,10 @@ def train_step(run: Run, batch: GlobalBatch) -> StepRecord:
     if run.cfg.dump_plans and run.rank == 0:
         out = Path(run.cfg.dump_plans)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"plan_{run.step:06d}.json").write_text(plan.to_json())
+        doc = plan.to_dict()
+        if run.comm is not None:      # how the engine runs it: sim --plan builds the same ops
+            doc["engine"] = engine_settings(engine_attn_shape(run), run.comm.transport)
+        (out / f"plan_{run.step:06d}.json").write_text(json.dumps(doc))
     spans = plan.attention_spans(run.rank)
     pad = 0 if spans else 1  # Megatron's layers cannot run on zero tokens
     data = build_rank_batch(spans, batch.pieces, run.source, run.device, pad_tokens=pad)
@@ -168,10 +176,19 @@ def train_step(run: Run, batch: GlobalBatch) -> StepRecord:
         set_remap_context(run.model, RemapContext(plan=plan, rank=run.rank, comm=run.comm,
                                                   counters=run.remap_counters))
     label_count = num_label_tokens(batch.seq_lens)
+    recorder = StepRecorder() if run.cfg.dump_trace else None
+    if run.comm is not None:
+        run.comm.recorder = recorder
     token_loss = run.model(data.tokens[None], packed.position_ids[None], None,
                            labels=data.labels[None], packed_seq_params=packed)  # [1, t]
     loss_sum = (token_loss[0].float() * data.loss_mask).sum()
+    if recorder is not None:
+        recorder.mark("backward_begin")
     (loss_sum / label_count).backward()
+    if recorder is not None:
+        recorder.mark("step_end")
+        run.comm.recorder = None
+        dump_step_trace(run, plan, recorder)
     grad_norm = allreduce_grads(run.model)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=False)
@@ -186,6 +203,28 @@ def train_step(run: Run, batch: GlobalBatch) -> StepRecord:
     rows = torch.stack(gathered).cpu()
     run.step += 1
     return _record(run, plan, batch, rows, grad_norm, label_count, time.perf_counter() - t0)
+
+
+def engine_attn_shape(run: Run) -> AttnShape:
+    """The attention shape this run's engine executes (heads, dtypes as sent)."""
+    m = run.model_cfg
+    dtype = next(run.model.parameters()).dtype
+    return AttnShape(m.num_attention_heads, m.num_query_groups, m.head_dim, dtype.itemsize,
+                     torch.promote_types(dtype, torch.float32).itemsize)
+
+
+def dump_step_trace(run: Run, plan: Plan, recorder: StepRecorder) -> None:
+    """Gather every rank's executed op times; rank 0 writes ``step{k}.json``."""
+    records = [None] * run.world_size if run.rank == 0 else None
+    dist.gather_object(rank_record(recorder), records, dst=0)
+    if run.rank != 0:
+        return
+    m = run.model_cfg
+    attn = engine_attn_shape(run)
+    out = Path(run.cfg.dump_trace)
+    out.mkdir(parents=True, exist_ok=True)
+    write_step_trace(out / f"step{run.step}.json", plan, m.num_layers, m.hidden_size, attn, run.comm.transport,
+                     records, {"cluster": run.cluster.name, "model": m.name, "step": run.step})
 
 
 def _record(run: Run, plan: Plan, batch: GlobalBatch, rows: torch.Tensor, grad_norm: float,
