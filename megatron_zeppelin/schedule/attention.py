@@ -70,21 +70,29 @@ class Transport:
 
 def add_transfer(b: ScheduleBuilder, order: tuple, transport: Transport, binding: tuple, src: int, dst: int,
                  numel: int, itemsize: int, deps: list[int], *, tier: str, name: str,
-                 backward: bool, route_id: int | None = None) -> list[int]:
+                 backward: bool, route_id: int | None = None,
+                 entry: dict[int, list[int]] | None = None,
+                 hops: list[tuple[int, int, int]] | None = None) -> list[int]:
     """Add one message as transfer ops (one per hop); return the handles of the
     hops that land on ``dst`` (what a consumer waits for).  ``route_id`` (default:
-    the message id) rotates the proxies among concurrent messages."""
+    the message id) rotates the proxies among concurrent messages.  A hop also
+    waits for its receiver's ``entry``: a rank posts its receives when it starts
+    the segment, and no transfer lands before that.  ``hops``, when given,
+    receives ``(handle, src, dst)`` of every hop."""
     mid = b.message(binding)
     arrivals, last_leg = [], {}
     route = mid if route_id is None else route_id
     for i, h in enumerate(route_message(route, src, dst, numel, itemsize, transport.topology,
                                         transport.min_routed_bytes)):
         before = last_leg.get(h.piece)
-        handle = b.add((*order, i), [before] if before is not None else deps, kind=COMM, tier=tier,
+        waits = [before] if before is not None else list(deps)
+        handle = b.add((*order, i), [*waits, *(entry or {}).get(h.dst, ())], kind=COMM, tier=tier,
                        name=name if h.phase is Phase.DIRECT else f"{name}.{h.phase.name.lower()}",
                        rank=h.src, peer=h.dst, nbytes=h.nbytes, nic=h.nic, backward=backward,
                        key=(mid, h.piece, int(h.phase), h.offset, h.numel, h.itemsize))
         last_leg[h.piece] = handle
+        if hops is not None:
+            hops.append((handle, h.src, h.dst))
         if h.dst == dst:
             arrivals.append(handle)
     return arrivals
@@ -105,14 +113,19 @@ class _Segment:
 
     def transfer(self, order: tuple, transport: Transport, binding: tuple, src: int, dst: int, numel: int,
                  itemsize: int, deps: list[int], **fields) -> list[int]:
+        hops: list[tuple[int, int, int]] = []
         arrivals = add_transfer(self.b, (*self.prefix, *order), transport, binding, src, dst, numel,
-                                itemsize, deps or list(self.entry.get(src, ())), **fields)
-        self.touching.setdefault(dst, []).extend(arrivals)
+                                itemsize, deps or list(self.entry.get(src, ())), entry=self.entry, hops=hops,
+                                **fields)
+        for handle, a, c in hops:          # a call ends once its sends are done too
+            self.touching.setdefault(a, []).append(handle)
+            self.touching.setdefault(c, []).append(handle)
         return arrivals
 
     def frontier(self) -> dict[int, list[int]]:
-        """Per rank, its ops of the segment that none of its other ops wait for:
-        what the rank's next segment starts after."""
+        """Per rank, its ops of the segment (compute, sends, receives, forwarded
+        pieces) that none of its other ops wait for: what the rank's next segment
+        starts after, as the engine's call returns once all its lanes are done."""
         out = {}
         for rank, hs in self.touching.items():
             inner = {d for h in hs for d in self.b.deps(h)}

@@ -128,3 +128,26 @@ def _op_fields(ev: Mapping[str, Any]) -> dict[str, Any]:
         out.update(rank=int(ev["pid"]), pairs=int(a["pairs"]), block=int(a["block"]), tokens=int(a["tokens"]),
                    lengths=tuple(int(x) for x in a["lengths"]))
     return out
+
+
+def local_overlap(schedule: Schedule, times: Mapping[int, tuple[float, float]]) -> dict[int, bool]:
+    """For every rank that holds both ring work and local work: whether some local
+    compute of it ran while one of its ring transfers (intra- or inter-node, sent
+    or received, any leg) was in flight."""
+    ring_ranks: set[int] = set()
+    local: dict[int, list[tuple[float, float]]] = {}
+    flights: dict[int, list[tuple[float, float]]] = {}
+    for op in schedule.ops:
+        if op.id not in times:
+            continue
+        if op.kind == COMPUTE and op.tier in ("intra", "inter"):
+            ring_ranks.add(op.rank)
+        elif op.kind == COMPUTE and op.tier == "local":
+            local.setdefault(op.rank, []).append(times[op.id])
+        elif op.kind == COMM and op.tier in ("intra", "inter"):
+            for r in (op.rank, op.peer):
+                flights.setdefault(r, []).append(times[op.id])
+    out = {}
+    for r in sorted(ring_ranks & set(local)):
+        out[r] = any(a0 < b1 and b0 < a1 for a0, a1 in local[r] for b0, b1 in flights.get(r, []))
+    return out

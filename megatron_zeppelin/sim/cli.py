@@ -43,6 +43,7 @@ from megatron_zeppelin.sim.timeline import step_timeline, transport_of
 from megatron_zeppelin.topology import load_cluster
 
 DEFAULT_LENGTHS = "synthetic-longtail"
+DEFAULT_NODES = 4
 #: Baseline first, then the other baselines, then Zeppelin's ablation variants and Zeppelin.
 DEFAULT_STRATEGIES = ",".join(STRATEGY_NAMES)
 
@@ -58,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m megatron_zeppelin.sim",
                 description="Modeled step time of Zeppelin and the baselines on a length distribution.")
     p.add_argument("--cluster", default="h100-8x400g", help="cluster preset name or YAML file")
-    p.add_argument("--nodes", type=int, default=4, help="number of nodes (overrides the preset)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help=f"number of nodes (default {DEFAULT_NODES}; with --plan, the nodes it ran on)")
     p.add_argument("--model", default="llama-7b", help="model preset name or YAML file")
     p.add_argument("--lengths", default=DEFAULT_LENGTHS,
                    help="document lengths: .npy / text file, or a bundled name under configs/lengths/")
@@ -177,7 +179,8 @@ def run_plan(args: argparse.Namespace) -> float:
     cluster = load_cluster(args.cluster, nodes=args.nodes)
     doc = _read_json(args.plan, "plan", "a Plan JSON written by --dump-plans")
     plan = Plan.from_dict(doc).validate()
-    cost = with_recorded_topology(CostModel(cluster, load_model(args.model), routing=True), doc.get("engine"))
+    cost = with_recorded_topology(CostModel(cluster, load_model(args.model), routing=True), doc.get("engine"),
+                                  args.nodes)
     check_fits(plan.world_size, cost, f"plan {str(args.plan)!r}")
     attn, transport = from_settings(doc.get("engine"), cost)
     if doc.get("engine") is None and plan.strategy not in VARIANTS:
@@ -201,7 +204,7 @@ def run_replay(args: argparse.Namespace) -> float:
     gpn = load_cluster(args.cluster).topology.gpus_per_node
     nodes = args.nodes or max(schedule.world_size // gpn, 1)
     cost = with_recorded_topology(CostModel(load_cluster(args.cluster, nodes=nodes), load_model(args.model)),
-                                  meta.get("engine"))
+                                  meta.get("engine"), args.nodes)
     step_s = replay_trace(schedule, meta, cost, str(args.trace))
     print(f"{args.trace}: {len(schedule.ops)} ops on {schedule.world_size} ranks, "
           f"{meta.get('source', 'executed')} trace of {meta.get('strategy', '?')}")
@@ -232,6 +235,7 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
     if not 0 <= args.plot_step < args.steps:
         raise ConfigError(f"--plot-step {args.plot_step} is not one of the {args.steps} steps; "
                           f"pick 0..{args.steps - 1}")
+    args.nodes = args.nodes or DEFAULT_NODES
     cluster = load_cluster(args.cluster, nodes=args.nodes)
     cost = CostModel(cluster, load_model(args.model))
     world = cluster.topology.world_size

@@ -22,7 +22,7 @@ from megatron_zeppelin.schedule.attention import AttnShape, Transport
 from megatron_zeppelin.schedule.ops import Schedule
 from megatron_zeppelin.schedule.step import StepShape, remap_messages, step_schedule
 from megatron_zeppelin.schedule.trace import write_trace
-from megatron_zeppelin.sim.replay import LaneState, OpTiming, replay_segment
+from megatron_zeppelin.sim.replay import OpTiming, replay_schedule
 from megatron_zeppelin.sim.timeline import step_shape, transport_of
 from megatron_zeppelin.topology import Topology
 
@@ -37,11 +37,17 @@ def engine_settings(attn: AttnShape, transport: Transport) -> dict[str, Any]:
             "min_routed_bytes": None if math.isinf(transport.min_routed_bytes) else transport.min_routed_bytes}
 
 
-def with_recorded_topology(cost: CostModel, settings: Mapping[str, Any] | None) -> CostModel:
+def with_recorded_topology(cost: CostModel, settings: Mapping[str, Any] | None,
+                           nodes: int | None = None) -> CostModel:
     """``cost`` on the topology a run recorded (the trainer may override the
-    preset's GPUs and NICs per node); link speeds and GPU stay the cluster's."""
+    preset's GPUs and NICs per node); link speeds and GPU stay the cluster's.
+    ``nodes`` (a user's ``--nodes``) must agree with the recording."""
     if not settings or "gpus_per_node" not in settings:
         return cost
+    if nodes is not None and nodes != settings.get("nodes"):
+        world = settings.get("nodes", 0) * settings.get("gpus_per_node", 0)
+        raise ConfigError(f"it ran on {settings.get('nodes')} nodes ({world} ranks) but --nodes says {nodes}; "
+                          "drop --nodes or pass the one it ran on")
     try:
         topo = Topology(nodes=int(settings["nodes"]), gpus_per_node=int(settings["gpus_per_node"]),
                         nics_per_node=int(settings["nics_per_node"]),
@@ -80,9 +86,7 @@ def modeled_step(plan: Plan, cost: CostModel, attn: AttnShape, transport: Transp
     """The whole step schedule of ``plan`` replayed op by op (no layer skipped)."""
     shape = StepShape(cost.model.num_layers, attn, cost.model.hidden_size, remap=bool(remap_messages(plan)))
     schedule = step_schedule(plan, shape, transport).schedule
-    timings: list[OpTiming] = []
-    replay_segment(schedule, cost, LaneState(plan.world_size), timings)
-    return schedule, timings
+    return schedule, replay_schedule(schedule, cost).timings[0]
 
 
 def write_modeled_trace(path, plan: Plan, cost: CostModel, attn: AttnShape, transport: Transport) -> float:
@@ -102,6 +106,4 @@ def replay_trace(schedule: Schedule, meta: Mapping[str, Any], cost: CostModel, p
     if layers is not None and layers != cost.model.num_layers:
         raise ConfigError(f"trace {path!r} ran a {layers}-layer model but --model {cost.model.name} has "
                           f"{cost.model.num_layers} layers; pass the model it ran")
-    timings: list[OpTiming] = []
-    replay_segment(schedule, cost, LaneState(schedule.world_size), timings)
-    return max((x.end_s for x in timings), default=0.0)
+    return replay_schedule(schedule, cost).step_s

@@ -1,6 +1,6 @@
 """Discrete-event replay of a schedule: the simulator times exactly what the engine runs.
 
-The replay executes the ops of ``schedule/`` with the engine's two lane rules
+The replay executes the ops of ``schedule/`` with the engine's lane rules
 (``schedule/ops.py``) and cost-model durations:
 
 * compute lane (one per rank): whenever free, the first op in lane order whose
@@ -16,17 +16,20 @@ The replay executes the ops of ``schedule/`` with the engine's two lane rules
   ops of their own (dispatch, NIC, combine), so their legs compete for NVLink
   and NICs like any other traffic.
 
-A step is a chain of *segments* (a layer's attention, a layout switch, a
-layer's linear work); a rank starts a segment when its own part of the
-previous one is done.  :func:`replay_step` runs the layers one after another
-and stops early once a layer repeats the previous one exactly (every rank's
-start offset and duration equal), adding the remaining identical layers.
+A step is a chain of *segments*, one per engine call (a layer's attention, a
+layout switch) plus the linear work between them.  As in the engine, a rank
+enters a segment when its part of the previous one is done (every op on its
+lanes), and a transfer starts only once both of its ends have entered (a
+receive is posted when its call starts).  All segments of the step run in one
+event loop, so ranks at different layers share links in time order.  A
+segment is compiled once (durations, ports, dependency lists) and reused by
+every layer.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
@@ -39,28 +42,6 @@ class OpTiming:
 
     start_s: float
     end_s: float
-
-
-@dataclass
-class LaneState:
-    """What carries over from one segment to the next."""
-
-    world_size: int
-    ready_s: list[float] = field(default_factory=list)
-    """Per rank: when its previous segment was done (its next one may start)."""
-    compute_free_s: list[float] = field(default_factory=list)
-    """Per rank: when its compute lane is free."""
-    last_post_s: list[float] = field(default_factory=list)
-    """Per rank: when its last send was posted (sends are posted in order)."""
-    ports: dict[tuple, float] = field(default_factory=dict)
-    """Link port -> when it is free."""
-    busy_s: dict[tuple[int, str], float] = field(default_factory=dict)
-    """(rank, tier) -> compute seconds spent."""
-
-    def __post_init__(self) -> None:
-        for name in ("ready_s", "compute_free_s", "last_post_s"):
-            if not getattr(self, name):
-                setattr(self, name, [0.0] * self.world_size)
 
 
 def op_seconds(op: Op, cost: CostModel) -> float:
@@ -82,126 +63,223 @@ def op_seconds(op: Op, cost: CostModel) -> float:
     return seconds * share / ((1 + ATTN_BWD_RATIO) * n)
 
 
-def _ports(op: Op, cost: CostModel) -> tuple[tuple, tuple]:
-    topo = cost.cluster.topology
-    if topo.same_node(op.rank, op.peer):
-        return ("nvl_out", op.rank), ("nvl_in", op.peer)
-    src_nic = op.nic if op.nic is not None else topo.nic_of(op.rank)
-    return (("nic_out", topo.node_of(op.rank), src_nic),
-            ("nic_in", topo.node_of(op.peer), topo.nic_of(op.peer)))
+class CompiledSegment:
+    """A schedule's ops as flat arrays, for replaying it many times."""
+
+    def __init__(self, schedule: Schedule, cost: CostModel, name: str = "") -> None:
+        ops = schedule.ops
+        world = schedule.world_size
+        topo = cost.cluster.topology
+        self.name = name
+        self.n = len(ops)
+        self.is_comm = [op.kind == COMM for op in ops]
+        self.rank = [op.rank for op in ops]
+        self.peer = [op.peer for op in ops]
+        self.tier = [op.tier for op in ops]
+        self.seconds = [op_seconds(op, cost) for op in ops]
+        self.ndeps = [len(op.deps) for op in ops]
+        self.users: list[list[int]] = [[] for _ in ops]
+        for op in ops:
+            for d in op.deps:
+                self.users[d].append(op.id)
+        self.ports: list[tuple[int, int]] = []
+        for op in ops:
+            if op.kind != COMM:
+                self.ports.append((-1, -1))
+            elif topo.same_node(op.rank, op.peer):
+                self.ports.append((2 * op.rank, 2 * op.peer + 1))
+            else:
+                nic = op.nic if op.nic is not None else topo.nic_of(op.rank)
+                out = topo.node_of(op.rank) * topo.nics_per_node + nic
+                inn = topo.node_of(op.peer) * topo.nics_per_node + topo.nic_of(op.peer)
+                self.ports.append((2 * world + 2 * out, 2 * world + 2 * inn + 1))
+        lanes = [schedule.lanes(r) for r in range(world)]
+        self.sends = [[o.id for o in lanes[r].comm if o.rank == r] for r in range(world)]
+        self.lane_pos = [0] * self.n
+        for r in range(world):
+            for i, o in enumerate(lanes[r].compute):
+                self.lane_pos[o.id] = i
+        self.on_rank = [[o.id for o in (*lanes[r].compute, *lanes[r].comm)] for r in range(world)]
+        self.touch = [len(ids) for ids in self.on_rank]
 
 
-def replay_segment(schedule: Schedule, cost: CostModel, state: LaneState,
-                   timings: list[OpTiming] | None = None) -> None:
-    """Run one segment from ``state`` and advance ``state`` past it.
+@dataclass
+class ChainReplay:
+    """A chain of segments replayed in one event loop."""
 
-    Ops with no dependency inside the segment start after their rank's
-    ``ready_s`` (a transfer after its sender's).  ``timings``, when given,
-    receives every op's start and end (index = op id)."""
-    ops = schedule.ops
-    n = len(ops)
-    world = schedule.world_size
-    if timings is not None:
-        timings.extend(OpTiming(0.0, 0.0) for _ in range(n))
-    waiting = [len(op.deps) for op in ops]
-    ready_at = [0.0] * n
-    done_at = [0.0] * n
-    users: list[list[int]] = [[] for _ in range(n)]
-    for op in ops:
-        for d in op.deps:
-            users[d].append(op.id)
-    lanes = [schedule.lanes(r) for r in range(world)]
-    sends = [[o.id for o in lanes[r].comm if o.rank == r] for r in range(world)]
-    send_next = [0] * world
-    compute_pos = {o.id: i for r in range(world) for i, o in enumerate(lanes[r].compute)}
-    ready_compute: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # heap of (lane pos, op)
-    data_ready = [False] * n
-    events: list[tuple[float, int, int, int]] = []   # (time, order, kind, op or rank)
-    seq = 0
-    # event kinds: 0 op done, 1 op ready (deps met at a future time), 2 compute lane free
-    DONE, READY, FREE = 0, 1, 2
+    finish_s: list[float]
+    """Per rank: when it left the last segment."""
+    busy_s: dict[tuple[int, str], float]
+    """(rank, tier) -> compute seconds."""
+    inside_s: list[list[float]]
+    """``inside_s[k][r]``: time rank ``r`` spent in segment ``k`` (enter to leave)."""
+    timings: list[list[OpTiming]] | None
+    """Per segment, every op's start and end (when asked for)."""
 
-    def push(t: float, kind: int, what: int) -> None:
-        nonlocal seq
-        heapq.heappush(events, (t, seq, kind, what))
-        seq += 1
+    @property
+    def step_s(self) -> float:
+        return max(self.finish_s, default=0.0)
 
-    for op in ops:
-        if not op.deps:
-            push(state.ready_s[op.rank], READY, op.id)
+
+class _Instance:
+    """One segment of the chain in flight."""
+
+    __slots__ = ("seg", "waiting", "ready_at", "entered", "left", "remaining", "data_ready", "next_send",
+                 "released", "timings")
+
+    def __init__(self, seg: CompiledSegment, world: int, record: bool) -> None:
+        self.seg = seg
+        self.waiting = list(seg.ndeps)
+        self.ready_at = [0.0] * seg.n
+        self.entered = [-1.0] * world
+        self.left = [0.0] * world
+        self.remaining = list(seg.touch)
+        self.data_ready = [False] * seg.n
+        self.next_send = [0] * world
+        self.released = [False] * seg.n
+        self.timings = [OpTiming(0.0, 0.0) for _ in range(seg.n)] if record else None
+
+
+def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool = False) -> ChainReplay:
+    """Replay ``chain`` from time 0 (every rank enters segment 0 at once)."""
+    READY, DONE, FREE, ENTER = 0, 1, 2, 3
+    events: list[tuple[float, int, int, int, int]] = []    # (time, order, kind, segment, op or rank)
+    counter = [0]
+
+    def push(t: float, kind: int, k: int, what: int) -> None:
+        counter[0] += 1
+        heapq.heappush(events, (t, counter[0], kind, k, what))
+
+    insts: list[_Instance | None] = [None] * len(chain)
+    ports: dict[int, float] = {}
+    compute_free = [0.0] * world
     compute_busy = [False] * world
-    touched_end = list(state.ready_s)
-    touched = [False] * world
+    compute_heap: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]  # (segment, lane pos, op)
+    send_queue: list[list[int]] = [[] for _ in range(world)]   # segments with unposted sends, in order
+    last_post = [0.0] * world
+    busy: dict[tuple[int, str], float] = {}
+    finish = [0.0] * world
 
-    def start_compute(rank: int, t: float) -> None:
-        if compute_busy[rank] or not ready_compute[rank]:
+    def inst(k: int) -> _Instance:
+        if insts[k] is None:
+            insts[k] = _Instance(chain[k], world, record)
+        return insts[k]
+
+    def entered(i: _Instance, op: int) -> bool:
+        seg = i.seg
+        if seg.is_comm[op]:
+            return i.entered[seg.rank[op]] >= 0 and i.entered[seg.peer[op]] >= 0
+        return i.entered[seg.rank[op]] >= 0
+
+    def release(k: int, i: _Instance, op: int, t: float) -> None:
+        if not i.released[op] and i.waiting[op] == 0 and entered(i, op):
+            i.released[op] = True
+            push(max(t, i.ready_at[op]), READY, k, op)
+
+    def enter(k: int, r: int, t: float) -> None:
+        while k < len(chain):
+            i = inst(k)
+            i.entered[r] = t
+            if i.seg.touch[r]:
+                if i.seg.sends[r]:
+                    send_queue[r].append(k)
+                for op in i.seg.on_rank[r]:         # a transfer needs both ends entered
+                    release(k, i, op, t)
+                return
+            i.left[r] = t                            # nothing of ours here: pass straight through
+            k += 1
+        finish[r] = t
+
+    def start_compute(r: int, t: float) -> None:
+        if compute_busy[r] or not compute_heap[r]:
             return
-        t = max(t, state.compute_free_s[rank])
-        _, oid = heapq.heappop(ready_compute[rank])
-        dur = op_seconds(ops[oid], cost)
-        compute_busy[rank] = True
-        end = t + dur
-        state.compute_free_s[rank] = end
-        key = (rank, ops[oid].tier)
-        state.busy_s[key] = state.busy_s.get(key, 0.0) + dur
-        if timings is not None:
-            timings[oid] = OpTiming(t, end)
-        push(end, DONE, oid)
-        push(end, FREE, rank)
+        k, _, op = heapq.heappop(compute_heap[r])
+        i = insts[k]
+        t = max(t, compute_free[r])
+        dur = i.seg.seconds[op]
+        compute_busy[r] = True
+        compute_free[r] = t + dur
+        key = (r, i.seg.tier[op])
+        busy[key] = busy.get(key, 0.0) + dur
+        if i.timings is not None:
+            i.timings[op] = OpTiming(t, t + dur)
+        push(t + dur, DONE, k, op)
+        push(t + dur, FREE, -1, r)
 
-    def post_sends(rank: int, t: float) -> None:
-        lane = sends[rank]
-        while send_next[rank] < len(lane) and data_ready[lane[send_next[rank]]]:
-            oid = lane[send_next[rank]]
-            send_next[rank] += 1
-            op = ops[oid]
-            post = max(t, ready_at[oid], state.last_post_s[rank])
-            state.last_post_s[rank] = post
-            out, inn = _ports(op, cost)
-            start = max(post, state.ports.get(out, 0.0), state.ports.get(inn, 0.0))
-            end = start + op_seconds(op, cost)
-            state.ports[out] = state.ports[inn] = end
-            if timings is not None:
-                timings[oid] = OpTiming(start, end)
-            push(end, DONE, oid)
+    def post_sends(r: int, t: float) -> None:
+        queue = send_queue[r]
+        while queue:
+            k = queue[0]
+            i = insts[k]
+            lane = i.seg.sends[r]
+            while i.next_send[r] < len(lane) and i.data_ready[lane[i.next_send[r]]]:
+                op = lane[i.next_send[r]]
+                i.next_send[r] += 1
+                post = max(t, last_post[r])
+                last_post[r] = post
+                out, inn = i.seg.ports[op]
+                start = max(post, ports.get(out, 0.0), ports.get(inn, 0.0))
+                end = start + i.seg.seconds[op]
+                ports[out] = ports[inn] = end
+                if i.timings is not None:
+                    i.timings[op] = OpTiming(start, end)
+                push(end, DONE, k, op)
+            if i.next_send[r] < len(lane):
+                return
+            queue.pop(0)
 
+    def leave_if_done(k: int, i: _Instance, r: int, t: float) -> None:
+        i.remaining[r] -= 1
+        if i.remaining[r] == 0:
+            i.left[r] = t
+            push(t, ENTER, k + 1, r)
+
+    for r in range(world):
+        enter(0, r, 0.0)
     while events:
-        t, _, kind, what = heapq.heappop(events)
+        t, _, kind, k, what = heapq.heappop(events)
         if kind == FREE:
             compute_busy[what] = False
             start_compute(what, t)
-            continue
-        if kind == DONE:
-            done_at[what] = t
-            op = ops[what]
-            for rank in ((op.peer,) if op.kind == COMM else (op.rank,)):
-                touched[rank] = True
-                touched_end[rank] = max(touched_end[rank], t) if touched[rank] else t
-            for u in users[what]:
-                waiting[u] -= 1
-                ready_at[u] = max(ready_at[u], t)
-                if waiting[u] == 0:
-                    push(ready_at[u], READY, u)
-            continue
-        op = ops[what]                                  # READY
-        ready_at[what] = max(ready_at[what], t)
-        if op.kind == COMM:
-            data_ready[what] = True
-            post_sends(op.rank, t)
-        else:
-            heapq.heappush(ready_compute[op.rank], (compute_pos[what], what))
-            start_compute(op.rank, t)
-    unfinished = [o.id for o in ops if waiting[o.id] > 0]
-    if unfinished:
-        raise RuntimeError(f"replay: ops {unfinished[:8]} never became ready")
-    for r in range(world):
-        if touched[r]:
-            state.ready_s[r] = max(touched_end[r], state.ready_s[r])
+        elif kind == ENTER:
+            enter(k, what, t)
+        elif kind == READY:
+            i = insts[k]
+            seg = i.seg
+            if seg.is_comm[what]:
+                i.data_ready[what] = True
+                post_sends(seg.rank[what], t)
+            else:
+                r = seg.rank[what]
+                heapq.heappush(compute_heap[r], (k, seg.lane_pos[what], what))
+                start_compute(r, t)
+        else:                                                    # DONE
+            i = insts[k]
+            seg = i.seg
+            for u in seg.users[what]:
+                i.waiting[u] -= 1
+                if i.ready_at[u] < t:
+                    i.ready_at[u] = t
+                release(k, i, u, t)
+            leave_if_done(k, i, seg.rank[what], t)
+            if seg.is_comm[what]:
+                leave_if_done(k, i, seg.peer[what], t)
+    stuck = [(k, r) for k, i in enumerate(insts) if i is not None for r in range(world) if i.remaining[r] > 0]
+    if stuck or any(i is None for i in insts):
+        raise RuntimeError(f"replay: segment/rank pairs {stuck[:6]} never finished")
+    inside = [[i.left[r] - i.entered[r] for r in range(world)] for i in insts]
+    timings = [i.timings for i in insts] if record else None
+    return ChainReplay(finish, busy, inside, timings)
+
+
+def replay_schedule(schedule: Schedule, cost: CostModel) -> ChainReplay:
+    """Replay one schedule (every op's timing recorded)."""
+    return replay_chain([CompiledSegment(schedule, cost)], schedule.world_size, record=True)
 
 
 @dataclass
 class StepReplay:
-    """A step replayed segment by segment."""
+    """A step replayed as its chain of segments."""
 
     step_s: float
     """When the slowest rank finished its last segment."""
@@ -211,63 +289,19 @@ class StepReplay:
     """(rank, tier) -> compute seconds."""
     segment_s: dict[str, list[float]]
     """Part name (``attn``, ``to_linear``, ...) -> per-rank seconds spent in it."""
-    layers_replayed: int
-    """Layers run event by event (the rest repeated the last one exactly)."""
 
 
 def replay_step(parts: Sequence[tuple[str, Schedule, Schedule]], num_layers: int, cost: CostModel,
-                world_size: int, *, extrapolate: bool = True) -> StepReplay:
+                world_size: int) -> StepReplay:
     """Replay ``num_layers`` layers of ``parts`` forward, then backward in reverse.
 
-    ``parts``: ``(name, forward segment, backward segment)`` in forward order.
-    With ``extrapolate``, once a layer took every rank the same time, equal to
-    the previous layer's (the step is in lockstep and periodic), the remaining
-    layers of that pass are added instead of replayed: each would start every
-    rank, lane and port exactly one period later and repeat the same events."""
-    state = LaneState(world_size)
-    segment_s: dict[str, list[float]] = {name: [0.0] * world_size for name, _, _ in parts}
-    replayed = 0
-    for backward in (False, True):
-        order = list(reversed(parts)) if backward else list(parts)
-        previous: list[float] | None = None
-        layer = 0
-        while layer < num_layers:
-            start, busy_before = list(state.ready_s), dict(state.busy_s)
-            shares: dict[str, list[float]] = {}
-            for name, fwd, bwd in order:
-                before = list(state.ready_s)
-                replay_segment(bwd if backward else fwd, cost, state)
-                shares[name] = [state.ready_s[r] - before[r] for r in range(world_size)]
-                for r in range(world_size):
-                    segment_s[name][r] += shares[name][r]
-            replayed += 1
-            layer += 1
-            took = [e - s for s, e in zip(start, state.ready_s)]
-            if extrapolate and previous is not None and layer < num_layers and _periodic(took, previous):
-                _repeat(state, segment_s, shares, busy_before, took[0], num_layers - layer)
-                layer = num_layers
-            previous = took
-    return StepReplay(max(state.ready_s), list(state.ready_s), dict(state.busy_s), segment_s, replayed)
-
-
-def _periodic(took: list[float], previous: list[float]) -> bool:
-    period = took[0]
-    tol = 1e-12 + 1e-9 * abs(period)
-    return all(abs(x - period) <= tol for x in took) and all(abs(x - period) <= tol for x in previous)
-
-
-def _repeat(state: LaneState, segment_s: dict[str, list[float]], shares: dict[str, list[float]],
-            busy_before: dict[tuple[int, str], float], period: float, times: int) -> None:
-    """Add ``times`` more layers identical to the last one: every clock moves on by
-    ``times`` periods, and every share of time is counted ``times`` more."""
-    shift = period * times
-    for clocks in (state.ready_s, state.compute_free_s, state.last_post_s):
-        for r in range(state.world_size):
-            clocks[r] += shift
-    for port in state.ports:
-        state.ports[port] += shift
-    for key, total in list(state.busy_s.items()):
-        state.busy_s[key] = total + (total - busy_before.get(key, 0.0)) * times
-    for name, per_rank in shares.items():
-        for r, x in enumerate(per_rank):
-            segment_s[name][r] += x * times
+    ``parts``: ``(name, forward segment, backward segment)`` in forward order."""
+    fwd = [CompiledSegment(f, cost, name) for name, f, _ in parts]
+    bwd = [CompiledSegment(b, cost, name) for name, _, b in parts]
+    chain = fwd * num_layers + list(reversed(bwd)) * num_layers
+    result = replay_chain(chain, world_size)
+    segment_s = {name: [0.0] * world_size for name, _, _ in parts}
+    for seg, inside in zip(chain, result.inside_s):
+        for r, x in enumerate(inside):
+            segment_s[seg.name][r] += x
+    return StepReplay(result.step_s, result.finish_s, result.busy_s, segment_s)

@@ -15,7 +15,7 @@ from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Mode, Plan, Span, placement
 from megatron_zeppelin.planner.base import PlanContext, same_layout_linear
 from megatron_zeppelin.sim.simulate import SimResult, Strategy, simulate, te_cp_size
-from megatron_zeppelin.sim.replay import LaneState, replay_segment
+from megatron_zeppelin.sim.replay import replay_schedule
 from megatron_zeppelin.sim.timeline import imbalance, step_parts, step_timeline
 from megatron_zeppelin.topology import Topology, load_cluster
 
@@ -161,9 +161,7 @@ def test_two_senders_share_one_nic_without_routing():
         cost = make_cost(nics=nics, routing=False)
         plan = make_plan(cost, seq_lens, [(LOCAL, (0,)), (LOCAL, (1,))], linear)
         switch = dict((name, f) for name, f, _ in step_parts(plan, cost))["to_linear"]
-        timings = []
-        replay_segment(switch, cost, LaneState(4), timings)
-        landed[nics] = sorted(t.end_s for t in timings)
+        landed[nics] = sorted(t.end_s for t in replay_schedule(switch, cost).timings[0])
     one = cost.cluster.nic.transfer_s(1000 * cost.model.hidden_size * cost.model.dtype_bytes)
     assert landed[2] == pytest.approx([one, one], rel=1e-12)
     assert landed[1] == pytest.approx([one, 2 * one], rel=1e-12)
