@@ -186,7 +186,7 @@ def run_plan(args: argparse.Namespace) -> float:
     if doc.get("engine") is None and plan.strategy not in VARIANTS:
         cost = cost.routed(uses_routing(plan.strategy))
         transport = transport_of(cost)
-    tl = step_timeline(plan, cost, attn=attn, transport=transport)
+    tl = step_timeline(plan, cost, attn=attn, transport=transport, exact=True)
     print(f"{plan.strategy}: {len(plan.seq_lens)} sequences, {sum(plan.seq_lens)} tokens on "
           f"{plan.world_size} GPUs ({cluster.name}), {cost.model.name}; slowest rank {tl.slowest_rank}")
     if args.json is not None:

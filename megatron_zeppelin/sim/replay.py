@@ -291,17 +291,45 @@ class StepReplay:
     """Part name (``attn``, ``to_linear``, ...) -> per-rank seconds spent in it."""
 
 
+#: Layers a step replays event by event before it extrapolates (``replay_step``).
+REPLAYED_LAYERS = 4
+
+
 def replay_step(parts: Sequence[tuple[str, Schedule, Schedule]], num_layers: int, cost: CostModel,
-                world_size: int) -> StepReplay:
+                world_size: int, *, exact: bool = False) -> StepReplay:
     """Replay ``num_layers`` layers of ``parts`` forward, then backward in reverse.
 
-    ``parts``: ``(name, forward segment, backward segment)`` in forward order."""
+    ``parts``: ``(name, forward segment, backward segment)`` in forward order.
+    Every layer runs the same ops, so after a few layers a step settles into a
+    period: unless ``exact``, a deeper model replays steps of ``m`` and ``m - 1``
+    layers (``m`` = :data:`REPLAYED_LAYERS`) and adds the difference -- one
+    layer's forward and backward in steady state -- for each layer beyond ``m``.
+    That is exact once the pattern repeats within ``m - 1`` layers; ``exact``
+    replays every layer (what ``sim --plan`` and trace replays do)."""
     fwd = [CompiledSegment(f, cost, name) for name, f, _ in parts]
     bwd = [CompiledSegment(b, cost, name) for name, _, b in parts]
-    chain = fwd * num_layers + list(reversed(bwd)) * num_layers
-    result = replay_chain(chain, world_size)
-    segment_s = {name: [0.0] * world_size for name, _, _ in parts}
-    for seg, inside in zip(chain, result.inside_s):
-        for r, x in enumerate(inside):
-            segment_s[seg.name][r] += x
-    return StepReplay(result.step_s, result.finish_s, result.busy_s, segment_s)
+    names = [name for name, _, _ in parts]
+
+    def run(layers: int) -> StepReplay:
+        chain = fwd * layers + list(reversed(bwd)) * layers
+        result = replay_chain(chain, world_size)
+        segment_s = {name: [0.0] * world_size for name in names}
+        for seg, inside in zip(chain, result.inside_s):
+            for r, x in enumerate(inside):
+                segment_s[seg.name][r] += x
+        return StepReplay(result.step_s, result.finish_s, result.busy_s, segment_s)
+
+    m = REPLAYED_LAYERS
+    if exact or num_layers <= m:
+        return run(num_layers)
+    big, small = run(m), run(m - 1)
+    extra = num_layers - m
+
+    def grow(a: float, b: float) -> float:
+        return a + (a - b) * extra
+
+    finish = [grow(a, b) for a, b in zip(big.finish_s, small.finish_s)]
+    busy = {key: grow(v, small.busy_s.get(key, 0.0)) for key, v in big.busy_s.items()}
+    segment_s = {name: [grow(a, b) for a, b in zip(big.segment_s[name], small.segment_s[name])]
+                 for name in names}
+    return StepReplay(max(finish), finish, busy, segment_s)

@@ -189,11 +189,12 @@ PACKED_RING_STRATEGIES = ("te_cp",)
 
 
 def step_timeline(plan: Plan, cost: CostModel, *, attn: AttnShape | None = None,
-                  transport: Transport | None = None) -> StepTimeline:
-    """Per-rank modeled time of one step of ``plan`` (see the module docstring)."""
+                  transport: Transport | None = None, exact: bool = False) -> StepTimeline:
+    """Per-rank modeled time of one step of ``plan`` (see the module docstring;
+    ``exact`` replays every layer instead of extrapolating the steady state)."""
     parts = step_parts(plan, cost, pack_rings=plan.strategy in PACKED_RING_STRATEGIES, attn=attn,
                        transport=transport)
-    replay = replay_step(parts, cost.model.num_layers, cost, plan.world_size)
+    replay = replay_step(parts, cost.model.num_layers, cost, plan.world_size, exact=exact)
     ranks = []
     for rank in range(plan.world_size):
         busy = {tier: s for (r, tier), s in replay.busy_s.items() if r == rank}
