@@ -12,9 +12,12 @@ The replay executes the ops of ``schedule/`` with the engine's lane rules
 * links: every transfer holds its sender's egress port and its receiver's
   ingress port -- the GPU's NVLink inside a node, the NIC it leaves through and
   the NIC it enters across nodes -- for ``latency + bytes / bandwidth``; a port
-  serves one transfer at a time, first posted first served.  Routed pieces are
-  ops of their own (dispatch, NIC, combine), so their legs compete for NVLink
-  and NICs like any other traffic.
+  serves one transfer at a time.  A transfer takes the earliest window, from
+  its post on, in which both of its ports are free: a port waiting for a busy
+  peer is not held idle meanwhile (packets of other transfers use it), which
+  matters for all-to-alls, where a port-by-port queue would convoy.  Routed
+  pieces are ops of their own (dispatch, NIC, combine), so their legs compete
+  for NVLink and NICs like any other traffic.
 
 A step is a chain of *segments*, one per engine call (a layer's attention, a
 layout switch) plus the linear work between them.  As in the engine, a rank
@@ -28,6 +31,7 @@ every layer.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 from typing import Sequence
@@ -121,6 +125,41 @@ class ChainReplay:
         return max(self.finish_s, default=0.0)
 
 
+class _Ports:
+    """Busy intervals of every port; a booking takes the earliest common free window."""
+
+    def __init__(self) -> None:
+        self.busy: dict[int, list[tuple[float, float]]] = {}
+
+    def book(self, a: int, b: int, t: float, dur: float) -> float:
+        ia = self._prune(a, t)
+        ib = self._prune(b, t)
+        start = t
+        while True:                    # move past any interval of either port that overlaps
+            moved = False
+            for iv in (ia, ib):
+                for s, e in iv:
+                    if s < start + dur and start < e:
+                        start = e
+                        moved = True
+                    elif s >= start + dur:
+                        break
+            if not moved:
+                break
+        for port, iv in ((a, ia), (b, ib)):
+            bisect.insort(iv, (start, start + dur))
+        return start
+
+    def _prune(self, port: int, t: float) -> list[tuple[float, float]]:
+        iv = self.busy.setdefault(port, [])
+        cut = 0
+        while cut < len(iv) and iv[cut][1] <= t:    # nothing can be booked before now
+            cut += 1
+        if cut:
+            del iv[:cut]
+        return iv
+
+
 class _Instance:
     """One segment of the chain in flight."""
 
@@ -151,7 +190,7 @@ def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool =
         heapq.heappush(events, (t, counter[0], kind, k, what))
 
     insts: list[_Instance | None] = [None] * len(chain)
-    ports: dict[int, float] = {}
+    ports = _Ports()
     compute_free = [0.0] * world
     compute_busy = [False] * world
     compute_heap: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]  # (segment, lane pos, op)
@@ -218,9 +257,8 @@ def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool =
                 post = max(t, last_post[r])
                 last_post[r] = post
                 out, inn = i.seg.ports[op]
-                start = max(post, ports.get(out, 0.0), ports.get(inn, 0.0))
+                start = ports.book(out, inn, post, i.seg.seconds[op])
                 end = start + i.seg.seconds[op]
-                ports[out] = ports[inn] = end
                 if i.timings is not None:
                     i.timings[op] = OpTiming(start, end)
                 push(end, DONE, k, op)

@@ -202,7 +202,8 @@ def step_timeline(plan: Plan, cost: CostModel, *, attn: AttnShape | None = None,
         compute = sum(busy.values())
         remap = sum(replay.segment_s[name][rank] for name in ("to_linear", "to_attn") if name in replay.segment_s)
         total = replay.finish_s[rank]
-        waiting = max(total - linear - compute - remap, 0.0)
+        waiting = total - linear - compute - remap
+        waiting = waiting if waiting > 1e-9 * total else 0.0      # rounding of the extrapolation
         durations = dict(zip(SEGMENT_KINDS, (compute, waiting, remap, linear)))
         segments, t = [], 0.0
         for kind in SEGMENT_KINDS:
