@@ -58,6 +58,9 @@ class TrainConfig:
     batch_fill: float = DEFAULT_BATCH_FILL
     """Fraction of the cluster's token capacity a global batch fills (slack lets
     every strategy place every batch)."""
+    micro_batches: int = 1
+    """Micro-batches per global batch (gradient accumulation): the global batch
+    holds this many times the tokens of one Plan, split by modeled work."""
     json_log: str | None = None
     """Append one JSON line per step to this file."""
     save: str | None = None
@@ -79,12 +82,14 @@ class TrainConfig:
 
     @property
     def tokens_per_batch(self) -> int:
-        """Global batch token budget."""
-        return batch_budget(self.tokens_per_gpu, self.world_size, self.max_seq_len, self.batch_fill)
+        """Global batch token budget: ``batch_fill x micro_batches x tokens_per_gpu x
+        world`` (so one micro-batch of ``k x`` the tokens per GPU draws the same batches)."""
+        return batch_budget(self.micro_batches * self.tokens_per_gpu, self.world_size, self.max_seq_len,
+                            self.batch_fill)
 
     def check(self) -> "TrainConfig":
         """Cheap checks before any process starts (each names the fix)."""
-        for name in ("nodes", "gpus_per_node", "max_seq_len", "tokens_per_gpu"):
+        for name in ("nodes", "gpus_per_node", "max_seq_len", "tokens_per_gpu", "micro_batches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.steps < 0:
@@ -151,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token-balanced layout for the MLPs (default on)")
     p.add_argument("--batch-fill", type=float, default=DEFAULT_BATCH_FILL,
                    help=f"global batch = this x tokens-per-gpu x world tokens (default {DEFAULT_BATCH_FILL})")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="N",
+                   help="gradient accumulation: a global batch of N x batch-fill x tokens-per-gpu x world "
+                        "tokens, run as N planned micro-batches of equal modeled work (default 1)")
     p.add_argument("--json-log", metavar="OUT.jsonl")
     p.add_argument("--save", metavar="DIR")
     p.add_argument("--load", metavar="DIR")
@@ -168,5 +176,6 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         nodes=a.nodes, gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, cluster=a.cluster,
         strategy=a.strategy, model=a.model, lengths=a.lengths, data=a.data, max_seq_len=a.max_seq_len,
         tokens_per_gpu=a.tokens_per_gpu, steps=a.steps, seed=a.seed, lr=a.lr, dtype=a.dtype,
-        routing=a.routing, min_routed_bytes=a.min_routed_bytes, remap=a.remap, batch_fill=a.batch_fill, json_log=a.json_log, save=a.save, load=a.load,
+        routing=a.routing, min_routed_bytes=a.min_routed_bytes, remap=a.remap, batch_fill=a.batch_fill,
+        micro_batches=a.micro_batches, json_log=a.json_log, save=a.save, load=a.load,
         dump_plans=a.dump_plans, backend=a.backend, timeout_s=a.timeout, quiet=a.quiet).check()

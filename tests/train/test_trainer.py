@@ -120,6 +120,83 @@ def test_resume_is_exact(lengths_file, runs, tmp_path):
     assert resumed[0]["grad_norm"] == runs["reference"][2]["grad_norm"]
 
 
+#: Real long-tailed lengths; 2 x 2 ranks x 256 tokens per micro-batch, pieces up to 512.
+TINY_LONGTAIL = "configs/lengths/tiny-longtail.npy"
+
+
+def _micro_argv(strategy: str, out, tokens_per_gpu: int, *extra: str, steps: int = 3) -> list[str]:
+    return ["--nodes", "2", "--gpus-per-node", "2", "--strategy", strategy, "--model", "tiny",
+            "--lengths", TINY_LONGTAIL, "--max-seq-len", "512", "--tokens-per-gpu", str(tokens_per_gpu),
+            "--steps", str(steps), "--seed", "1", "--quiet", "--timeout", "60", "--json-log", str(out), *extra]
+
+
+def _train_saving_grads(argv: list[str], grads_dir, monkeypatch) -> list[dict]:
+    """Train; rank 0 saves every step's summed gradient per parameter to ``grads_dir``."""
+    real = trainer.allreduce_grads
+
+    def saving(model):
+        norm = real(model)
+        if torch.distributed.get_rank() == 0:
+            step = len(list(grads_dir.glob("*.pt")))
+            torch.save({n: p.grad.clone() for n, p in model.named_parameters()}, grads_dir / f"{step:03d}.pt")
+        return norm
+
+    grads_dir.mkdir()
+    with monkeypatch.context() as m:
+        m.setattr(trainer, "allreduce_grads", saving)  # inherited by the forked ranks
+        launch(parse_args(argv))
+    out = argv[argv.index("--json-log") + 1]
+    return [json.loads(line) for line in open(out).read().splitlines()]
+
+
+def _assert_same_grads(dir_a, dir_b, steps: int, rel: float) -> None:
+    files = sorted(dir_a.glob("*.pt"))
+    assert [f.name for f in files] == [f.name for f in sorted(dir_b.glob("*.pt"))] and len(files) == steps
+    for f in files:
+        a, b = torch.load(f), torch.load(dir_b / f.name)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert (a[name] - b[name]).norm() <= rel * b[name].norm(), (f.name, name)
+
+
+def test_micro_batches_equal_one_big_batch(tmp_path, monkeypatch):
+    """--micro-batches 4 (zeppelin, remap and routing on, 256 tokens per GPU) against
+    the reference on the same global batches as one batch (4 x 256 tokens per GPU):
+    losses and every parameter's gradient, step by step."""
+    micro = _train_saving_grads(_micro_argv("zeppelin", tmp_path / "m.jsonl", 256, "--micro-batches", "4"),
+                                tmp_path / "gm", monkeypatch)
+    big = _train_saving_grads(_micro_argv("reference", tmp_path / "b.jsonl", 1024), tmp_path / "gb", monkeypatch)
+    for m, b in zip(micro, big):
+        assert m["num_tokens"] == b["num_tokens"] == sum(m["micro_batch_tokens"])
+        assert len(m["micro_batch_tokens"]) == 4 and len(b["micro_batch_tokens"]) == 1
+        assert max(m["linear_tokens_per_rank"]) > 256  # more than one micro-batch's cap per rank ran
+        assert m["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert any(m["plan"]["intra"] + m["plan"]["inter"] for m in micro)  # rings in the micro-batches
+    _assert_same_grads(tmp_path / "gm", tmp_path / "gb", steps=3, rel=1e-5)
+    # Resume with micro-batches: 2 steps saved, the third equals the uninterrupted run's
+    # (the sampler state saved is the trained batch's, not the one planned ahead).
+    resumed_from = tmp_path / "ckpt2"
+    launch(parse_args(_micro_argv("zeppelin", tmp_path / "s.jsonl", 256, "--micro-batches", "4",
+                                  "--save", str(resumed_from), steps=2)))
+    launch(parse_args(_micro_argv("zeppelin", tmp_path / "r.jsonl", 256, "--micro-batches", "4",
+                                  "--load", str(resumed_from))))
+    resumed = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [2]
+    assert resumed[0]["loss"] == micro[2]["loss"] and resumed[0]["grad_norm"] == micro[2]["grad_norm"]
+
+
+def test_micro_batch_count_leaving_one_empty_exits_2_before_spawning(lengths_file, tmp_path, capsys,
+                                                                    monkeypatch):
+    from megatron_zeppelin.train import launch as launch_module
+
+    monkeypatch.setattr(launch_module, "spawn_local", lambda cfg: pytest.fail("spawned ranks"))
+    # 24 documents in all: a global batch holds at most 24 sequences.
+    line = _one_error_line(capsys, _argv(lengths_file, "zeppelin", tmp_path / "x.jsonl", "--micro-batches", "30"))
+    assert "--micro-batches 30, global batch 0" in line and "leave" in line and "empty" in line
+    assert "must be >= 1" in _one_error_line(
+        capsys, _argv(lengths_file, "zeppelin", tmp_path / "x.jsonl", "--micro-batches", "0"))
+
+
 def _one_error_line(capsys, argv) -> str:
     with pytest.raises(SystemExit) as exc:
         main(argv)
