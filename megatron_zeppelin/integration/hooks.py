@@ -36,13 +36,14 @@ import torch.distributed as dist
 from megatron_zeppelin.comm.collectives import torch_all_reduce_max
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.integration.args import check_args
+from megatron_zeppelin.integration.args import check_args, zeppelin_micro_batches
 from megatron_zeppelin.integration.checkpoint import data_state, restore_sampler
 from megatron_zeppelin.integration.data import SPLITS, DocumentBlend, open_blends
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.agreement import AllReduceMax, check_same_plan
 from megatron_zeppelin.planner.base import PlanContext, get_planner
+from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split, micro_batches_of
 from megatron_zeppelin.sampler import GlobalBatch, TokenBudgetSampler, batch_budget
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import build_rank_batch
@@ -175,14 +176,17 @@ class ZeppelinLoader:
     def __init__(self, *, sampler: TokenBudgetSampler, blend: DocumentBlend,
                  make_plan: Callable[[Sequence[int]], Plan], rank: int, device: torch.device,
                  communicator: Any, backend: Any, all_reduce_max: AllReduceMax | None,
-                 prefetch: bool = True, on_batch: Callable[[PreparedBatch], None] | None = None) -> None:
+                 prefetch: bool = True, on_batch: Callable[[PreparedBatch], None] | None = None,
+                 split: Split | None = None) -> None:
         """``rank``: data-parallel rank (the Plan's rank).  ``all_reduce_max``: the
         plan check (None: off).  ``on_batch``: called on the main thread with every
-        batch handed to training (checkpoint state, plan dumps, logs)."""
+        batch handed to training (checkpoint state, plan dumps, logs).  ``split``:
+        each global batch runs as these micro-batches (None: one)."""
         self.sampler, self.blend, self.make_plan = sampler, blend, make_plan
         self.rank, self.device, self.communicator, self.backend = rank, device, communicator, backend
         self.all_reduce_max, self.on_batch = all_reduce_max, on_batch
-        self._batches = iter(sampler)
+        self._batches = iter(sampler) if split is None else \
+            (micro for batch in sampler for micro in micro_batches_of(batch, split))
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeppelin-plan") if prefetch else None
         self._next: Future | None = None
 
@@ -350,6 +354,9 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
     consumed = {"train": args.iteration,
                 "valid": getattr(args, "consumed_valid_samples", 0) // args.global_batch_size, "test": 0}
     check = torch_all_reduce_max(device) if args.zeppelin_check_plans == "on" else None
+    micro = zeppelin_micro_batches(args)  # --global-batch-size / DP
+    into_micro = micro_batch_split(micro, tokens_per_gpu=args.zeppelin_tokens_per_gpu, data_parallel_size=dp,
+                              max_seq_len=args.seq_length, batch_fill=args.zeppelin_batch_fill, cost=cost)
     loaders: list[ZeppelinLoader | None] = []
     for i, split in enumerate(SPLITS):
         blend = blends[split]
@@ -357,13 +364,13 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
             loaders.append(None)
             continue
         # Each split draws its own order: the seed is offset by the split's index.
-        budget = batch_budget(args.zeppelin_tokens_per_gpu, dp, args.seq_length, args.zeppelin_batch_fill)
+        budget = batch_budget(micro * args.zeppelin_tokens_per_gpu, dp, args.seq_length, args.zeppelin_batch_fill)
         sampler = blend.sampler(max_seq_len=args.seq_length, tokens_per_batch=budget, seed=seed + i)
         restore_sampler(sampler, consumed[split])
         loaders.append(ZeppelinLoader(
             sampler=sampler, blend=blend, make_plan=make_plan, rank=mpu.get_data_parallel_rank(),
             device=device, communicator=communicator, backend=backend, all_reduce_max=check,
-            prefetch=args.zeppelin_prefetch == "on",
+            prefetch=args.zeppelin_prefetch == "on", split=into_micro,
             on_batch=record_batch(args, split, dist.get_rank() == 0) if split == "train" else None))
     return tuple(loaders)
 

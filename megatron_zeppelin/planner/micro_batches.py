@@ -26,15 +26,39 @@ rank computes the same split.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import InfeasibleError
+from megatron_zeppelin.sampler import GlobalBatch, batch_budget
 
 #: Local-search rounds per micro-batch (each round improves the busiest one or stops).
 SEARCH_ROUNDS_PER_MICRO_BATCH = 8
+
+Split = Callable[[Sequence[int]], list[list[int]]]
+"""Sequence lengths of a global batch -> sequence indices of each micro-batch."""
+
+
+def micro_batch_split(count: int, *, tokens_per_gpu: int, data_parallel_size: int, max_seq_len: int,
+                      batch_fill: float, cost: CostModel) -> Split:
+    """The split of a run with ``count`` micro-batches per global batch: the whole
+    batch for one, else equal modeled work under the token room of one Plan (the
+    budget with the sampler's ``batch_fill`` slack first, the ranks' full capacity
+    when the slack leaves no split)."""
+    if count == 1:
+        return lambda seq_lens: [list(range(len(seq_lens)))]
+    caps = (batch_budget(tokens_per_gpu, data_parallel_size, max_seq_len, batch_fill),
+            tokens_per_gpu * data_parallel_size)
+    return lambda seq_lens: split_micro_batches(seq_lens, count, caps, cost)
+
+
+def micro_batches_of(batch: GlobalBatch, split: Split) -> list[GlobalBatch]:
+    """``batch``'s micro-batches: same index and epoch, each a subset of its pieces
+    (in sampling order)."""
+    return [GlobalBatch(batch.index, batch.epoch, tuple(batch.pieces[i] for i in seqs))
+            for seqs in split(batch.seq_lens)]
 
 
 def sequence_work_s(cost: CostModel, seq_lens: Sequence[int]) -> np.ndarray:
@@ -57,8 +81,8 @@ def split_micro_batches(seq_lens: Sequence[int], count: int, token_caps: Sequenc
         raise InfeasibleError(f"micro-batch count must be >= 1, got {count}")
     if n < count:
         raise InfeasibleError(f"{count} micro-batches would leave {count - n} empty: the global batch "
-                              f"holds only {n} sequences ({sum(seq_lens)} tokens); lower --micro-batches "
-                              "or raise the global batch's token budget")
+                              f"holds only {n} sequences ({sum(seq_lens)} tokens); use fewer micro-batches "
+                              "(--micro-batches; --global-batch-size / DP under --zeppelin)")
     lens = np.asarray(seq_lens, dtype=np.int64)
     work = sequence_work_s(cost, seq_lens)
     for cap in token_caps:
@@ -68,7 +92,7 @@ def split_micro_batches(seq_lens: Sequence[int], count: int, token_caps: Sequenc
             return [np.flatnonzero(owner == m).tolist() for m in range(count)]
     raise InfeasibleError(f"the global batch's {n} sequences ({int(lens.sum())} tokens, longest "
                           f"{int(lens.max())}) do not fit {count} micro-batches of at most {max(token_caps)} "
-                          "tokens each; raise --micro-batches or --tokens-per-gpu, or lower --batch-fill")
+                          "tokens each; raise the micro-batch count or the tokens per GPU, or lower the batch fill")
 
 
 def _longest_first(lens: np.ndarray, work: np.ndarray, count: int, cap: int) -> np.ndarray | None:

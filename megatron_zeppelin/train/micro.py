@@ -21,13 +21,10 @@ from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import ConfigError, InfeasibleError
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Plan
-from megatron_zeppelin.planner.micro_batches import split_micro_batches
-from megatron_zeppelin.sampler import GlobalBatch, Piece, ZeppelinBatchSampler, batch_budget
+from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split, micro_batches_of
+from megatron_zeppelin.sampler import GlobalBatch, Piece, ZeppelinBatchSampler
 from megatron_zeppelin.topology import ClusterConfig
 from megatron_zeppelin.train.cli import TrainConfig
-
-Split = Callable[[Sequence[int]], list[list[int]]]
-"""Sequence lengths of a global batch -> sequence indices of each micro-batch."""
 
 
 @dataclass(frozen=True)
@@ -54,14 +51,9 @@ def make_sampler(cfg: TrainConfig, doc_lengths: Any) -> ZeppelinBatchSampler:
 
 
 def make_split(cfg: TrainConfig, cost: CostModel) -> Split:
-    """The run's split: the whole batch for one micro-batch, else equal modeled work
-    under the token room of one Plan (the budget with the sampler's slack first,
-    the cluster's full capacity when the slack leaves no split)."""
-    if cfg.micro_batches == 1:
-        return lambda seq_lens: [list(range(len(seq_lens)))]
-    caps = (batch_budget(cfg.tokens_per_gpu, cfg.world_size, cfg.max_seq_len, cfg.batch_fill),
-            cfg.tokens_per_gpu * cfg.world_size)
-    return lambda seq_lens: split_micro_batches(seq_lens, cfg.micro_batches, caps, cost)
+    return micro_batch_split(cfg.micro_batches, tokens_per_gpu=cfg.tokens_per_gpu,
+                             data_parallel_size=cfg.world_size, max_seq_len=cfg.max_seq_len,
+                             batch_fill=cfg.batch_fill, cost=cost)
 
 
 def iter_micro_batches(sampler: ZeppelinBatchSampler, split: Split,
@@ -69,10 +61,9 @@ def iter_micro_batches(sampler: ZeppelinBatchSampler, split: Split,
     """Every micro-batch of every global batch, in order, planned."""
     for batch in sampler:
         state = sampler.state_dict()
-        parts = split(batch.seq_lens)
-        for i, seqs in enumerate(parts):
-            pieces = tuple(batch.pieces[s] for s in seqs)
-            yield MicroBatch(batch, i, len(parts), pieces, make_plan([p.length for p in pieces]), state)
+        parts = micro_batches_of(batch, split)
+        for i, part in enumerate(parts):
+            yield MicroBatch(batch, i, len(parts), part.pieces, make_plan(part.seq_lens), state)
 
 
 def check_micro_batches(cfg: TrainConfig, cluster: ClusterConfig, doc_lengths: Any,
