@@ -53,13 +53,17 @@ class DirectCommunicator:
     def __init__(self, group: dist.ProcessGroup | None, topology: Topology,
                  counters: ByteCounters | None = None) -> None:
         self.group = group
-        """Process group whose global ranks the messages name (None: the default group)."""
+        """Process group whose ranks the messages name (None: the default group); a
+        data-parallel group under TP numbers its members 0.. like the Plan does."""
         self.topology = topology
         """Which ranks share a node and which NIC each GPU sends through."""
         self.counters = counters if counters is not None else ByteCounters()
         """Bytes this rank sent, by link class."""
-        self.rank = dist.get_rank()
+        self.rank = dist.get_rank(group)
         topology.check_world_size(dist.get_world_size(group))
+        # P2P ops name peers by global rank.
+        self._global = [r if group is None else dist.get_global_rank(group, r)
+                        for r in range(dist.get_world_size(group))]
         self._rounds = 0
 
     def start_round(self, messages: Sequence[Message], sends: Mapping[int, torch.Tensor],
@@ -72,10 +76,11 @@ class DirectCommunicator:
                 if m.dst == self.rank:
                     _checked(m, recvs, "receive").copy_(tensor)
                     continue
-                ops.append(dist.P2POp(dist.isend, tensor, m.dst, self.group, m.id))
+                ops.append(dist.P2POp(dist.isend, tensor, self._global[m.dst], self.group, m.id))
                 self._count(m.dst, tensor.numel() * tensor.element_size())
             elif m.dst == self.rank:
-                ops.append(dist.P2POp(dist.irecv, _checked(m, recvs, "receive"), m.src, self.group, m.id))
+                ops.append(dist.P2POp(dist.irecv, _checked(m, recvs, "receive"), self._global[m.src], self.group,
+                                      m.id))
                 waiting_on.append(m)
         works = dist.batch_isend_irecv(ops) if ops else []
         self._rounds += 1

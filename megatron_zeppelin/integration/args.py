@@ -201,10 +201,6 @@ def _check_megatron_conflicts(args: argparse.Namespace) -> None:
         raise ConfigError("--zeppelin conflicts with --hybrid-context-parallel: both decide per-sequence "
                           "context parallelism; use --zeppelin-planner megatron_hybrid_cp to run that "
                           "baseline under Zeppelin instead")
-    if _flag(args, "sequence_parallel", False):
-        raise ConfigError("--zeppelin does not support --sequence-parallel yet: it splits every rank's "
-                          "tokens evenly over tensor-parallel ranks, and Zeppelin's per-rank token "
-                          "counts vary; drop --sequence-parallel")
     if _flag(args, "num_experts", None):
         raise ConfigError("--zeppelin does not support MoE models (--num-experts) yet; see "
                           "docs/compatibility.md")

@@ -46,7 +46,7 @@ from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split, micro_batches_of
 from megatron_zeppelin.sampler import GlobalBatch, TokenBudgetSampler, batch_budget
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
-from megatron_zeppelin.train.batch import build_rank_batch
+from megatron_zeppelin.train.batch import build_rank_batch, padded_length
 
 
 
@@ -177,14 +177,16 @@ class ZeppelinLoader:
                  make_plan: Callable[[Sequence[int]], Plan], rank: int, device: torch.device,
                  communicator: Any, backend: Any, all_reduce_max: AllReduceMax | None,
                  prefetch: bool = True, on_batch: Callable[[PreparedBatch], None] | None = None,
-                 split: Split | None = None) -> None:
+                 split: Split | None = None, pad_multiple: int = 1) -> None:
         """``rank``: data-parallel rank (the Plan's rank).  ``all_reduce_max``: the
         plan check (None: off).  ``on_batch``: called on the main thread with every
         batch handed to training (checkpoint state, plan dumps, logs).  ``split``:
-        each global batch runs as these micro-batches (None: one)."""
+        each global batch runs as these micro-batches (None: one).  ``pad_multiple``:
+        each buffer is padded (rows without loss) to a multiple of it, at least one
+        row (the TP size under ``--sequence-parallel``, which splits rows evenly)."""
         self.sampler, self.blend, self.make_plan = sampler, blend, make_plan
         self.rank, self.device, self.communicator, self.backend = rank, device, communicator, backend
-        self.all_reduce_max, self.on_batch = all_reduce_max, on_batch
+        self.all_reduce_max, self.on_batch, self.pad_multiple = all_reduce_max, on_batch, pad_multiple
         self._batches = iter(sampler) if split is None else \
             (micro for batch in sampler for micro in micro_batches_of(batch, split))
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeppelin-plan") if prefetch else None
@@ -196,7 +198,9 @@ class ZeppelinLoader:
         state = self.sampler.state_dict()
         plan = self.make_plan(batch.seq_lens)
         spans = plan.attention_spans(self.rank)
-        data = build_rank_batch(spans, self.blend.blend_pieces(batch.pieces), self.blend, torch.device("cpu"))
+        tokens = sum(sp.length for sp in spans)
+        data = build_rank_batch(spans, self.blend.blend_pieces(batch.pieces), self.blend, torch.device("cpu"),
+                                pad_tokens=padded_length(tokens, self.pad_multiple) - tokens)
         return PreparedBatch(batch, plan, data.tokens, data.labels, data.loss_mask, state)
 
     def __iter__(self) -> "ZeppelinLoader":
@@ -220,9 +224,11 @@ class ZeppelinLoader:
     def _to_device(self, p: PreparedBatch) -> ZeppelinBatch:
         from megatron_zeppelin.megatron.packed import build_packed_seq_params
 
-        packed = build_packed_seq_params(p.plan.attention_spans(self.rank), plan=p.plan, rank=self.rank,
+        spans = p.plan.attention_spans(self.rank)
+        packed = build_packed_seq_params(spans, plan=p.plan, rank=self.rank,
                                          communicator=self.communicator, backend=self.backend,
-                                         device=self.device)
+                                         device=self.device,
+                                         pad_tokens=p.tokens.numel() - sum(sp.length for sp in spans))
         move = lambda t: t.to(self.device, non_blocking=True)[None]  # noqa: E731  [t] -> [1, t]
         return ZeppelinBatch(move(p.tokens), move(p.labels), move(p.loss_mask), packed.position_ids[None],
                              packed)
@@ -292,7 +298,7 @@ def build_plan_fn(planner: str, cost: CostModel, tokens_per_gpu: int, remap: boo
     return lambda seq_lens: impl.plan(list(seq_lens), ctx).validate()
 
 
-def _data_parallel_group(tp: int, dp: int) -> dist.ProcessGroup:
+def data_parallel_comm_group(tp: int, dp: int) -> dist.ProcessGroup:
     """A copy of this rank's data-parallel group for the communicator (its worker
     thread issues transfers that must not interleave with Megatron's grad reduce)."""
     from megatron.core import parallel_state as mpu
@@ -346,7 +352,7 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
     cost = CostModel(plan_cluster, model, routing=routing)
     make_plan = build_plan_fn(args.zeppelin_planner, cost, args.zeppelin_tokens_per_gpu,
                               args.zeppelin_remap == "on", args.zeppelin_planner_time_limit, tp)
-    communicator = _build_communicator(_data_parallel_group(tp, dp), own_cluster.topology, cost, routing,
+    communicator = _build_communicator(data_parallel_comm_group(tp, dp), own_cluster.topology, cost, routing,
                                        getattr(args, "params_dtype", torch.float32), device)
     backend = get_backend(args.zeppelin_backend)
     blends = open_blends(args.data_path, args.split, args.zeppelin_data_lengths)
@@ -371,6 +377,7 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
             sampler=sampler, blend=blend, make_plan=make_plan, rank=mpu.get_data_parallel_rank(),
             device=device, communicator=communicator, backend=backend, all_reduce_max=check,
             prefetch=args.zeppelin_prefetch == "on", split=into_micro,
+            pad_multiple=tp if getattr(args, "sequence_parallel", False) else 1,
             on_batch=record_batch(args, split, dist.get_rank() == 0) if split == "train" else None))
     return tuple(loaders)
 

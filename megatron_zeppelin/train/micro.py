@@ -52,7 +52,7 @@ def make_sampler(cfg: TrainConfig, doc_lengths: Any) -> ZeppelinBatchSampler:
 
 def make_split(cfg: TrainConfig, cost: CostModel) -> Split:
     return micro_batch_split(cfg.micro_batches, tokens_per_gpu=cfg.tokens_per_gpu,
-                             data_parallel_size=cfg.world_size, max_seq_len=cfg.max_seq_len,
+                             data_parallel_size=cfg.data_parallel_size, max_seq_len=cfg.max_seq_len,
                              batch_fill=cfg.batch_fill, cost=cost)
 
 

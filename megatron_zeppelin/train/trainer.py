@@ -37,9 +37,12 @@ from megatron_zeppelin.prefetch import Prefetcher
 from megatron_zeppelin.sampler import ZeppelinBatchSampler
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import (TokenSource, build_rank_batch, make_token_source,
-                                           num_label_tokens)
+                                           num_label_tokens, padded_length)
 from megatron_zeppelin.train.cli import TrainConfig
 from megatron_zeppelin.train.log import StepLogger, StepRecord
+from megatron_zeppelin.integration.hooks import data_parallel_comm_group
+from megatron_zeppelin.train.parallel import (allreduce_gradients, data_parallel_view, physical_nics,
+                                              sequence_parallel_group)
 from megatron_zeppelin.train.micro import MicroBatch, iter_micro_batches, make_sampler, make_split
 from megatron_zeppelin.train.reference import STRATEGY as REFERENCE, reference_plan
 
@@ -64,6 +67,8 @@ class Run:
     cfg: TrainConfig
     rank: int
     world_size: int
+    dp_rank: int
+    """This rank's data-parallel rank: the Plans' rank (``rank // tp``)."""
     device: torch.device
     cluster: ClusterConfig
     model_cfg: ModelConfig
@@ -95,22 +100,24 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
     """Model (identical on every rank), optimizer, sampler, planner, communicator."""
     cluster = resolve_cluster(cfg)
     cluster.topology.check_world_size(world_size)
+    plan_cluster = data_parallel_view(cluster, world_size, cfg.tp, tp_rank=0)
     model_cfg = load_model(cfg.model)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     # The reference's linear layout is its attention layout: nothing to remap.
     remap = cfg.remap and cfg.strategy != REFERENCE
     torch.manual_seed(cfg.seed)  # Megatron's CPU init draws from torch's default generator
-    model = build_gpt_model(model_cfg, max_seq_len=cfg.max_seq_len, dtype=dtype, remap=remap).to(device)
+    model = build_gpt_model(model_cfg, max_seq_len=cfg.max_seq_len, dtype=dtype, remap=remap, tp=cfg.tp,
+                            sequence_parallel=cfg.sequence_parallel).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     source, doc_lengths = make_token_source(cfg.lengths, cfg.data, cfg.seed, model_cfg.vocab_size)
     sampler = make_sampler(cfg, doc_lengths)
     counters = ByteCounters()
-    comm = None if cfg.strategy == REFERENCE else make_communicator(cfg, cluster, model_cfg, counters,
-                                                                     dtype, device)
-    run = Run(cfg=cfg, rank=rank, world_size=world_size, device=device, cluster=cluster,
-              model_cfg=model_cfg, model=model, optimizer=optimizer, sampler=sampler,
-              make_plan=make_planner(cfg, cluster, model_cfg, remap),
-              split=make_split(cfg, CostModel(cluster, model_cfg, routing=cfg.routing)), comm=comm,
+    comm = None if cfg.strategy == REFERENCE else make_communicator(
+        cfg, data_parallel_view(cluster, world_size, cfg.tp, rank % cfg.tp), model_cfg, counters, dtype, device)
+    run = Run(cfg=cfg, rank=rank, world_size=world_size, dp_rank=rank // cfg.tp, device=device,
+              cluster=cluster, model_cfg=model_cfg, model=model, optimizer=optimizer, sampler=sampler,
+              make_plan=make_planner(cfg, plan_cluster, model_cfg, remap),
+              split=make_split(cfg, CostModel(plan_cluster, model_cfg, routing=cfg.routing)), comm=comm,
               counters=counters,
               remap_counters=RemapCounters(),
               backend=get_backend(cfg.backend), source=source, remap=remap)
@@ -121,10 +128,11 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
 
 def make_communicator(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfig,
                       counters: ByteCounters, dtype: torch.dtype, device: torch.device) -> Communicator:
-    """Direct point-to-point, or routed over every NIC (``--routing on``).  The
+    """Direct point-to-point, or routed over every NIC (``--routing on``), over
+    the data-parallel ranks of this TP rank (``cluster`` is their view).  The
     communicator gets a group of its own so its transfers never interleave with
-    the gradient all-reduce on the default group."""
-    group = dist.new_group(list(range(cluster.topology.world_size)))
+    the gradient all-reduce."""
+    group = data_parallel_comm_group(cfg.tp, cluster.topology.world_size)
     if cfg.routing:
         from megatron_zeppelin.comm.routing import RoutedCommunicator, min_routed_bytes
         threshold = cfg.min_routed_bytes
@@ -144,7 +152,7 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
     planner = get_planner(cfg.strategy)
     # Without the remapping layer the linear modules see the attention layout.
     ctx = PlanContext(cost=CostModel(cluster, model_cfg, routing=cfg.routing),
-                      tokens_per_gpu=cfg.tokens_per_gpu, remap_enabled=remap)
+                      tokens_per_gpu=cfg.tokens_per_gpu, tp_size=cfg.tp, remap_enabled=remap)
 
     def make_plan(seq_lens: Sequence[int]) -> Plan:
         plan = planner.plan(list(seq_lens), ctx)
@@ -169,13 +177,13 @@ def train_step(run: Run, micro_batches: Iterator[MicroBatch]) -> StepRecord:
         loss_sum += forward_backward(run, micro, pairs)
         if micro.index == micro.count - 1:
             break
-    grad_norm = allreduce_grads(run.model)
+    grad_norm = allreduce_grads(run.model, run.cfg.sequence_parallel)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=False)
-    stats = torch.tensor([loss_sum, pairs.forward_pairs // run.model_cfg.num_layers,
-                          run.counters.intra_node,
-                          *[run.counters.inter_node_per_nic.get(n, 0)
-                            for n in range(run.topology.nics_per_node)],
+    # The GPUs of a TP group hold the same tokens: their loss is counted once.
+    first_tp_rank = run.rank % run.cfg.tp == 0
+    stats = torch.tensor([loss_sum if first_tp_rank else 0.0, pairs.forward_pairs // run.model_cfg.num_layers,
+                          run.counters.intra_node, *bytes_per_physical_nic(run),
                           run.remap_counters.remap_intra_node, run.remap_counters.remap_inter_node],
                          dtype=torch.float64, device=run.device)
     gathered = [torch.empty_like(stats) for _ in range(run.world_size)]
@@ -196,21 +204,32 @@ def forward_backward(run: Run, micro: MicroBatch, pairs: AttentionCounter) -> fl
         out.mkdir(parents=True, exist_ok=True)
         suffix = f"_mb{micro.index}" if micro.count > 1 else ""
         (out / f"plan_{run.step:06d}{suffix}.json").write_text(plan.to_json())
-    spans = plan.attention_spans(run.rank)
-    pad = 0 if spans else 1  # Megatron's layers cannot run on zero tokens
+    spans = plan.attention_spans(run.dp_rank)
+    tokens = sum(sp.length for sp in spans)
+    pad = padded_length(tokens, run.cfg.tp if run.cfg.sequence_parallel else 1) - tokens
     data = build_rank_batch(spans, micro.pieces, run.source, run.device, pad_tokens=pad)
     packed = build_packed_seq_params(
-        spans, plan=None if plan.strategy == REFERENCE else plan, rank=run.rank,
+        spans, plan=None if plan.strategy == REFERENCE else plan, rank=run.dp_rank,
         communicator=run.comm, backend=run.backend, device=run.device, pad_tokens=pad,
         counters=pairs)
     if run.remap:
-        set_remap_context(run.model, RemapContext(plan=plan, rank=run.rank, comm=run.comm,
-                                                  counters=run.remap_counters))
+        set_remap_context(run.model, RemapContext(plan=plan, rank=run.dp_rank, comm=run.comm,
+                                                  counters=run.remap_counters,
+                                                  sequence_parallel_group=sequence_parallel_group(run.cfg.sequence_parallel)))
     token_loss = run.model(data.tokens[None], packed.position_ids[None], None,
                            labels=data.labels[None], packed_seq_params=packed)  # [1, t]
     loss_sum = (token_loss[0].float() * data.loss_mask).sum()
     (loss_sum / num_label_tokens(micro.batch.seq_lens)).backward()
     return loss_sum.item()
+
+
+def bytes_per_physical_nic(run: Run) -> list[int]:
+    """Inter-node bytes this rank's communicator sent through each NIC of its node
+    (its topology is the data-parallel view, whose NICs are renumbered under TP)."""
+    out = [0] * run.topology.nics_per_node
+    for view_nic, nic in enumerate(physical_nics(run.cluster, run.cfg.tp, run.rank % run.cfg.tp)):
+        out[nic] += run.counters.inter_node_per_nic.get(view_nic, 0)
+    return out
 
 
 def _record(run: Run, plans: list[Plan], last: MicroBatch, rows: torch.Tensor, grad_norm: float,
@@ -228,7 +247,7 @@ def _record(run: Run, plans: list[Plan], last: MicroBatch, rows: torch.Tensor, g
         step=run.step - 1, loss=float(rows[:, 0].sum()) / num_label_tokens(batch.seq_lens),
         grad_norm=grad_norm, num_tokens=batch.num_tokens,
         plan=TierCounts(**{k: sum(getattr(t, k) for t in tiers) for k in ("local", "intra", "inter", "ulysses")}),
-        attn_pairs_per_rank=[int(x) for x in rows[:, 1]],
+        attn_pairs_per_rank=[int(x) for x in rows[::run.cfg.tp, 1]],  # per data-parallel rank
         linear_tokens_per_rank=per_rank(Plan.linear_tokens_per_rank),
         attention_tokens_per_rank=per_rank(Plan.attention_tokens_per_rank),
         micro_batch_tokens=[sum(p.seq_lens) for p in plans],
@@ -237,18 +256,7 @@ def _record(run: Run, plans: list[Plan], last: MicroBatch, rows: torch.Tensor, g
         step_time_s=seconds)
 
 
-def allreduce_grads(model: torch.nn.Module) -> float:
-    """Sum gradients over the world (one flat buffer); returns the global grad L2 norm."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    dist.all_reduce(flat)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
-        offset += n
-    return float(flat.norm())
+allreduce_grads = allreduce_gradients  # tests wrap it to capture the summed gradients
 
 
 def save_checkpoint(run: Run, directory: Path) -> None:
@@ -299,7 +307,7 @@ def describe(run: Run) -> str:
 def run_rank(cfg: TrainConfig, rank: int, world_size: int, device: torch.device) -> None:
     """Train ``cfg.steps`` steps in total (a ``--load`` run continues up to it)."""
     from megatron.core import parallel_state, tensor_parallel
-    parallel_state.initialize_model_parallel()  # TP = PP = CP = 1: Zeppelin is data parallel
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tp)  # PP = CP = 1
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)  # Megatron's CUDA RNG tracker
     logger = StepLogger(cfg.json_log if rank == 0 else None, cfg.steps, quiet=cfg.quiet or rank != 0)

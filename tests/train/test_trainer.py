@@ -134,8 +134,8 @@ def _train_saving_grads(argv: list[str], grads_dir, monkeypatch) -> list[dict]:
     """Train; rank 0 saves every step's summed gradient per parameter to ``grads_dir``."""
     real = trainer.allreduce_grads
 
-    def saving(model):
-        norm = real(model)
+    def saving(model, *args):
+        norm = real(model, *args)
         if torch.distributed.get_rank() == 0:
             step = len(list(grads_dir.glob("*.pt")))
             torch.save({n: p.grad.clone() for n, p in model.named_parameters()}, grads_dir / f"{step:03d}.pt")
@@ -183,6 +183,44 @@ def test_micro_batches_equal_one_big_batch(tmp_path, monkeypatch):
     resumed = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [2]
     assert resumed[0]["loss"] == micro[2]["loss"] and resumed[0]["grad_norm"] == micro[2]["grad_norm"]
+
+
+def test_tensor_parallel_equals_reference_at_the_same_tp(tmp_path, monkeypatch):
+    """--tp 2 on 2 x 2 ranks (2 data-parallel ranks, one per node: every ring crosses
+    nodes), remap and routing on, against the reference at TP 2: losses and each TP
+    rank 0 shard's gradient."""
+    zep = _train_saving_grads(_micro_argv("zeppelin", tmp_path / "z.jsonl", 384, "--tp", "2"), tmp_path / "gz",
+                              monkeypatch)
+    ref = _train_saving_grads(_micro_argv("reference", tmp_path / "r.jsonl", 384, "--tp", "2"), tmp_path / "gr",
+                              monkeypatch)
+    for z, r in zip(zep, ref):
+        assert len(z["linear_tokens_per_rank"]) == len(z["attn_pairs_per_rank"]) == 2  # data-parallel ranks
+        assert z["num_tokens"] == r["num_tokens"] and z["loss"] == pytest.approx(r["loss"], rel=1e-5)
+        assert z["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+    assert any(z["plan"]["inter"] for z in zep)
+    # TP itself is exact: the reference at TP 2 equals the one at TP 1 (4 data-parallel
+    # ranks of half the tokens each: the same global batches), gradient norm included.
+    launch(parse_args(_micro_argv("reference", tmp_path / "p.jsonl", 192)))
+    plain = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()]
+    for p, r in zip(plain, ref):
+        assert p["num_tokens"] == r["num_tokens"] and p["loss"] == pytest.approx(r["loss"], rel=1e-5)
+        assert p["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+    # Both NICs of each node carried ring bytes: TP rank 1's GPUs sit on the second NIC.
+    assert any(all(all(n) for n in z["bytes"]["inter_node_per_nic"]) for z in zep)
+    _assert_same_grads(tmp_path / "gz", tmp_path / "gr", steps=3, rel=1e-5)
+
+
+def test_tensor_parallel_bad_inputs_exit_2_before_spawning(lengths_file, tmp_path, capsys, monkeypatch):
+    from megatron_zeppelin.train import launch as launch_module
+
+    monkeypatch.setattr(launch_module, "spawn_local", lambda cfg: pytest.fail("spawned ranks"))
+    argv = _argv(lengths_file, "zeppelin", tmp_path / "x.jsonl")
+    assert "--tp 3 does not divide --gpus-per-node (2)" in _one_error_line(capsys, [*argv, "--tp", "3"])
+    one_node = [*argv, "--nodes", "1", "--gpus-per-node", "4", "--tp", "4"]  # tiny: 4 heads, 2 KV heads
+    assert "--tp 4 does not divide model tiny's KV heads (2)" in _one_error_line(capsys, one_node)
+    assert "needs --tp > 1" in _one_error_line(capsys, [*argv, "--sequence-parallel"])
+    assert "--sequence-parallel needs GPUs" in _one_error_line(
+        capsys, [*argv, "--tp", "2", "--tokens-per-gpu", "384", "--sequence-parallel"])
 
 
 def test_micro_batch_count_leaving_one_empty_exits_2_before_spawning(lengths_file, tmp_path, capsys,
