@@ -201,9 +201,10 @@ def _check_megatron_conflicts(args: argparse.Namespace) -> None:
         raise ConfigError("--zeppelin conflicts with --hybrid-context-parallel: both decide per-sequence "
                           "context parallelism; use --zeppelin-planner megatron_hybrid_cp to run that "
                           "baseline under Zeppelin instead")
-    if _flag(args, "num_experts", None):
-        raise ConfigError("--zeppelin does not support MoE models (--num-experts) yet; see "
-                          "docs/compatibility.md")
+    if _flag(args, "num_experts", None) and _flag(args, "moe_expert_capacity_factor", None) is not None:
+        raise ConfigError("--zeppelin with MoE conflicts with --moe-expert-capacity-factor: which tokens an "
+                          "expert drops would depend on which tokens the plan puts on a rank; drop the flag "
+                          "(no token dropping)")
     spec = getattr(args, "spec", None)
     if spec is None or tuple(spec) != SPEC:
         got = f"--spec {' '.join(spec)}" if spec else "no --spec"

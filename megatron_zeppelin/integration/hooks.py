@@ -67,7 +67,8 @@ def layer_spec_for(args: Any, transformer_config: Any) -> Any:
     from megatron_zeppelin.megatron.spec import get_zeppelin_layer_spec
 
     return get_zeppelin_layer_spec(qk_layernorm=bool(transformer_config.qk_layernorm), remap=args.zeppelin_remap == "on",
-                                   use_te=transformer_config.transformer_impl == "transformer_engine")
+                                   use_te=transformer_config.transformer_impl == "transformer_engine",
+                                   num_experts=getattr(transformer_config, "num_moe_experts", None))
 
 
 # ------------------------------------------------------------------- model

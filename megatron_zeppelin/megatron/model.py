@@ -51,8 +51,20 @@ class ZeppelinGPTModel(GPTModel):
 
 def transformer_config(model: ModelConfig, *, dtype: torch.dtype = torch.float32,
                        cpu_init: bool = True, tp: int = 1, sequence_parallel: bool = False) -> TransformerConfig:
-    """LLaMA-style ``TransformerConfig`` (RMSNorm, SwiGLU, no biases, no dropout)."""
-    return TransformerConfig(
+    """LLaMA-style ``TransformerConfig`` (RMSNorm, SwiGLU, no biases, no dropout).
+
+    MoE models route each token to ``topk`` experts with no load-balancing loss and
+    no capacity limit: a token's output then depends on that token alone, not on
+    which tokens share its rank, so every layout computes the same thing (an
+    auxiliary loss or token dropping would be decided per rank's buffer)."""
+    moe = {} if not model.moe_enabled else dict(
+        num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        # The all-gather dispatcher runs on CPU with EP 1; all-to-all opens a CUDA stream.
+        moe_token_dispatcher_type="allgather" if model.expert_parallel_size == 1 else "alltoall",
+        expert_model_parallel_size=model.expert_parallel_size)
+    return TransformerConfig(**moe,
         tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
@@ -80,7 +92,7 @@ def build_gpt_model(model: ModelConfig, *, max_seq_len: int, dtype: torch.dtype 
     layer_log = logging.getLogger("megatron.core.transformer.transformer_layer")
     level = layer_log.level
     layer_log.setLevel(logging.ERROR)
-    spec = get_zeppelin_layer_spec(remap=remap, use_te=use_te)
+    spec = get_zeppelin_layer_spec(remap=remap, use_te=use_te, num_experts=model.num_experts or None)
     if sequence_parallel:
         spec = sequence_parallel_block_spec(spec, model.num_layers)
     try:

@@ -142,6 +142,10 @@ def check_tensor_parallel(tp: int, sequence_parallel: bool, gpus_per_node: int, 
                     (f"model {model.name}'s KV heads", model.num_query_groups)):
         if n % tp:
             raise ConfigError(f"--tp {tp} does not divide {what} ({n}); pick a TP size that divides it")
+    if model.moe_enabled and model.expert_parallel_size > 1:
+        raise ConfigError(f"model {model.name} spreads its experts over {model.expert_parallel_size} ranks "
+                          "(expert_parallel_size); the trainer keeps every expert on every rank: use a preset "
+                          "with expert_parallel_size 1 (expert parallelism runs under Megatron-LM --zeppelin)")
 
 
 def _on_off(value: str) -> bool:

@@ -88,7 +88,7 @@ def test_valid_namespace_passes():
     ({"pipeline_model_parallel_size": 2}, ["pipeline", "--pipeline-model-parallel-size 2"]),
     ({"context_parallel_size": 2}, ["--context-parallel-size 2", "drop --context-parallel-size"]),
     ({"hybrid_context_parallel": True}, ["--hybrid-context-parallel", "megatron_hybrid_cp"]),
-    ({"num_experts": 8}, ["--num-experts"]),
+    ({"num_experts": 8, "moe_expert_capacity_factor": 1.0}, ["--moe-expert-capacity-factor", "no token dropping"]),
     ({"mock_data": True}, ["--mock-data", "--data-path"]),
     ({"sft": True}, ["--sft"]),
     ({"micro_batch_size": 2}, ["--micro-batch-size 1", "token budget"]),
@@ -116,6 +116,10 @@ def test_conflicts_name_the_flag_and_fix(overrides, words):
         validate_zeppelin_args(megatron_args(**overrides))
     for word in words:
         assert word in str(exc.value)
+
+
+def test_moe_without_token_dropping_is_accepted():
+    validate_zeppelin_args(megatron_args(num_experts=8))
 
 
 def test_sequence_parallel_is_accepted():

@@ -210,7 +210,7 @@ def test_tensor_parallel_equals_reference_at_the_same_tp(tmp_path, monkeypatch):
     _assert_same_grads(tmp_path / "gz", tmp_path / "gr", steps=3, rel=1e-5)
 
 
-def test_tensor_parallel_bad_inputs_exit_2_before_spawning(lengths_file, tmp_path, capsys, monkeypatch):
+def test_tensor_parallel_and_moe_bad_inputs_exit_2_before_spawning(lengths_file, tmp_path, capsys, monkeypatch):
     from megatron_zeppelin.train import launch as launch_module
 
     monkeypatch.setattr(launch_module, "spawn_local", lambda cfg: pytest.fail("spawned ranks"))
@@ -219,8 +219,27 @@ def test_tensor_parallel_bad_inputs_exit_2_before_spawning(lengths_file, tmp_pat
     one_node = [*argv, "--nodes", "1", "--gpus-per-node", "4", "--tp", "4"]  # tiny: 4 heads, 2 KV heads
     assert "--tp 4 does not divide model tiny's KV heads (2)" in _one_error_line(capsys, one_node)
     assert "needs --tp > 1" in _one_error_line(capsys, [*argv, "--sequence-parallel"])
+    assert "expert_parallel_size" in _one_error_line(capsys, [*argv, "--model", "llama-moe-8x7b"])
+    assert "tiny-moe is an MoE: with --tp > 1" in _one_error_line(
+        capsys, [*argv, "--model", "tiny-moe", "--tp", "2", "--tokens-per-gpu", "384"])
     assert "--sequence-parallel needs GPUs" in _one_error_line(
         capsys, [*argv, "--tp", "2", "--tokens-per-gpu", "384", "--sequence-parallel"])
+
+
+def test_moe_with_remap_equals_reference(tmp_path, monkeypatch):
+    """--model tiny-moe (Megatron-Core's MoE layer, 4 experts, top-2) with remap on: the
+    router and experts run on the linear layout; losses and every parameter's gradient
+    (router and expert weights included) equal the reference's."""
+    zep = _train_saving_grads(_micro_argv("zeppelin", tmp_path / "z.jsonl", 192, "--model", "tiny-moe"),
+                              tmp_path / "gz", monkeypatch)
+    ref = _train_saving_grads(_micro_argv("reference", tmp_path / "r.jsonl", 192, "--model", "tiny-moe"),
+                              tmp_path / "gr", monkeypatch)
+    for z, r in zip(zep, ref):
+        assert z["num_tokens"] == r["num_tokens"] and z["loss"] == pytest.approx(r["loss"], rel=1e-5)
+    assert any(z["bytes"]["remap_intra_node"] + z["bytes"]["remap_inter_node"] for z in zep)
+    names = torch.load(sorted((tmp_path / "gz").glob("*.pt"))[0]).keys()
+    assert any("mlp.router" in n for n in names) and any("mlp.experts" in n for n in names)
+    _assert_same_grads(tmp_path / "gz", tmp_path / "gr", steps=3, rel=1e-5)
 
 
 def test_micro_batch_count_leaving_one_empty_exits_2_before_spawning(lengths_file, tmp_path, capsys,
