@@ -5,8 +5,9 @@ the ranks prove they agree by all-reducing the Plan's fingerprint.  The loss is
 the per-token mean over the whole global batch: each rank backpropagates
 ``sum(its token losses) / global label count`` for every micro-batch of the
 global batch (``--micro-batches``: gradients accumulate) and gradients are summed
-over the world once, so every strategy computes the same gradient as plain data
-parallelism on the whole global batch.
+over the data-parallel ranks once (``--tp``: ``train/parallel.py``), so every
+strategy computes the same gradient as plain data parallelism on the whole
+global batch.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from megatron_zeppelin.comm.base import ByteCounters, Communicator
 from megatron_zeppelin.comm.collectives import torch_all_reduce_max
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import ConfigError, PlanError
+from megatron_zeppelin.integration.hooks import data_parallel_comm_group
 from megatron_zeppelin.megatron import build_gpt_model, build_packed_seq_params
 from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.plan import Plan, TierCounts
@@ -40,10 +42,9 @@ from megatron_zeppelin.train.batch import (TokenSource, build_rank_batch, make_t
                                            num_label_tokens, padded_length)
 from megatron_zeppelin.train.cli import TrainConfig
 from megatron_zeppelin.train.log import StepLogger, StepRecord
-from megatron_zeppelin.integration.hooks import data_parallel_comm_group
+from megatron_zeppelin.train.micro import MicroBatch, iter_micro_batches, make_sampler, make_split
 from megatron_zeppelin.train.parallel import (allreduce_gradients, data_parallel_view, physical_nics,
                                               sequence_parallel_group)
-from megatron_zeppelin.train.micro import MicroBatch, iter_micro_batches, make_sampler, make_split
 from megatron_zeppelin.train.reference import STRATEGY as REFERENCE, reference_plan
 
 CHECKPOINT = "checkpoint.pt"
