@@ -1,5 +1,8 @@
 """One item ahead on a background thread: plan the next batch while this one trains.
 
+Used by the trainer (micro-batch i + 1 planned while i computes) and by the
+Megatron-LM loader (``integration.hooks.ZeppelinLoader``, ``--zeppelin-prefetch``).
+
 Sampling and planning are pure host code (Python + numpy), so they can run on a
 worker thread while the main thread runs the model; collectives stay on the
 main thread.  The worker releases nothing it does not own: it only advances the

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence
@@ -42,6 +41,7 @@ from megatron_zeppelin.integration.data import SPLITS, DocumentBlend, open_blend
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.agreement import AllReduceMax, check_same_plan
+from megatron_zeppelin.prefetch import Prefetcher
 from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split, micro_batches_of
 from megatron_zeppelin.sampler import GlobalBatch, TokenBudgetSampler, batch_budget
@@ -190,8 +190,10 @@ class ZeppelinLoader:
         self.all_reduce_max, self.on_batch, self.pad_multiple = all_reduce_max, on_batch, pad_multiple
         self._batches = iter(sampler) if split is None else \
             (micro for batch in sampler for micro in micro_batches_of(batch, split))
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeppelin-plan") if prefetch else None
-        self._next: Future | None = None
+        # Plan batch k+1 while step k trains: the sampler and planner are pure host
+        # code, and collectives stay on this thread.
+        prepared = iter(self.prepare, None)
+        self._prepared = Prefetcher(prepared, name="zeppelin-plan") if prefetch else prepared
 
     def prepare(self) -> PreparedBatch:
         """Draw, plan and read the next global batch (pure host work: safe off the main thread)."""
@@ -208,14 +210,7 @@ class ZeppelinLoader:
         return self
 
     def __next__(self) -> ZeppelinBatch:
-        if self._pool is None:
-            prepared = self.prepare()
-        else:
-            future = self._next or self._pool.submit(self.prepare)
-            prepared = future.result()
-            # Plan batch k+1 while step k trains: the sampler and planner are pure
-            # host code, and collectives stay on this thread.
-            self._next = self._pool.submit(self.prepare)
+        prepared = next(self._prepared)
         if self.all_reduce_max is not None:
             check_same_plan(prepared.plan, prepared.batch.index, self.all_reduce_max)
         if self.on_batch is not None:
@@ -235,8 +230,8 @@ class ZeppelinLoader:
                              packed)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        if isinstance(self._prepared, Prefetcher):
+            self._prepared.close()
 
 
 def get_batch(data_iterator: Any) -> tuple:
