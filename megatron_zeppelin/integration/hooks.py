@@ -382,14 +382,19 @@ def record_batch(args: Any, split: str, first: bool) -> Callable[[PreparedBatch]
     """Record the data state on ``args`` (saved in every Megatron checkpoint); on the
     ``first`` rank also dump plans and log tier counts."""
     dump = Path(args.zeppelin_plan_dump_dir) if args.zeppelin_plan_dump_dir else None
+    micro = zeppelin_micro_batches(args)
+    seen = {"index": -1, "micro": 0}  # micro-batches of one global batch share its index
 
     def handle(p: PreparedBatch) -> None:
         args.zeppelin_data_state = data_state(p.sampler_state, p.batch.index + 1)
+        seen["micro"] = seen["micro"] + 1 if p.batch.index == seen["index"] else 0
+        seen["index"] = p.batch.index
         if not first:
             return
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
-            (dump / f"{split}_plan_{p.batch.index:07d}.json").write_text(p.plan.to_json())
+            suffix = f"_mb{seen['micro']}" if micro > 1 else ""
+            (dump / f"{split}_plan_{p.batch.index:07d}{suffix}.json").write_text(p.plan.to_json())
         every = args.zeppelin_log_interval
         if every and p.batch.index % every == 0:
             print(format_plan_log(p), flush=True)
