@@ -41,9 +41,9 @@ from megatron_zeppelin.integration.data import SPLITS, DocumentBlend, open_blend
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.agreement import AllReduceMax, check_same_plan
-from megatron_zeppelin.prefetch import Prefetcher
 from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split, micro_batches_of
+from megatron_zeppelin.prefetch import Prefetcher
 from megatron_zeppelin.sampler import GlobalBatch, TokenBudgetSampler, batch_budget
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import build_rank_batch, padded_length
