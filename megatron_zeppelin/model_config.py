@@ -34,12 +34,28 @@ class ModelConfig:
     """Vocabulary size (output projection cost)."""
     dtype_bytes: int = 2
     """Bytes per activation element on the wire and in memory (bf16)."""
+    num_experts: int = 0
+    """MoE: experts per layer in place of the dense MLP (0: dense)."""
+    moe_router_topk: int = 2
+    """MoE: experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = None
+    """MoE: SwiGLU inner width of one expert (None: ``ffn_hidden_size``)."""
+    expert_parallel_size: int = 1
+    """MoE: ranks the experts are spread over (the router's all-to-all crosses them)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                     "ffn_hidden_size", "vocab_size", "dtype_bytes"):
+                     "ffn_hidden_size", "vocab_size", "dtype_bytes", "moe_router_topk", "expert_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"model {self.name}: {name} must be >= 1")
+        if self.num_experts < 0:
+            raise ConfigError(f"model {self.name}: num_experts must be >= 0 (0: dense MLP)")
+        if self.moe_enabled and self.moe_router_topk > self.num_experts:
+            raise ConfigError(f"model {self.name}: moe_router_topk {self.moe_router_topk} must be at most "
+                              f"num_experts {self.num_experts}")
+        if self.num_experts % self.expert_parallel_size:
+            raise ConfigError(f"model {self.name}: {self.num_experts} experts do not divide over "
+                              f"expert_parallel_size {self.expert_parallel_size}; pick a divisor")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"model {self.name}: {self.num_attention_heads} heads do not divide "
                               f"hidden size {self.hidden_size}; pick a head count that divides it")
@@ -57,11 +73,27 @@ class ModelConfig:
         return self.num_query_groups * self.head_dim
 
     @property
+    def moe_enabled(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def moe_summary(self) -> str:
+        """``dense MLP`` or ``MoE 8 experts top-2 over 8 ranks`` (what the cost model prices)."""
+        if not self.moe_enabled:
+            return "dense MLP"
+        return (f"MoE {self.num_experts} experts top-{self.moe_router_topk} over "
+                f"{self.expert_parallel_size} rank{'s' if self.expert_parallel_size > 1 else ''}")
+
+    @property
     def linear_flops_per_token(self) -> float:
         """Forward FLOPs of all token-linear work per token: QKV, out-proj, SwiGLU MLP
-        over every layer plus the output projection (2 FLOPs per multiply-add)."""
+        (MoE: the router and ``topk`` experts) over every layer plus the output
+        projection (2 FLOPs per multiply-add)."""
         h = self.hidden_size
-        per_layer = h * (h + 2 * self.kv_size) + h * h + 3 * h * self.ffn_hidden_size
+        mlp = 3 * h * self.ffn_hidden_size
+        if self.moe_enabled:
+            mlp = h * self.num_experts + self.moe_router_topk * 3 * h * (self.moe_ffn_hidden_size or self.ffn_hidden_size)
+        per_layer = h * (h + 2 * self.kv_size) + h * h + mlp
         return 2.0 * (self.num_layers * per_layer + h * self.vocab_size)
 
     @property

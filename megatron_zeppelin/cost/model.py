@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from megatron_zeppelin.cost.moe import moe_dispatch_s
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan.shards import causal_pairs
 from megatron_zeppelin.topology import ClusterConfig, LinkSpec
@@ -71,10 +72,11 @@ class CostModel:
         return self.attn_s(causal_pairs(0, length), length)
 
     def linear_s(self, tokens: float) -> float:
-        """Forward+backward time of projections, MLP and output layer for ``tokens``."""
+        """Forward+backward time of projections, MLP (MoE: with the router's all-to-all)
+        and output layer for ``tokens``."""
         g = self.cluster.gpu
         flops = tokens * self.model.linear_flops_per_token * (1 + LINEAR_BWD_RATIO)
-        return flops / (g.peak_tflops * 1e12 * g.linear_efficiency)
+        return flops / (g.peak_tflops * 1e12 * g.linear_efficiency) + moe_dispatch_s(self, tokens)
 
     # ---------------------------------------------------------------- links
     def link_for(self, ranks: Sequence[int]) -> LinkSpec:

@@ -145,6 +145,19 @@ def data_parallel_size(args: argparse.Namespace) -> int | None:
     return world // model_parallel if world % model_parallel == 0 else None
 
 
+def zeppelin_micro_batches(args: argparse.Namespace) -> int:
+    """Micro-batches per global batch under ``--zeppelin`` (``--micro-batch-size 1``).
+
+    Megatron runs ``--global-batch-size / (micro-batch size x DP)`` micro-batches
+    per step; with one packed micro-batch per rank that is N = global batch size
+    / DP.  Zeppelin's global batch is then a token budget of N x fill x
+    tokens-per-GPU x DP, split into N micro-batches of equal modeled work, each
+    planned under the per-GPU cap (``planner/micro_batches.py``)."""
+    dp = data_parallel_size(args)
+    gbs = getattr(args, "global_batch_size", None)
+    return gbs // dp if gbs and dp else 1
+
+
 def validate_zeppelin_args(args: argparse.Namespace) -> argparse.Namespace:
     """Check the ``--zeppelin*`` flags against each other and Megatron's; raise ConfigError."""
     if not getattr(args, "zeppelin", False):
@@ -188,13 +201,10 @@ def _check_megatron_conflicts(args: argparse.Namespace) -> None:
         raise ConfigError("--zeppelin conflicts with --hybrid-context-parallel: both decide per-sequence "
                           "context parallelism; use --zeppelin-planner megatron_hybrid_cp to run that "
                           "baseline under Zeppelin instead")
-    if _flag(args, "sequence_parallel", False):
-        raise ConfigError("--zeppelin does not support --sequence-parallel yet: it splits every rank's "
-                          "tokens evenly over tensor-parallel ranks, and Zeppelin's per-rank token "
-                          "counts vary; drop --sequence-parallel")
-    if _flag(args, "num_experts", None):
-        raise ConfigError("--zeppelin does not support MoE models (--num-experts) yet; see "
-                          "docs/compatibility.md")
+    if _flag(args, "num_experts", None) and _flag(args, "moe_expert_capacity_factor", None) is not None:
+        raise ConfigError("--zeppelin with MoE conflicts with --moe-expert-capacity-factor: which tokens an "
+                          "expert drops would depend on which tokens the plan puts on a rank; drop the flag "
+                          "(no token dropping)")
     spec = getattr(args, "spec", None)
     if spec is None or tuple(spec) != SPEC:
         got = f"--spec {' '.join(spec)}" if spec else "no --spec"
@@ -232,10 +242,10 @@ def _check_batch_shape(args: argparse.Namespace) -> None:
                           "as one packed micro-batch per rank, not a count of fixed-length samples")
     dp = data_parallel_size(args)
     gbs = getattr(args, "global_batch_size", None)
-    if gbs is not None and dp is not None and gbs != dp:
-        raise ConfigError(f"--zeppelin needs one micro-batch per rank per step: --global-batch-size must "
-                          f"be the data-parallel size {dp} (got {gbs}); the batch size in tokens is "
-                          "--zeppelin-tokens-per-gpu x data-parallel size")
+    if gbs is not None and dp is not None and (gbs < dp or gbs % dp):
+        raise ConfigError(f"--zeppelin runs N packed micro-batches per rank per step: --global-batch-size "
+                          f"must be N x the data-parallel size {dp} (got {gbs}); the global batch in "
+                          "tokens is N x --zeppelin-batch-fill x --zeppelin-tokens-per-gpu x data-parallel size")
     if not _flag(args, "calculate_per_token_loss", False):
         raise ConfigError("--zeppelin needs --calculate-per-token-loss: ranks hold different token "
                           "counts, so the loss must be the mean over every token of the global batch")

@@ -4,8 +4,8 @@ Megatron-LM checkpoints record ``iteration`` and ``consumed_{train,valid}_sample
 and, in ``state_dict['args']``, the whole argument namespace.  Zeppelin's sampler
 is a pure function of its configuration (data, seed, ``--seq-length``, token
 budget) and the number of global batches drawn, and every Megatron iteration
-consumes exactly one global batch (``--micro-batch-size 1``, one micro-batch per
-rank).  So:
+consumes exactly one global batch (``--global-batch-size / DP`` packed
+micro-batches per rank, split from one sampler draw).  So:
 
 * **save**: nothing extra to write.  The hand-off stores :func:`data_state` on
   ``args.zeppelin_data_state`` so every checkpoint carries the sampler's position

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence
@@ -36,16 +35,18 @@ import torch.distributed as dist
 from megatron_zeppelin.comm.collectives import torch_all_reduce_max
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.integration.args import check_args
+from megatron_zeppelin.integration.args import check_args, zeppelin_micro_batches
 from megatron_zeppelin.integration.checkpoint import data_state, restore_sampler
 from megatron_zeppelin.integration.data import SPLITS, DocumentBlend, open_blends
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.agreement import AllReduceMax, check_same_plan
 from megatron_zeppelin.planner.base import PlanContext, get_planner
+from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split, micro_batches_of
+from megatron_zeppelin.prefetch import Prefetcher
 from megatron_zeppelin.sampler import GlobalBatch, TokenBudgetSampler, batch_budget
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
-from megatron_zeppelin.train.batch import build_rank_batch
+from megatron_zeppelin.train.batch import build_rank_batch, padded_length
 
 
 
@@ -66,7 +67,8 @@ def layer_spec_for(args: Any, transformer_config: Any) -> Any:
     from megatron_zeppelin.megatron.spec import get_zeppelin_layer_spec
 
     return get_zeppelin_layer_spec(qk_layernorm=bool(transformer_config.qk_layernorm), remap=args.zeppelin_remap == "on",
-                                   use_te=transformer_config.transformer_impl == "transformer_engine")
+                                   use_te=transformer_config.transformer_impl == "transformer_engine",
+                                   num_experts=getattr(transformer_config, "num_moe_experts", None))
 
 
 # ------------------------------------------------------------------- model
@@ -175,16 +177,23 @@ class ZeppelinLoader:
     def __init__(self, *, sampler: TokenBudgetSampler, blend: DocumentBlend,
                  make_plan: Callable[[Sequence[int]], Plan], rank: int, device: torch.device,
                  communicator: Any, backend: Any, all_reduce_max: AllReduceMax | None,
-                 prefetch: bool = True, on_batch: Callable[[PreparedBatch], None] | None = None) -> None:
+                 prefetch: bool = True, on_batch: Callable[[PreparedBatch], None] | None = None,
+                 split: Split | None = None, pad_multiple: int = 1) -> None:
         """``rank``: data-parallel rank (the Plan's rank).  ``all_reduce_max``: the
         plan check (None: off).  ``on_batch``: called on the main thread with every
-        batch handed to training (checkpoint state, plan dumps, logs)."""
+        batch handed to training (checkpoint state, plan dumps, logs).  ``split``:
+        each global batch runs as these micro-batches (None: one).  ``pad_multiple``:
+        each buffer is padded (rows without loss) to a multiple of it, at least one
+        row (the TP size under ``--sequence-parallel``, which splits rows evenly)."""
         self.sampler, self.blend, self.make_plan = sampler, blend, make_plan
         self.rank, self.device, self.communicator, self.backend = rank, device, communicator, backend
-        self.all_reduce_max, self.on_batch = all_reduce_max, on_batch
-        self._batches = iter(sampler)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeppelin-plan") if prefetch else None
-        self._next: Future | None = None
+        self.all_reduce_max, self.on_batch, self.pad_multiple = all_reduce_max, on_batch, pad_multiple
+        self._batches = iter(sampler) if split is None else \
+            (micro for batch in sampler for micro in micro_batches_of(batch, split))
+        # Plan batch k+1 while step k trains: the sampler and planner are pure host
+        # code, and collectives stay on this thread.
+        prepared = iter(self.prepare, None)
+        self._prepared = Prefetcher(prepared, name="zeppelin-plan") if prefetch else prepared
 
     def prepare(self) -> PreparedBatch:
         """Draw, plan and read the next global batch (pure host work: safe off the main thread)."""
@@ -192,21 +201,16 @@ class ZeppelinLoader:
         state = self.sampler.state_dict()
         plan = self.make_plan(batch.seq_lens)
         spans = plan.attention_spans(self.rank)
-        data = build_rank_batch(spans, self.blend.blend_pieces(batch.pieces), self.blend, torch.device("cpu"))
+        tokens = sum(sp.length for sp in spans)
+        data = build_rank_batch(spans, self.blend.blend_pieces(batch.pieces), self.blend, torch.device("cpu"),
+                                pad_tokens=padded_length(tokens, self.pad_multiple) - tokens)
         return PreparedBatch(batch, plan, data.tokens, data.labels, data.loss_mask, state)
 
     def __iter__(self) -> "ZeppelinLoader":
         return self
 
     def __next__(self) -> ZeppelinBatch:
-        if self._pool is None:
-            prepared = self.prepare()
-        else:
-            future = self._next or self._pool.submit(self.prepare)
-            prepared = future.result()
-            # Plan batch k+1 while step k trains: the sampler and planner are pure
-            # host code, and collectives stay on this thread.
-            self._next = self._pool.submit(self.prepare)
+        prepared = next(self._prepared)
         if self.all_reduce_max is not None:
             check_same_plan(prepared.plan, prepared.batch.index, self.all_reduce_max)
         if self.on_batch is not None:
@@ -216,16 +220,18 @@ class ZeppelinLoader:
     def _to_device(self, p: PreparedBatch) -> ZeppelinBatch:
         from megatron_zeppelin.megatron.packed import build_packed_seq_params
 
-        packed = build_packed_seq_params(p.plan.attention_spans(self.rank), plan=p.plan, rank=self.rank,
+        spans = p.plan.attention_spans(self.rank)
+        packed = build_packed_seq_params(spans, plan=p.plan, rank=self.rank,
                                          communicator=self.communicator, backend=self.backend,
-                                         device=self.device)
+                                         device=self.device,
+                                         pad_tokens=p.tokens.numel() - sum(sp.length for sp in spans))
         move = lambda t: t.to(self.device, non_blocking=True)[None]  # noqa: E731  [t] -> [1, t]
         return ZeppelinBatch(move(p.tokens), move(p.labels), move(p.loss_mask), packed.position_ids[None],
                              packed)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        if isinstance(self._prepared, Prefetcher):
+            self._prepared.close()
 
 
 def get_batch(data_iterator: Any) -> tuple:
@@ -288,7 +294,7 @@ def build_plan_fn(planner: str, cost: CostModel, tokens_per_gpu: int, remap: boo
     return lambda seq_lens: impl.plan(list(seq_lens), ctx).validate()
 
 
-def _data_parallel_group(tp: int, dp: int) -> dist.ProcessGroup:
+def data_parallel_comm_group(tp: int, dp: int) -> dist.ProcessGroup:
     """A copy of this rank's data-parallel group for the communicator (its worker
     thread issues transfers that must not interleave with Megatron's grad reduce)."""
     from megatron.core import parallel_state as mpu
@@ -342,7 +348,7 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
     cost = CostModel(plan_cluster, model, routing=routing)
     make_plan = build_plan_fn(args.zeppelin_planner, cost, args.zeppelin_tokens_per_gpu,
                               args.zeppelin_remap == "on", args.zeppelin_planner_time_limit, tp)
-    communicator = _build_communicator(_data_parallel_group(tp, dp), own_cluster.topology, cost, routing,
+    communicator = _build_communicator(data_parallel_comm_group(tp, dp), own_cluster.topology, cost, routing,
                                        getattr(args, "params_dtype", torch.float32), device)
     backend = get_backend(args.zeppelin_backend)
     blends = open_blends(args.data_path, args.split, args.zeppelin_data_lengths)
@@ -350,6 +356,9 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
     consumed = {"train": args.iteration,
                 "valid": getattr(args, "consumed_valid_samples", 0) // args.global_batch_size, "test": 0}
     check = torch_all_reduce_max(device) if args.zeppelin_check_plans == "on" else None
+    micro = zeppelin_micro_batches(args)  # --global-batch-size / DP
+    into_micro = micro_batch_split(micro, tokens_per_gpu=args.zeppelin_tokens_per_gpu, data_parallel_size=dp,
+                              max_seq_len=args.seq_length, batch_fill=args.zeppelin_batch_fill, cost=cost)
     loaders: list[ZeppelinLoader | None] = []
     for i, split in enumerate(SPLITS):
         blend = blends[split]
@@ -357,13 +366,14 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
             loaders.append(None)
             continue
         # Each split draws its own order: the seed is offset by the split's index.
-        budget = batch_budget(args.zeppelin_tokens_per_gpu, dp, args.seq_length, args.zeppelin_batch_fill)
+        budget = batch_budget(micro * args.zeppelin_tokens_per_gpu, dp, args.seq_length, args.zeppelin_batch_fill)
         sampler = blend.sampler(max_seq_len=args.seq_length, tokens_per_batch=budget, seed=seed + i)
         restore_sampler(sampler, consumed[split])
         loaders.append(ZeppelinLoader(
             sampler=sampler, blend=blend, make_plan=make_plan, rank=mpu.get_data_parallel_rank(),
             device=device, communicator=communicator, backend=backend, all_reduce_max=check,
-            prefetch=args.zeppelin_prefetch == "on",
+            prefetch=args.zeppelin_prefetch == "on", split=into_micro,
+            pad_multiple=tp if getattr(args, "sequence_parallel", False) else 1,
             on_batch=record_batch(args, split, dist.get_rank() == 0) if split == "train" else None))
     return tuple(loaders)
 
@@ -372,14 +382,19 @@ def record_batch(args: Any, split: str, first: bool) -> Callable[[PreparedBatch]
     """Record the data state on ``args`` (saved in every Megatron checkpoint); on the
     ``first`` rank also dump plans and log tier counts."""
     dump = Path(args.zeppelin_plan_dump_dir) if args.zeppelin_plan_dump_dir else None
+    micro = zeppelin_micro_batches(args)
+    seen = {"index": -1, "micro": 0}  # micro-batches of one global batch share its index
 
     def handle(p: PreparedBatch) -> None:
         args.zeppelin_data_state = data_state(p.sampler_state, p.batch.index + 1)
+        seen["micro"] = seen["micro"] + 1 if p.batch.index == seen["index"] else 0
+        seen["index"] = p.batch.index
         if not first:
             return
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
-            (dump / f"{split}_plan_{p.batch.index:07d}.json").write_text(p.plan.to_json())
+            suffix = f"_mb{seen['micro']}" if micro > 1 else ""
+            (dump / f"{split}_plan_{p.batch.index:07d}{suffix}.json").write_text(p.plan.to_json())
         every = args.zeppelin_log_interval
         if every and p.batch.index % every == 0:
             print(format_plan_log(p), flush=True)

@@ -19,6 +19,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.megatron.norm import sequence_parallel_block_spec
 from megatron_zeppelin.megatron.packed import ZeppelinPackedSeqParams
 from megatron_zeppelin.megatron.rotary import rotary_freqs
 from megatron_zeppelin.megatron.spec import get_zeppelin_layer_spec
@@ -49,9 +50,22 @@ class ZeppelinGPTModel(GPTModel):
 
 
 def transformer_config(model: ModelConfig, *, dtype: torch.dtype = torch.float32,
-                       cpu_init: bool = True) -> TransformerConfig:
-    """LLaMA-style ``TransformerConfig`` (RMSNorm, SwiGLU, no biases, no dropout)."""
-    return TransformerConfig(
+                       cpu_init: bool = True, tp: int = 1, sequence_parallel: bool = False) -> TransformerConfig:
+    """LLaMA-style ``TransformerConfig`` (RMSNorm, SwiGLU, no biases, no dropout).
+
+    MoE models route each token to ``topk`` experts with no load-balancing loss and
+    no capacity limit: a token's output then depends on that token alone, not on
+    which tokens share its rank, so every layout computes the same thing (an
+    auxiliary loss or token dropping would be decided per rank's buffer)."""
+    moe = {} if not model.moe_enabled else dict(
+        num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        # The all-gather dispatcher runs on CPU with EP 1; all-to-all opens a CUDA stream.
+        moe_token_dispatcher_type="allgather" if model.expert_parallel_size == 1 else "alltoall",
+        expert_model_parallel_size=model.expert_parallel_size)
+    return TransformerConfig(**moe,
+        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
         ffn_hidden_size=model.ffn_hidden_size, normalization="RMSNorm", gated_linear_unit=True,
@@ -65,19 +79,25 @@ def transformer_config(model: ModelConfig, *, dtype: torch.dtype = torch.float32
 
 
 def build_gpt_model(model: ModelConfig, *, max_seq_len: int, dtype: torch.dtype = torch.float32,
-                    remap: bool = False, use_te: bool | None = None) -> ZeppelinGPTModel:
+                    remap: bool = False, use_te: bool | None = None, tp: int = 1,
+                    sequence_parallel: bool = False) -> ZeppelinGPTModel:
     """A ``ZeppelinGPTModel`` with the Zeppelin layer spec, initialised on the CPU from
     torch's default generator (also on GPU machines: seeding that generator
-    identically on every rank gives identical replicas; move it with ``.to``)."""
-    config = transformer_config(model, dtype=dtype, cpu_init=True)
+    identically on every rank gives identical replicas; move it with ``.to``).
+    ``tp``: each rank builds its tensor-parallel shard of the same master weights
+    (Megatron's parallel state must be initialised with this TP size)."""
+    config = transformer_config(model, dtype=dtype, cpu_init=True, tp=tp, sequence_parallel=sequence_parallel)
     # Megatron logs "Unknown MLP type" for the remap wrapper around the MLP (it
     # checks the exact class); the wrapped MLP still gets Megatron's default groups.
     layer_log = logging.getLogger("megatron.core.transformer.transformer_layer")
     level = layer_log.level
     layer_log.setLevel(logging.ERROR)
+    spec = get_zeppelin_layer_spec(remap=remap, use_te=use_te, num_experts=model.num_experts or None)
+    if sequence_parallel:
+        spec = sequence_parallel_block_spec(spec, model.num_layers)
     try:
         return ZeppelinGPTModel(
-            config=config, transformer_layer_spec=get_zeppelin_layer_spec(remap=remap, use_te=use_te),
+            config=config, transformer_layer_spec=spec,
             vocab_size=model.vocab_size, max_sequence_length=max_seq_len,
             position_embedding_type="rope", share_embeddings_and_output_weights=False)
     finally:

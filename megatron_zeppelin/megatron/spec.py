@@ -18,26 +18,32 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.megatron.attention import ZeppelinAttention
+from megatron_zeppelin.megatron.moe import ZeppelinTopKRouter
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 
 
 def get_zeppelin_layer_spec(qk_layernorm: bool = False, remap: bool = False,
-                            use_te: bool | None = None) -> ModuleSpec:
+                            use_te: bool | None = None, num_experts: int | None = None) -> ModuleSpec:
     """GPT layer spec (RMSNorm where local) with ``ZeppelinAttention`` as core attention.
 
     ``remap``: wrap the MLP in ``ZeppelinRemap`` so it runs on the token-balanced
     linear layout (attention layout -> linear layout -> MLP -> back).
     ``use_te``: TransformerEngine spec (default: when TE is installed).
+    ``num_experts``: Megatron-Core's MoE layer in place of the MLP (remap wraps it
+    the same way: routing and experts run on the linear layout).
     """
     use_te = HAVE_TE if use_te is None else use_te
     if use_te and not HAVE_TE:
         raise ConfigError("use_te=True but transformer_engine is not installed; install it or "
                           "pass use_te=False for Megatron-Core's local modules")
-    base = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm) if use_te
-            else get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm"))
+    base = (get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
+            if use_te else get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
+                                                    normalization="RMSNorm"))
     spec = copy.deepcopy(base)
     spec.submodules.self_attention.submodules.core_attention = ZeppelinAttention
+    if num_experts and not use_te:
+        spec.submodules.mlp.submodules.router = ZeppelinTopKRouter  # Megatron-Core's moves its gate to CUDA
     if remap:
         spec.submodules.mlp = remap_mlp_spec(spec.submodules.mlp)
     return spec

@@ -19,7 +19,7 @@ import functools
 import importlib
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -27,6 +27,7 @@ from megatron_zeppelin.comm.base import Communicator, Message
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.remap.exchange import RemapExchange, exchange_for
+from megatron_zeppelin.remap.sequence_parallel import sequence_parallel_mlp
 
 Direction = Literal["to_linear", "to_attention"]
 
@@ -61,6 +62,9 @@ class RemapContext:
     """Where to add the bytes sent, or None."""
     max_buffer_bytes: int | None = None
     """Largest hidden-state buffer a switch may allocate (None: unlimited)."""
+    sequence_parallel_group: Any = None
+    """The tensor-parallel group when Megatron's sequence parallelism splits the
+    MLP's rows over it (``remap.sequence_parallel``); None without SP."""
 
 
 def pad_rows(tokens: int) -> int:
@@ -199,6 +203,11 @@ class RemapMLPMixin:
         self.to_attention = ZeppelinRemap("to_attention")
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        c = self.to_linear.context
+        if c is not None and c.sequence_parallel_group is not None:
+            tokens = sum(sp.length for sp in c.plan.attention_spans(c.rank))
+            return sequence_parallel_mlp(super().forward, hidden_states, self.to_linear, self.to_attention,
+                                         c.sequence_parallel_group, tokens + pad_rows(tokens), *args, **kwargs)
         # The MLP returns (output [t, b, h], bias [h] or None); the bias is per channel.
         out, bias = super().forward(self.to_linear(hidden_states), *args, **kwargs)
         return self.to_attention(out), bias

@@ -261,7 +261,8 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
               "model": cost.model.name, "lengths": str(lengths_path), "max_seq_len": args.max_seq_len,
               "tokens_per_gpu": args.tokens_per_gpu, "tokens_per_batch": tokens_per_batch,
               "batch_fill": args.batch_fill, "seed": args.seed, "strategies": names,
-              "te_cp_cp_size": cp_size, "flexsp_time_limit_s": args.flexsp_time_limit}
+              "te_cp_cp_size": cp_size, "flexsp_time_limit_s": args.flexsp_time_limit,
+              "tp": 1, "micro_batches": 1, "moe": cost.model.moe_summary}  # what the simulator models
     return config, strategies, batches
 
 
@@ -272,7 +273,8 @@ def _summary(config: dict[str, Any], result: SimResult) -> str:
             f"{len(result.seq_lens)} steps of ~{tokens:,.0f} tokens / {seqs:.0f} sequences from "
             f"{Path(config['lengths']).name}; max_seq_len {config['max_seq_len']}, "
             f"{config['tokens_per_gpu']} tokens/GPU, {BASELINE} CP={config['te_cp_cp_size']}; "
-            f"lower bound {result.lower_bound_step_s * 1e3:.1f} ms")
+            f"lower bound {result.lower_bound_step_s * 1e3:.1f} ms\n"
+            f"modeled: TP {config['tp']}, {config['micro_batches']} micro-batch per step, {config['moe']}")
 
 
 def _mkdir(path: Path) -> None:

@@ -15,6 +15,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # megatron.core warns at import that TransformerEngine/Apex are missing; on a
     # CPU run that is expected, and the backend in use is printed per run anyway.
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+    # Megatron's TP layers advise a CUDA stream setting (meaningless on CPU; Megatron-LM's launchers set it).
+    warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS")
     from megatron_zeppelin.train.cli import parse_args
     from megatron_zeppelin.train.launch import ChildFailed, launch
 

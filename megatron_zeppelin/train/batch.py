@@ -68,6 +68,13 @@ def build_rank_batch(spans: Sequence[Span], pieces: Sequence[Piece], source: Tok
                      loss_mask=cat(mask, np.float32))
 
 
+def padded_length(tokens: int, multiple: int) -> int:
+    """Rows of a rank's buffer: its tokens rounded up to ``multiple`` (sequence
+    parallelism scatters rows evenly over the TP ranks), and at least one row
+    (Megatron's layers cannot run on an empty tensor).  Padding rows carry no loss."""
+    return max(-(-tokens // multiple) * multiple, multiple)
+
+
 def num_label_tokens(seq_lens: Sequence[int]) -> int:
     """Tokens of the global batch that carry a label (the loss denominator)."""
     return sum(n - 1 for n in seq_lens)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 
 STRATEGIES = ("zeppelin", "reference", "te_cp", "packing_dp", "megatron_hybrid_cp", "flexsp")
@@ -58,6 +59,16 @@ class TrainConfig:
     batch_fill: float = DEFAULT_BATCH_FILL
     """Fraction of the cluster's token capacity a global batch fills (slack lets
     every strategy place every batch)."""
+    tp: int = 1
+    """Tensor-parallel size: each GPU of a TP group (inside one node) holds
+    ``1/tp`` of every layer's heads and MLP; plans place sequences over the
+    ``world / tp`` data-parallel ranks."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (needs ``tp > 1``): norms and dropout on
+    ``1/tp`` of each rank's tokens (padded to a multiple of ``tp``)."""
+    micro_batches: int = 1
+    """Micro-batches per global batch (gradient accumulation): the global batch
+    holds this many times the tokens of one Plan, split by modeled work."""
     json_log: str | None = None
     """Append one JSON line per step to this file."""
     save: str | None = None
@@ -80,15 +91,22 @@ class TrainConfig:
         return self.nodes * self.gpus_per_node
 
     @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tp
+
+    @property
     def tokens_per_batch(self) -> int:
-        """Global batch token budget."""
-        return batch_budget(self.tokens_per_gpu, self.world_size, self.max_seq_len, self.batch_fill)
+        """Global batch token budget: ``batch_fill x micro_batches x tokens_per_gpu x
+        world`` (so one micro-batch of ``k x`` the tokens per GPU draws the same batches)."""
+        return batch_budget(self.micro_batches * self.tokens_per_gpu, self.data_parallel_size,
+                            self.max_seq_len, self.batch_fill)
 
     def check(self) -> "TrainConfig":
         """Cheap checks before any process starts (each names the fix)."""
-        for name in ("nodes", "gpus_per_node", "max_seq_len", "tokens_per_gpu"):
+        for name in ("nodes", "gpus_per_node", "max_seq_len", "tokens_per_gpu", "micro_batches", "tp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        check_tensor_parallel(self.tp, self.sequence_parallel, self.gpus_per_node, load_model(self.model))
         if self.steps < 0:
             raise ConfigError(f"--steps must be >= 0, got {self.steps}")
         if (self.lengths is None) == (self.data is None):
@@ -102,15 +120,15 @@ class TrainConfig:
             if missing:
                 raise ConfigError(f"dataset prefix {self.data!r} has no {' / '.join(missing)}; pass the "
                                   "prefix of an existing Megatron indexed dataset (without .bin/.idx)")
-        capacity = self.tokens_per_gpu * self.world_size
+        capacity = self.tokens_per_gpu * self.data_parallel_size
         if self.max_seq_len > capacity:
             raise ConfigError(f"--max-seq-len {self.max_seq_len} is longer than the cluster can hold "
-                              f"({self.world_size} ranks x {self.tokens_per_gpu} tokens per GPU = "
+                              f"({self.data_parallel_size} data-parallel ranks x {self.tokens_per_gpu} tokens per GPU = "
                               f"{capacity}); raise --tokens-per-gpu or the rank count, or lower --max-seq-len")
         if self.load is not None and not Path(self.load).is_dir():
             raise ConfigError(f"--load {self.load!r} is not a directory; pass the --save directory "
                               "of an earlier run")
-        batch_budget(self.tokens_per_gpu, self.world_size, self.max_seq_len, self.batch_fill)  # checks the fill
+        batch_budget(self.tokens_per_gpu, self.data_parallel_size, self.max_seq_len, self.batch_fill)  # checks the fill
         if self.min_routed_bytes is not None and self.min_routed_bytes < 0:
             raise ConfigError(f"--min-routed-bytes must be >= 0, got {self.min_routed_bytes}")
         if self.timeout_s <= 0:
@@ -118,7 +136,24 @@ class TrainConfig:
         if self.dump_trace and self.strategy == "reference":
             raise ConfigError("--dump-trace records the Zeppelin engine's ops; the reference strategy runs plain "
                               "attention with no schedule: pick another --strategy or drop --dump-trace")
+        if self.dump_trace and self.tp > 1:
+            raise ConfigError("--dump-trace lays one Plan's ranks onto the trace, and under --tp the ranks of a "
+                              "TP group share a Plan rank: run it with --tp 1")
         return self
+
+
+def check_tensor_parallel(tp: int, sequence_parallel: bool, gpus_per_node: int, model: ModelConfig) -> None:
+    """A TP group stays inside one node and splits whole heads and KV heads."""
+    if sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel splits tokens over tensor-parallel ranks; it needs --tp > 1")
+    for what, n in (("--gpus-per-node", gpus_per_node), (f"model {model.name}'s heads", model.num_attention_heads),
+                    (f"model {model.name}'s KV heads", model.num_query_groups)):
+        if n % tp:
+            raise ConfigError(f"--tp {tp} does not divide {what} ({n}); pick a TP size that divides it")
+    if model.moe_enabled and model.expert_parallel_size > 1:
+        raise ConfigError(f"model {model.name} spreads its experts over {model.expert_parallel_size} ranks "
+                          "(expert_parallel_size); the trainer keeps every expert on every rank: use a preset "
+                          "with expert_parallel_size 1 (expert parallelism runs under Megatron-LM --zeppelin)")
 
 
 def _on_off(value: str) -> bool:
@@ -156,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token-balanced layout for the MLPs (default on)")
     p.add_argument("--batch-fill", type=float, default=DEFAULT_BATCH_FILL,
                    help=f"global batch = this x tokens-per-gpu x world tokens (default {DEFAULT_BATCH_FILL})")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel size (inside a node; divides heads and KV heads); plans place "
+                        "sequences over the world / N data-parallel ranks (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism over the TP ranks (needs --tp > 1)")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="N",
+                   help="gradient accumulation: a global batch of N x batch-fill x tokens-per-gpu x world "
+                        "tokens, run as N planned micro-batches of equal modeled work (default 1)")
     p.add_argument("--json-log", metavar="OUT.jsonl")
     p.add_argument("--save", metavar="DIR")
     p.add_argument("--load", metavar="DIR")
@@ -176,5 +219,6 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         nodes=a.nodes, gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, cluster=a.cluster,
         strategy=a.strategy, model=a.model, lengths=a.lengths, data=a.data, max_seq_len=a.max_seq_len,
         tokens_per_gpu=a.tokens_per_gpu, steps=a.steps, seed=a.seed, lr=a.lr, dtype=a.dtype,
-        routing=a.routing, min_routed_bytes=a.min_routed_bytes, remap=a.remap, batch_fill=a.batch_fill, json_log=a.json_log, save=a.save, load=a.load,
+        routing=a.routing, min_routed_bytes=a.min_routed_bytes, remap=a.remap, batch_fill=a.batch_fill,
+        tp=a.tp, sequence_parallel=a.sequence_parallel, micro_batches=a.micro_batches, json_log=a.json_log, save=a.save, load=a.load,
         dump_plans=a.dump_plans, dump_trace=a.dump_trace, backend=a.backend, timeout_s=a.timeout, quiet=a.quiet).check()

@@ -17,13 +17,17 @@ import sys
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import wait
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.errors import ConfigError, ZeppelinError
 from megatron_zeppelin.train.cli import TrainConfig
-from megatron_zeppelin.train.trainer import resolve_cluster, run_rank
+from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.train.batch import make_token_source
+from megatron_zeppelin.train.micro import check_micro_batches
+from megatron_zeppelin.train.trainer import read_checkpoint, resolve_cluster, run_rank
 
 #: Exit status of a child that failed on a user error (the parent re-raises it).
 USER_ERROR = 2
@@ -37,7 +41,21 @@ class ChildFailed(RuntimeError):
 
 def launch(cfg: TrainConfig) -> None:
     """Run ``cfg`` under torchrun/srun when their environment is set, else spawn locally."""
-    resolve_cluster(cfg).topology.check_world_size(cfg.world_size)  # preset errors before any fork
+    cluster = resolve_cluster(cfg)
+    cluster.topology.check_world_size(cfg.world_size)  # preset errors before any fork
+    if not torch.cuda.is_available():
+        if cfg.sequence_parallel:
+            raise ConfigError("--sequence-parallel needs GPUs: Megatron-Core's sequence-parallel layers allocate "
+                              "on CUDA and fork its CUDA RNG tracker (tensor_parallel/mappings.py, the "
+                              "embedding); on CPU run --tp without it")
+        if cfg.tp > 1 and load_model(cfg.model).moe_enabled:
+            raise ConfigError(f"model {cfg.model} is an MoE: with --tp > 1 Megatron-Core's token dispatcher "
+                              "gathers over the TP ranks on CUDA (moe/token_dispatcher.py); on CPU run it "
+                              "with --tp 1")
+    if cfg.micro_batches > 1:  # every global batch splits, or one line before any process group
+        _, doc_lengths = make_token_source(cfg.lengths, cfg.data, cfg.seed, load_model(cfg.model).vocab_size)
+        resume = read_checkpoint(Path(cfg.load), torch.device("cpu"))["sampler"] if cfg.load else None
+        check_micro_batches(cfg, cluster, doc_lengths, resume)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         run_launched(cfg)
     else:

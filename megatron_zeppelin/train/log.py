@@ -40,6 +40,9 @@ class StepRecord:
     """Bytes the layout switches sent to other nodes (counted in ``inter_node_per_nic`` too)."""
     step_time_s: float
     """Wall time of the step on rank 0 (plan, forward, backward, optimizer)."""
+    micro_batch_tokens: Sequence[int]
+    """Tokens of each micro-batch the global batch ran as (one entry without
+    ``--micro-batches``).  Per-rank fields above are summed over the micro-batches."""
 
     def to_dict(self) -> dict:
         return {
@@ -55,6 +58,7 @@ class StepRecord:
                       "remap_intra_node": self.remap_intra_node_bytes,
                       "remap_inter_node": self.remap_inter_node_bytes},
             "step_time_s": self.step_time_s,
+            "micro_batch_tokens": list(self.micro_batch_tokens),
         }
 
     @property

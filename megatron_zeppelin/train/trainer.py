@@ -3,8 +3,11 @@
 Every rank runs the sampler and the planner itself (both are deterministic) and
 the ranks prove they agree by all-reducing the Plan's fingerprint.  The loss is
 the per-token mean over the whole global batch: each rank backpropagates
-``sum(its token losses) / global label count`` and gradients are summed over the
-world, so every strategy computes the same gradient as plain data parallelism.
+``sum(its token losses) / global label count`` for every micro-batch of the
+global batch (``--micro-batches``: gradients accumulate) and gradients are summed
+over the data-parallel ranks once (``--tp``: ``train/parallel.py``), so every
+strategy computes the same gradient as plain data parallelism on the whole
+global batch.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,9 +29,10 @@ from megatron_zeppelin.comm.base import ByteCounters, Communicator
 from megatron_zeppelin.comm.collectives import torch_all_reduce_max
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import ConfigError, PlanError
+from megatron_zeppelin.integration.hooks import data_parallel_comm_group
 from megatron_zeppelin.megatron import build_gpt_model, build_packed_seq_params
 from megatron_zeppelin.model_config import ModelConfig, load_model
-from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.plan import Plan, TierCounts
 from megatron_zeppelin.plan.agreement import check_same_plan
 from megatron_zeppelin.comm.lanes import StepRecorder
 from megatron_zeppelin.remap import RemapContext, RemapCounters, set_remap_context
@@ -36,12 +40,16 @@ from megatron_zeppelin.schedule.attention import AttnShape
 from megatron_zeppelin.sim.modeled_trace import engine_settings
 from megatron_zeppelin.train.trace_dump import rank_record, write_step_trace
 from megatron_zeppelin.planner.base import PlanContext, get_planner
-from megatron_zeppelin.sampler import GlobalBatch, ZeppelinBatchSampler
+from megatron_zeppelin.prefetch import Prefetcher
+from megatron_zeppelin.sampler import ZeppelinBatchSampler
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import (TokenSource, build_rank_batch, make_token_source,
-                                           num_label_tokens)
+                                           num_label_tokens, padded_length)
 from megatron_zeppelin.train.cli import TrainConfig
 from megatron_zeppelin.train.log import StepLogger, StepRecord
+from megatron_zeppelin.train.micro import MicroBatch, iter_micro_batches, make_sampler, make_split
+from megatron_zeppelin.train.parallel import (allreduce_gradients, data_parallel_view, physical_nics,
+                                              sequence_parallel_group)
 from megatron_zeppelin.train.reference import STRATEGY as REFERENCE, reference_plan
 
 CHECKPOINT = "checkpoint.pt"
@@ -65,6 +73,8 @@ class Run:
     cfg: TrainConfig
     rank: int
     world_size: int
+    dp_rank: int
+    """This rank's data-parallel rank: the Plans' rank (``rank // tp``)."""
     device: torch.device
     cluster: ClusterConfig
     model_cfg: ModelConfig
@@ -72,6 +82,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     sampler: ZeppelinBatchSampler
     make_plan: Callable[[Sequence[int]], Plan]
+    split: Callable[[Sequence[int]], list[list[int]]]
+    """Global batch lengths -> sequence indices of each micro-batch."""
     comm: Communicator | None
     counters: ByteCounters
     remap_counters: RemapCounters
@@ -81,6 +93,9 @@ class Run:
     remap: bool
     """The MLPs run on the plan's linear layout (``--remap on``, not the reference)."""
     step: int = 0
+    sampler_state: dict | None = None
+    """Sampler state after the last global batch trained on (the sampler itself
+    runs ahead: the next micro-batch is planned while this one computes)."""
 
     @property
     def topology(self) -> Topology:
@@ -91,22 +106,25 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
     """Model (identical on every rank), optimizer, sampler, planner, communicator."""
     cluster = resolve_cluster(cfg)
     cluster.topology.check_world_size(world_size)
+    plan_cluster = data_parallel_view(cluster, world_size, cfg.tp, tp_rank=0)
     model_cfg = load_model(cfg.model)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     # The reference's linear layout is its attention layout: nothing to remap.
     remap = cfg.remap and cfg.strategy != REFERENCE
     torch.manual_seed(cfg.seed)  # Megatron's CPU init draws from torch's default generator
-    model = build_gpt_model(model_cfg, max_seq_len=cfg.max_seq_len, dtype=dtype, remap=remap).to(device)
+    model = build_gpt_model(model_cfg, max_seq_len=cfg.max_seq_len, dtype=dtype, remap=remap, tp=cfg.tp,
+                            sequence_parallel=cfg.sequence_parallel).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     source, doc_lengths = make_token_source(cfg.lengths, cfg.data, cfg.seed, model_cfg.vocab_size)
-    sampler = ZeppelinBatchSampler(doc_lengths, max_seq_len=cfg.max_seq_len,
-                                   tokens_per_batch=cfg.tokens_per_batch, seed=cfg.seed)
+    sampler = make_sampler(cfg, doc_lengths)
     counters = ByteCounters()
-    comm = None if cfg.strategy == REFERENCE else make_communicator(cfg, cluster, model_cfg, counters,
-                                                                     dtype, device)
-    run = Run(cfg=cfg, rank=rank, world_size=world_size, device=device, cluster=cluster,
-              model_cfg=model_cfg, model=model, optimizer=optimizer, sampler=sampler,
-              make_plan=make_planner(cfg, cluster, model_cfg, remap), comm=comm, counters=counters,
+    comm = None if cfg.strategy == REFERENCE else make_communicator(
+        cfg, data_parallel_view(cluster, world_size, cfg.tp, rank % cfg.tp), model_cfg, counters, dtype, device)
+    run = Run(cfg=cfg, rank=rank, world_size=world_size, dp_rank=rank // cfg.tp, device=device,
+              cluster=cluster, model_cfg=model_cfg, model=model, optimizer=optimizer, sampler=sampler,
+              make_plan=make_planner(cfg, plan_cluster, model_cfg, remap),
+              split=make_split(cfg, CostModel(plan_cluster, model_cfg, routing=cfg.routing)), comm=comm,
+              counters=counters,
               remap_counters=RemapCounters(),
               backend=get_backend(cfg.backend), source=source, remap=remap)
     if cfg.load:
@@ -116,10 +134,11 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
 
 def make_communicator(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfig,
                       counters: ByteCounters, dtype: torch.dtype, device: torch.device) -> Communicator:
-    """Direct point-to-point, or routed over every NIC (``--routing on``).  The
+    """Direct point-to-point, or routed over every NIC (``--routing on``), over
+    the data-parallel ranks of this TP rank (``cluster`` is their view).  The
     communicator gets a group of its own so its transfers never interleave with
-    the gradient all-reduce on the default group."""
-    group = dist.new_group(list(range(cluster.topology.world_size)))
+    the gradient all-reduce."""
+    group = data_parallel_comm_group(cfg.tp, cluster.topology.world_size)
     if cfg.routing:
         from megatron_zeppelin.comm.routing import RoutedCommunicator, min_routed_bytes
         threshold = cfg.min_routed_bytes
@@ -139,7 +158,7 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
     planner = get_planner(cfg.strategy)
     # Without the remapping layer the linear modules see the attention layout.
     ctx = PlanContext(cost=CostModel(cluster, model_cfg, routing=cfg.routing),
-                      tokens_per_gpu=cfg.tokens_per_gpu, remap_enabled=remap)
+                      tokens_per_gpu=cfg.tokens_per_gpu, tp_size=cfg.tp, remap_enabled=remap)
 
     def make_plan(seq_lens: Sequence[int]) -> Plan:
         plan = planner.plan(list(seq_lens), ctx)
@@ -150,59 +169,35 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
     return make_plan
 
 
-def train_step(run: Run, batch: GlobalBatch) -> StepRecord:
-    """Plan, forward, backward, all-reduce and update for one global batch."""
+def train_step(run: Run, micro_batches: Iterator[MicroBatch]) -> StepRecord:
+    """Forward and backward of every micro-batch of one global batch, then one
+    all-reduce and optimizer update."""
     t0 = time.perf_counter()
-    plan = run.make_plan(batch.seq_lens)
-    check_same_plan(plan, batch.index, torch_all_reduce_max(run.device))
-    if run.cfg.dump_plans and run.rank == 0:
-        out = Path(run.cfg.dump_plans)
-        out.mkdir(parents=True, exist_ok=True)
-        doc = plan.to_dict()
-        if run.comm is not None:      # how the engine runs it: sim --plan builds the same ops
-            doc["engine"] = engine_settings(engine_attn_shape(run), run.comm.transport)
-        (out / f"plan_{run.step:06d}.json").write_text(json.dumps(doc))
-    spans = plan.attention_spans(run.rank)
-    pad = 0 if spans else 1  # Megatron's layers cannot run on zero tokens
-    data = build_rank_batch(spans, batch.pieces, run.source, run.device, pad_tokens=pad)
     run.counters.reset()
     run.remap_counters.reset()
     pairs = AttentionCounter()
-    packed = build_packed_seq_params(
-        spans, plan=None if plan.strategy == REFERENCE else plan, rank=run.rank,
-        communicator=run.comm, backend=run.backend, device=run.device, pad_tokens=pad,
-        counters=pairs)
-    if run.remap:
-        set_remap_context(run.model, RemapContext(plan=plan, rank=run.rank, comm=run.comm,
-                                                  counters=run.remap_counters))
-    label_count = num_label_tokens(batch.seq_lens)
-    recorder = StepRecorder() if run.cfg.dump_trace else None
-    if run.comm is not None:
-        run.comm.recorder = recorder
-    token_loss = run.model(data.tokens[None], packed.position_ids[None], None,
-                           labels=data.labels[None], packed_seq_params=packed)  # [1, t]
-    loss_sum = (token_loss[0].float() * data.loss_mask).sum()
-    if recorder is not None:
-        recorder.mark("backward_begin")
-    (loss_sum / label_count).backward()
-    if recorder is not None:
-        recorder.mark("step_end")
-        run.comm.recorder = None
-        dump_step_trace(run, plan, recorder)
-    grad_norm = allreduce_grads(run.model)
+    loss_sum, plans = 0.0, []
+    while True:
+        micro = next(micro_batches)
+        plans.append(micro.plan)
+        loss_sum += forward_backward(run, micro, pairs)
+        if micro.index == micro.count - 1:
+            break
+    grad_norm = allreduce_grads(run.model, run.cfg.sequence_parallel)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=False)
-    stats = torch.tensor([loss_sum.item(), pairs.forward_pairs // run.model_cfg.num_layers,
-                          run.counters.intra_node,
-                          *[run.counters.inter_node_per_nic.get(n, 0)
-                            for n in range(run.topology.nics_per_node)],
+    # The GPUs of a TP group hold the same tokens: their loss is counted once.
+    first_tp_rank = run.rank % run.cfg.tp == 0
+    stats = torch.tensor([loss_sum if first_tp_rank else 0.0, pairs.forward_pairs // run.model_cfg.num_layers,
+                          run.counters.intra_node, *bytes_per_physical_nic(run),
                           run.remap_counters.remap_intra_node, run.remap_counters.remap_inter_node],
                          dtype=torch.float64, device=run.device)
     gathered = [torch.empty_like(stats) for _ in range(run.world_size)]
     dist.all_gather(gathered, stats)
     rows = torch.stack(gathered).cpu()
     run.step += 1
-    return _record(run, plan, batch, rows, grad_norm, label_count, time.perf_counter() - t0)
+    run.sampler_state = micro.sampler_state
+    return _record(run, plans, micro, rows, grad_norm, time.perf_counter() - t0)
 
 
 def engine_attn_shape(run: Run) -> AttnShape:
@@ -213,8 +208,9 @@ def engine_attn_shape(run: Run) -> AttnShape:
                      torch.promote_types(dtype, torch.float32).itemsize)
 
 
-def dump_step_trace(run: Run, plan: Plan, recorder: StepRecorder) -> None:
-    """Gather every rank's executed op times; rank 0 writes ``step{k}.json``."""
+def dump_step_trace(run: Run, plan: Plan, recorder: StepRecorder, suffix: str) -> None:
+    """Gather every rank's executed op times; rank 0 writes ``step{k}{suffix}.json``
+    (one file per micro-batch: each runs its own Plan)."""
     records = [None] * run.world_size if run.rank == 0 else None
     dist.gather_object(rank_record(recorder), records, dst=0)
     if run.rank != 0:
@@ -223,40 +219,85 @@ def dump_step_trace(run: Run, plan: Plan, recorder: StepRecorder) -> None:
     attn = engine_attn_shape(run)
     out = Path(run.cfg.dump_trace)
     out.mkdir(parents=True, exist_ok=True)
-    write_step_trace(out / f"step{run.step}.json", plan, m.num_layers, m.hidden_size, attn, run.comm.transport,
+    write_step_trace(out / f"step{run.step}{suffix}.json", plan, m.num_layers, m.hidden_size, attn, run.comm.transport,
                      records, {"cluster": run.cluster.name, "model": m.name, "step": run.step})
 
 
-def _record(run: Run, plan: Plan, batch: GlobalBatch, rows: torch.Tensor, grad_norm: float,
-            label_count: int, seconds: float) -> StepRecord:
+def forward_backward(run: Run, micro: MicroBatch, pairs: AttentionCounter) -> float:
+    """One micro-batch: gradients of ``sum(token losses) / global label count``
+    added to ``.grad``; returns this rank's summed token loss."""
+    plan = micro.plan
+    check_same_plan(plan, micro.batch.index, torch_all_reduce_max(run.device))
+    if run.cfg.dump_plans and run.rank == 0:
+        out = Path(run.cfg.dump_plans)
+        out.mkdir(parents=True, exist_ok=True)
+        suffix = f"_mb{micro.index}" if micro.count > 1 else ""
+        doc = plan.to_dict()
+        if run.comm is not None:      # how the engine runs it: sim --plan builds the same ops
+            doc["engine"] = engine_settings(engine_attn_shape(run), run.comm.transport)
+        (out / f"plan_{run.step:06d}{suffix}.json").write_text(json.dumps(doc))
+    spans = plan.attention_spans(run.dp_rank)
+    tokens = sum(sp.length for sp in spans)
+    pad = padded_length(tokens, run.cfg.tp if run.cfg.sequence_parallel else 1) - tokens
+    data = build_rank_batch(spans, micro.pieces, run.source, run.device, pad_tokens=pad)
+    packed = build_packed_seq_params(
+        spans, plan=None if plan.strategy == REFERENCE else plan, rank=run.dp_rank,
+        communicator=run.comm, backend=run.backend, device=run.device, pad_tokens=pad,
+        counters=pairs)
+    if run.remap:
+        set_remap_context(run.model, RemapContext(plan=plan, rank=run.dp_rank, comm=run.comm,
+                                                  counters=run.remap_counters,
+                                                  sequence_parallel_group=sequence_parallel_group(run.cfg.sequence_parallel)))
+    recorder = StepRecorder() if run.cfg.dump_trace else None
+    if run.comm is not None:
+        run.comm.recorder = recorder
+    token_loss = run.model(data.tokens[None], packed.position_ids[None], None,
+                           labels=data.labels[None], packed_seq_params=packed)  # [1, t]
+    loss_sum = (token_loss[0].float() * data.loss_mask).sum()
+    if recorder is not None:
+        recorder.mark("backward_begin")
+    (loss_sum / num_label_tokens(micro.batch.seq_lens)).backward()
+    if recorder is not None:
+        recorder.mark("step_end")
+        run.comm.recorder = None
+        dump_step_trace(run, plan, recorder, f"_mb{micro.index}" if micro.count > 1 else "")
+    return loss_sum.item()
+
+
+def bytes_per_physical_nic(run: Run) -> list[int]:
+    """Inter-node bytes this rank's communicator sent through each NIC of its node
+    (its topology is the data-parallel view, whose NICs are renumbered under TP)."""
+    out = [0] * run.topology.nics_per_node
+    for view_nic, nic in enumerate(physical_nics(run.cluster, run.cfg.tp, run.rank % run.cfg.tp)):
+        out[nic] += run.counters.inter_node_per_nic.get(view_nic, 0)
+    return out
+
+
+def _record(run: Run, plans: list[Plan], last: MicroBatch, rows: torch.Tensor, grad_norm: float,
+            seconds: float) -> StepRecord:
+    """Sums over the micro-batches (per rank where the field is per rank)."""
     topo = run.topology
+    batch = last.batch
+    per_rank = lambda f: [sum(col) for col in zip(*(f(p) for p in plans))]  # noqa: E731
+    tiers = [p.tier_counts() for p in plans]
     inter = [[0] * topo.nics_per_node for _ in range(topo.nodes)]
     for r in range(run.world_size):
         for nic in range(topo.nics_per_node):
             inter[topo.node_of(r)][nic] += int(rows[r, 3 + nic])
     return StepRecord(
-        step=run.step - 1, loss=float(rows[:, 0].sum()) / label_count, grad_norm=grad_norm,
-        num_tokens=batch.num_tokens, plan=plan.tier_counts(),
-        attn_pairs_per_rank=[int(x) for x in rows[:, 1]],
-        linear_tokens_per_rank=plan.linear_tokens_per_rank(),
-        attention_tokens_per_rank=plan.attention_tokens_per_rank(),
+        step=run.step - 1, loss=float(rows[:, 0].sum()) / num_label_tokens(batch.seq_lens),
+        grad_norm=grad_norm, num_tokens=batch.num_tokens,
+        plan=TierCounts(**{k: sum(getattr(t, k) for t in tiers) for k in ("local", "intra", "inter", "ulysses")}),
+        attn_pairs_per_rank=[int(x) for x in rows[::run.cfg.tp, 1]],  # per data-parallel rank
+        linear_tokens_per_rank=per_rank(Plan.linear_tokens_per_rank),
+        attention_tokens_per_rank=per_rank(Plan.attention_tokens_per_rank),
+        micro_batch_tokens=[sum(p.seq_lens) for p in plans],
         intra_node_bytes=int(rows[:, 2].sum()), inter_node_per_nic=inter,
         remap_intra_node_bytes=int(rows[:, -2].sum()), remap_inter_node_bytes=int(rows[:, -1].sum()),
         step_time_s=seconds)
 
 
-def allreduce_grads(model: torch.nn.Module) -> float:
-    """Sum gradients over the world (one flat buffer); returns the global grad L2 norm."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    dist.all_reduce(flat)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
-        offset += n
-    return float(flat.norm())
+allreduce_grads = allreduce_gradients  # tests wrap it to capture the summed gradients
 
 
 def save_checkpoint(run: Run, directory: Path) -> None:
@@ -264,23 +305,29 @@ def save_checkpoint(run: Run, directory: Path) -> None:
     if run.rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         torch.save({"step": run.step, "model": run.model.state_dict(),
-                    "optimizer": run.optimizer.state_dict(), "sampler": run.sampler.state_dict(),
+                    "optimizer": run.optimizer.state_dict(),
+                    "sampler": run.sampler_state or run.sampler.state_dict(),
                     "strategy": run.cfg.strategy, "model_preset": run.model_cfg.name},
                    directory / CHECKPOINT)
     dist.barrier()
 
 
-def load_checkpoint(run: Run, directory: Path) -> None:
+def read_checkpoint(directory: Path, device: torch.device) -> dict:
     path = directory / CHECKPOINT
     if not path.is_file():
         raise ConfigError(f"--load {str(directory)!r} holds no {CHECKPOINT}; pass a --save directory")
-    state = torch.load(path, map_location=run.device, weights_only=False)
+    return torch.load(path, map_location=device, weights_only=False)
+
+
+def load_checkpoint(run: Run, directory: Path) -> None:
+    state = read_checkpoint(directory, run.device)
     if state["model_preset"] != run.model_cfg.name:
         raise ConfigError(f"checkpoint is of model {state['model_preset']!r}, this run builds "
                           f"{run.model_cfg.name!r}; pass the same --model")
     run.model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["optimizer"])
     run.sampler.load_state_dict(state["sampler"])
+    run.sampler_state = state["sampler"]
     run.step = int(state["step"])
 
 
@@ -293,24 +340,32 @@ def describe(run: Run) -> str:
     return (f"{cfg.strategy} on {topo.nodes} nodes x {topo.gpus_per_node} GPUs ({topo.nics_per_node} NICs "
             f"per node, {'gloo on CPU' if run.device.type == 'cpu' else 'NCCL'}); model {m.name} "
             f"({m.num_layers} layers, hidden {m.hidden_size}); {features}; {cfg.steps} steps of at most "
-            f"{cfg.tokens_per_batch} tokens, cap {cfg.tokens_per_gpu} per GPU")
+            f"{cfg.tokens_per_batch} tokens"
+            + (f" in {cfg.micro_batches} micro-batches" if cfg.micro_batches > 1 else "")
+            + f", cap {cfg.tokens_per_gpu} per GPU")
 
 
 def run_rank(cfg: TrainConfig, rank: int, world_size: int, device: torch.device) -> None:
     """Train ``cfg.steps`` steps in total (a ``--load`` run continues up to it)."""
     from megatron.core import parallel_state, tensor_parallel
-    parallel_state.initialize_model_parallel()  # TP = PP = CP = 1: Zeppelin is data parallel
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tp)  # PP = CP = 1
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)  # Megatron's CUDA RNG tracker
     logger = StepLogger(cfg.json_log if rank == 0 else None, cfg.steps, quiet=cfg.quiet or rank != 0)
     try:
         run = build_run(cfg, rank, world_size, device)
         logger.header(describe(run))
-        batches = iter(run.sampler)
-        while run.step < cfg.steps:
-            record = train_step(run, next(batches))
-            if rank == 0:
-                logger.log(record)
+        # Plans micro-batch i + 1 (drawing the next global batch when i is the last)
+        # on a worker thread while micro-batch i computes.
+        micro_batches = Prefetcher(iter_micro_batches(run.sampler, run.split, run.make_plan),
+                                   name="zeppelin-plan")
+        try:
+            while run.step < cfg.steps:
+                record = train_step(run, micro_batches)
+                if rank == 0:
+                    logger.log(record)
+        finally:
+            micro_batches.close()
         if cfg.save:
             save_checkpoint(run, Path(cfg.save))
         close = getattr(run.comm, "close", None)

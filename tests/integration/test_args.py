@@ -13,7 +13,7 @@ from megatron_zeppelin.integration import (
     print_help_if_asked,
     validate_zeppelin_args,
 )
-from megatron_zeppelin.integration.args import DEFAULTS, data_parallel_size
+from megatron_zeppelin.integration.args import DEFAULTS, data_parallel_size, zeppelin_micro_batches
 from megatron_zeppelin.planner.base import PLANNERS
 
 
@@ -88,12 +88,12 @@ def test_valid_namespace_passes():
     ({"pipeline_model_parallel_size": 2}, ["pipeline", "--pipeline-model-parallel-size 2"]),
     ({"context_parallel_size": 2}, ["--context-parallel-size 2", "drop --context-parallel-size"]),
     ({"hybrid_context_parallel": True}, ["--hybrid-context-parallel", "megatron_hybrid_cp"]),
-    ({"sequence_parallel": True}, ["--sequence-parallel"]),
-    ({"num_experts": 8}, ["--num-experts"]),
+    ({"num_experts": 8, "moe_expert_capacity_factor": 1.0}, ["--moe-expert-capacity-factor", "no token dropping"]),
     ({"mock_data": True}, ["--mock-data", "--data-path"]),
     ({"sft": True}, ["--sft"]),
     ({"micro_batch_size": 2}, ["--micro-batch-size 1", "token budget"]),
-    ({"global_batch_size": 64}, ["--global-batch-size", "data-parallel size 4"]),
+    ({"global_batch_size": 6}, ["--global-batch-size", "N x the data-parallel size 4 (got 6)"]),
+    ({"global_batch_size": 2}, ["--global-batch-size", "N x the data-parallel size 4 (got 2)"]),
     ({"calculate_per_token_loss": False}, ["--calculate-per-token-loss"]),
     ({"dataloader_type": "single"}, ["--dataloader-type external"]),
     ({"zeppelin_tokens_per_gpu": None}, ["--zeppelin-tokens-per-gpu"]),
@@ -116,6 +116,22 @@ def test_conflicts_name_the_flag_and_fix(overrides, words):
         validate_zeppelin_args(megatron_args(**overrides))
     for word in words:
         assert word in str(exc.value)
+
+
+def test_moe_without_token_dropping_is_accepted():
+    validate_zeppelin_args(megatron_args(num_experts=8))
+
+
+def test_sequence_parallel_is_accepted():
+    # The loaders pad each rank's buffer to a multiple of TP (tests/integration/test_loaders_dist.py).
+    validate_zeppelin_args(megatron_args(sequence_parallel=True))
+
+
+def test_global_batch_size_maps_to_micro_batches():
+    # 8 ranks / TP 2 = 4 data-parallel ranks: --global-batch-size 12 is 3 micro-batches per rank.
+    for gbs, micro in ((4, 1), (12, 3), (64, 16)):
+        args = validate_zeppelin_args(megatron_args(global_batch_size=gbs))
+        assert zeppelin_micro_batches(args) == micro
 
 
 def test_longest_piece_may_span_every_rank():

@@ -204,3 +204,21 @@ def test_built_gpt_model_is_retyped_for_per_token_rope():
     assert type(gpt_builder(lambda args, *a, **k: plain)(off, True, True)) is GPTModel
     with pytest.raises(ConfigError, match="legacy"):
         gpt_builder(lambda args, *a, **k: object())(on)
+
+
+def test_micro_batch_plans_are_dumped_apart(tmp_path):
+    """--global-batch-size 2 x DP: the two micro-batches of a global batch share its
+    index; each gets its own plan file."""
+    from types import SimpleNamespace
+
+    args = add_zeppelin_args(argparse.ArgumentParser()).parse_args(
+        ["--zeppelin", "--zeppelin-plan-dump-dir", str(tmp_path)])
+    args.world_size, args.global_batch_size = 4, 8
+    handle = record_batch(args, "train", first=True)
+    for index in (0, 0, 1, 1):
+        handle(SimpleNamespace(batch=SimpleNamespace(index=index), plan=SimpleNamespace(to_json=lambda: "{}"),
+                               sampler_state={}))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "train_plan_0000000_mb0.json", "train_plan_0000000_mb1.json",
+        "train_plan_0000001_mb0.json", "train_plan_0000001_mb1.json"]
+    assert args.zeppelin_data_state["batches_consumed"] == 2

@@ -12,26 +12,28 @@ pytestmark = pytest.mark.slow
 world = world_fixture(4)
 
 
-def megatron_namespace(prefix, tp, routing, iteration=0):
+def megatron_namespace(prefix, tp, routing, iteration=0, micro=1, sequence_parallel=False):
     """What Megatron-LM's parser and validate_args leave for the tiny preset on 4 ranks."""
     ns = add_zeppelin_args(argparse.ArgumentParser()).parse_args(
         ["--zeppelin", "--zeppelin-tokens-per-gpu", "600", "--zeppelin-cluster", "cpu-sim",
          "--zeppelin-routing", routing, "--zeppelin-remap", "off", "--zeppelin-backend", "torch"])
     dp = 4 // tp
     values = dict(world_size=4, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-                  context_parallel_size=1, micro_batch_size=1, global_batch_size=dp,
+                  context_parallel_size=1, micro_batch_size=1, global_batch_size=dp * micro,
                   calculate_per_token_loss=True, dataloader_type="external", seq_length=512, spec=list(SPEC),
                   attention_dropout=0.0, apply_rope_fusion=False, transformer_impl="local",
-                  normalization="RMSNorm", data_path=[prefix], split="90,10,0", seed=11, iteration=iteration,
+                  normalization="RMSNorm", data_path=[prefix],
+                  # The valid split's 6 documents end an epoch in a 1-sequence batch: too few for 2 micro-batches.
+                  split="90,10,0" if micro == 1 else "100,0,0", seed=11, iteration=iteration,
                   consumed_valid_samples=0, num_layers=2, hidden_size=64, num_attention_heads=4,
                   group_query_attention=True, num_query_groups=2, ffn_hidden_size=128, padded_vocab_size=256,
-                  bf16=False)
+                  bf16=False, sequence_parallel=sequence_parallel)
     for k, v in values.items():
         setattr(ns, k, v)
     return ns
 
 
-def _loaders_case(rank, world_size, prefix, tp, routing, iteration, steps):
+def _loaders_case(rank, world_size, prefix, tp, routing, iteration, steps, micro=1, sequence_parallel=False):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -39,17 +41,19 @@ def _loaders_case(rank, world_size, prefix, tp, routing, iteration, steps):
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     try:
-        args = megatron_namespace(prefix, tp, routing, iteration)
+        args = megatron_namespace(prefix, tp, routing, iteration, micro, sequence_parallel)
         train, valid, test = build_train_valid_test_loaders(args)
         out = []
         for _ in range(steps):
             b = next(train)
             out.append((b.packed_seq_params.plan.fingerprint(), b.tokens[0].tolist(),
-                        b.packed_seq_params.plan.seq_lens))
+                        b.packed_seq_params.plan.seq_lens, b.packed_seq_params.pad_tokens,
+                        int(b.loss_mask.sum())))
         kinds = type(b.packed_seq_params.communicator).__name__
-        valid_ok = next(valid).tokens.shape[0] == 1
+        valid_ok = valid is None or next(valid).tokens.shape[0] == 1
         train.close()
-        valid.close()
+        if valid is not None:
+            valid.close()
         return {"dp_rank": parallel_state.get_data_parallel_rank(), "steps": out, "comm": kinds,
                 "valid": valid_ok, "test": test, "state": args.zeppelin_data_state["batches_consumed"],
                 "rank": dist.get_rank()}
@@ -79,9 +83,22 @@ def test_every_rank_plans_the_same_batches(world, prefix, tp, routing):
         assert sorted(by_dp) == list(range(dp))
         for tokens in by_dp.values():  # TP ranks of one data-parallel rank hold the same buffer
             assert all(t == tokens[0] for t in tokens)
-        assert sum(len(t[0]) for t in by_dp.values()) == sum(results[0]["steps"][step][2])
+        assert sum(len(t[0]) for t in by_dp.values()) == sum(results[0]["steps"][step][2]) + \
+            sum(r["steps"][step][3] for r in results if r["rank"] % tp == 0)
     assert {r["comm"] for r in results} == {"RoutedCommunicator" if routing == "on" else "DirectCommunicator"}
     assert all(r["valid"] and r["test"] is None and r["state"] == 3 for r in results)
+
+
+def test_sequence_parallel_pads_each_buffer_to_a_multiple_of_tp(world, prefix):
+    results = world.run(_loaders_case, prefix, 2, "off", 0, 3, 1, True)
+    for step in range(3):
+        seq_lens = results[0]["steps"][step][2]
+        for r in results:
+            _, tokens, _, pad, labels = r["steps"][step]
+            assert len(tokens) % 2 == 0 and 0 <= pad <= 2 and len(tokens) - pad >= 0
+        mine = [r["steps"][step] for r in results if r["rank"] % 2 == 0]
+        assert sum(len(s[1]) - s[3] for s in mine) == sum(seq_lens)  # padding is all that was added
+        assert sum(s[4] for s in mine) == sum(L - 1 for L in seq_lens)  # and it carries no loss
 
 
 def test_resumed_loaders_continue_the_same_sequence(world, prefix):
@@ -90,6 +107,26 @@ def test_resumed_loaders_continue_the_same_sequence(world, prefix):
     for a, b in zip(straight, resumed):
         assert b["steps"] == a["steps"][2:]
         assert b["state"] == 4
+
+
+def test_global_batch_size_runs_micro_batches_of_one_token_budget(world, prefix):
+    """--global-batch-size 2 x DP: each global batch (2 x the budget) comes as two
+    micro-batches under the cap, consumed as one batch; a resume continues them."""
+    from megatron_zeppelin.integration.data import open_blends
+    from megatron_zeppelin.sampler import batch_budget
+
+    straight = world.run(_loaders_case, prefix, 1, "off", 0, 4, 2)
+    blend = open_blends([prefix], "100,0,0", None)["train"]
+    sampler = blend.sampler(max_seq_len=512, tokens_per_batch=batch_budget(2 * 600, 4, 512, 0.95), seed=11)
+    batches = iter(sampler)
+    for step in (0, 2):
+        micro = [sorted(straight[0]["steps"][step + i][2]) for i in (0, 1)]
+        assert all(micro) and all(sum(m) <= 600 * 4 for m in micro)
+        assert sorted(micro[0] + micro[1]) == sorted(next(batches).seq_lens)
+    assert all(r["state"] == 2 for r in straight)
+    resumed = world.run(_loaders_case, prefix, 1, "off", 1, 2, 2)
+    for a, b in zip(straight, resumed):
+        assert b["steps"] == a["steps"][2:]
 
 
 def _plan_check_case(rank, world_size, lens_by_rank):

@@ -157,3 +157,15 @@ def test_layer_spec_plugs_zeppelin_attention():
     assert spec.submodules.self_attention.submodules.core_attention is ZeppelinAttention
     # The base spec is not modified: Megatron's own local spec keeps its attention.
     assert get_zeppelin_layer_spec(use_te=False) is not spec
+
+
+def test_moe_spec_remaps_the_moe_block_and_routes_on_cpu():
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_zeppelin.megatron.moe import ZeppelinTopKRouter
+    from megatron_zeppelin.remap import RemapMLPMixin
+
+    spec = get_zeppelin_layer_spec(use_te=False, remap=True, num_experts=4)
+    mlp = spec.submodules.mlp
+    assert issubclass(mlp.module, MoELayer) and issubclass(mlp.module, RemapMLPMixin)
+    assert mlp.submodules.router is ZeppelinTopKRouter

@@ -120,6 +120,140 @@ def test_resume_is_exact(lengths_file, runs, tmp_path):
     assert resumed[0]["grad_norm"] == runs["reference"][2]["grad_norm"]
 
 
+#: Real long-tailed lengths; 2 x 2 ranks x 256 tokens per micro-batch, pieces up to 512.
+TINY_LONGTAIL = "configs/lengths/tiny-longtail.npy"
+
+
+def _micro_argv(strategy: str, out, tokens_per_gpu: int, *extra: str, steps: int = 3) -> list[str]:
+    return ["--nodes", "2", "--gpus-per-node", "2", "--strategy", strategy, "--model", "tiny",
+            "--lengths", TINY_LONGTAIL, "--max-seq-len", "512", "--tokens-per-gpu", str(tokens_per_gpu),
+            "--steps", str(steps), "--seed", "1", "--quiet", "--timeout", "60", "--json-log", str(out), *extra]
+
+
+def _train_saving_grads(argv: list[str], grads_dir, monkeypatch) -> list[dict]:
+    """Train; rank 0 saves every step's summed gradient per parameter to ``grads_dir``."""
+    real = trainer.allreduce_grads
+
+    def saving(model, *args):
+        norm = real(model, *args)
+        if torch.distributed.get_rank() == 0:
+            step = len(list(grads_dir.glob("*.pt")))
+            torch.save({n: p.grad.clone() for n, p in model.named_parameters()}, grads_dir / f"{step:03d}.pt")
+        return norm
+
+    grads_dir.mkdir()
+    with monkeypatch.context() as m:
+        m.setattr(trainer, "allreduce_grads", saving)  # inherited by the forked ranks
+        launch(parse_args(argv))
+    out = argv[argv.index("--json-log") + 1]
+    return [json.loads(line) for line in open(out).read().splitlines()]
+
+
+def _assert_same_grads(dir_a, dir_b, steps: int, rel: float) -> None:
+    files = sorted(dir_a.glob("*.pt"))
+    assert [f.name for f in files] == [f.name for f in sorted(dir_b.glob("*.pt"))] and len(files) == steps
+    for f in files:
+        a, b = torch.load(f), torch.load(dir_b / f.name)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert (a[name] - b[name]).norm() <= rel * b[name].norm(), (f.name, name)
+
+
+def test_micro_batches_equal_one_big_batch(tmp_path, monkeypatch):
+    """--micro-batches 4 (zeppelin, remap and routing on, 256 tokens per GPU) against
+    the reference on the same global batches as one batch (4 x 256 tokens per GPU):
+    losses and every parameter's gradient, step by step."""
+    micro = _train_saving_grads(_micro_argv("zeppelin", tmp_path / "m.jsonl", 256, "--micro-batches", "4"),
+                                tmp_path / "gm", monkeypatch)
+    big = _train_saving_grads(_micro_argv("reference", tmp_path / "b.jsonl", 1024), tmp_path / "gb", monkeypatch)
+    for m, b in zip(micro, big):
+        assert m["num_tokens"] == b["num_tokens"] == sum(m["micro_batch_tokens"])
+        assert len(m["micro_batch_tokens"]) == 4 and len(b["micro_batch_tokens"]) == 1
+        assert max(m["linear_tokens_per_rank"]) > 256  # more than one micro-batch's cap per rank ran
+        assert m["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert any(m["plan"]["intra"] + m["plan"]["inter"] for m in micro)  # rings in the micro-batches
+    _assert_same_grads(tmp_path / "gm", tmp_path / "gb", steps=3, rel=1e-5)
+    # Resume with micro-batches: 2 steps saved, the third equals the uninterrupted run's
+    # (the sampler state saved is the trained batch's, not the one planned ahead).
+    resumed_from = tmp_path / "ckpt2"
+    launch(parse_args(_micro_argv("zeppelin", tmp_path / "s.jsonl", 256, "--micro-batches", "4",
+                                  "--save", str(resumed_from), steps=2)))
+    launch(parse_args(_micro_argv("zeppelin", tmp_path / "r.jsonl", 256, "--micro-batches", "4",
+                                  "--load", str(resumed_from))))
+    resumed = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [2]
+    assert resumed[0]["loss"] == micro[2]["loss"] and resumed[0]["grad_norm"] == micro[2]["grad_norm"]
+
+
+def test_tensor_parallel_equals_reference_at_the_same_tp(tmp_path, monkeypatch):
+    """--tp 2 on 2 x 2 ranks (2 data-parallel ranks, one per node: every ring crosses
+    nodes), remap and routing on, against the reference at TP 2: losses and each TP
+    rank 0 shard's gradient."""
+    zep = _train_saving_grads(_micro_argv("zeppelin", tmp_path / "z.jsonl", 384, "--tp", "2"), tmp_path / "gz",
+                              monkeypatch)
+    ref = _train_saving_grads(_micro_argv("reference", tmp_path / "r.jsonl", 384, "--tp", "2"), tmp_path / "gr",
+                              monkeypatch)
+    for z, r in zip(zep, ref):
+        assert len(z["linear_tokens_per_rank"]) == len(z["attn_pairs_per_rank"]) == 2  # data-parallel ranks
+        assert z["num_tokens"] == r["num_tokens"] and z["loss"] == pytest.approx(r["loss"], rel=1e-5)
+        assert z["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+    assert any(z["plan"]["inter"] for z in zep)
+    # TP itself is exact: the reference at TP 2 equals the one at TP 1 (4 data-parallel
+    # ranks of half the tokens each: the same global batches), gradient norm included.
+    launch(parse_args(_micro_argv("reference", tmp_path / "p.jsonl", 192)))
+    plain = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()]
+    for p, r in zip(plain, ref):
+        assert p["num_tokens"] == r["num_tokens"] and p["loss"] == pytest.approx(r["loss"], rel=1e-5)
+        assert p["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+    # Both NICs of each node carried ring bytes: TP rank 1's GPUs sit on the second NIC.
+    assert any(all(all(n) for n in z["bytes"]["inter_node_per_nic"]) for z in zep)
+    _assert_same_grads(tmp_path / "gz", tmp_path / "gr", steps=3, rel=1e-5)
+
+
+def test_tensor_parallel_and_moe_bad_inputs_exit_2_before_spawning(lengths_file, tmp_path, capsys, monkeypatch):
+    from megatron_zeppelin.train import launch as launch_module
+
+    monkeypatch.setattr(launch_module, "spawn_local", lambda cfg: pytest.fail("spawned ranks"))
+    argv = _argv(lengths_file, "zeppelin", tmp_path / "x.jsonl")
+    assert "--tp 3 does not divide --gpus-per-node (2)" in _one_error_line(capsys, [*argv, "--tp", "3"])
+    one_node = [*argv, "--nodes", "1", "--gpus-per-node", "4", "--tp", "4"]  # tiny: 4 heads, 2 KV heads
+    assert "--tp 4 does not divide model tiny's KV heads (2)" in _one_error_line(capsys, one_node)
+    assert "needs --tp > 1" in _one_error_line(capsys, [*argv, "--sequence-parallel"])
+    assert "expert_parallel_size" in _one_error_line(capsys, [*argv, "--model", "llama-moe-8x7b"])
+    assert "tiny-moe is an MoE: with --tp > 1" in _one_error_line(
+        capsys, [*argv, "--model", "tiny-moe", "--tp", "2", "--tokens-per-gpu", "384"])
+    assert "--sequence-parallel needs GPUs" in _one_error_line(
+        capsys, [*argv, "--tp", "2", "--tokens-per-gpu", "384", "--sequence-parallel"])
+
+
+def test_moe_with_remap_equals_reference(tmp_path, monkeypatch):
+    """--model tiny-moe (Megatron-Core's MoE layer, 4 experts, top-2) with remap on: the
+    router and experts run on the linear layout; losses and every parameter's gradient
+    (router and expert weights included) equal the reference's."""
+    zep = _train_saving_grads(_micro_argv("zeppelin", tmp_path / "z.jsonl", 192, "--model", "tiny-moe"),
+                              tmp_path / "gz", monkeypatch)
+    ref = _train_saving_grads(_micro_argv("reference", tmp_path / "r.jsonl", 192, "--model", "tiny-moe"),
+                              tmp_path / "gr", monkeypatch)
+    for z, r in zip(zep, ref):
+        assert z["num_tokens"] == r["num_tokens"] and z["loss"] == pytest.approx(r["loss"], rel=1e-5)
+    assert any(z["bytes"]["remap_intra_node"] + z["bytes"]["remap_inter_node"] for z in zep)
+    names = torch.load(sorted((tmp_path / "gz").glob("*.pt"))[0]).keys()
+    assert any("mlp.router" in n for n in names) and any("mlp.experts" in n for n in names)
+    _assert_same_grads(tmp_path / "gz", tmp_path / "gr", steps=3, rel=1e-5)
+
+
+def test_micro_batch_count_leaving_one_empty_exits_2_before_spawning(lengths_file, tmp_path, capsys,
+                                                                    monkeypatch):
+    from megatron_zeppelin.train import launch as launch_module
+
+    monkeypatch.setattr(launch_module, "spawn_local", lambda cfg: pytest.fail("spawned ranks"))
+    # 24 documents in all: a global batch holds at most 24 sequences.
+    line = _one_error_line(capsys, _argv(lengths_file, "zeppelin", tmp_path / "x.jsonl", "--micro-batches", "30"))
+    assert "--micro-batches 30, global batch 0" in line and "leave" in line and "empty" in line
+    assert "must be >= 1" in _one_error_line(
+        capsys, _argv(lengths_file, "zeppelin", tmp_path / "x.jsonl", "--micro-batches", "0"))
+
+
 def _one_error_line(capsys, argv) -> str:
     with pytest.raises(SystemExit) as exc:
         main(argv)

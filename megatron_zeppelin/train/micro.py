@@ -1,0 +1,85 @@
+"""Gradient accumulation: a global batch as ``--micro-batches`` planned micro-batches.
+
+The sampler draws a global batch of ``micro-batches x`` the tokens one Plan holds;
+:func:`~megatron_zeppelin.planner.micro_batches.split_micro_batches` splits it into
+micro-batches of equal modeled work, and each is planned under the per-GPU token
+cap.  The trainer runs forward and backward per micro-batch and all-reduces and
+steps once, with every token loss divided by the *global* batch's label count, so
+the gradient is that of the whole global batch at once.
+
+:func:`iter_micro_batches` draws, splits and plans; the trainer runs it through a
+:class:`~megatron_zeppelin.prefetch.Prefetcher`, so micro-batch ``i + 1`` is
+planned while micro-batch ``i`` computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.errors import ConfigError, InfeasibleError
+from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split, micro_batches_of
+from megatron_zeppelin.sampler import GlobalBatch, Piece, ZeppelinBatchSampler
+from megatron_zeppelin.topology import ClusterConfig
+from megatron_zeppelin.train.cli import TrainConfig
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One planned micro-batch of a global batch."""
+
+    batch: GlobalBatch
+    """The whole global batch (its label count is every micro-batch's loss denominator)."""
+    index: int
+    """Position in the global batch (0 .. count - 1)."""
+    count: int
+    """Micro-batches of the global batch."""
+    pieces: tuple[Piece, ...]
+    """This micro-batch's pieces; sequence ``i`` of ``plan`` is ``pieces[i]``."""
+    plan: Plan
+    """Validated Plan of the micro-batch."""
+    sampler_state: dict
+    """Sampler state right after drawing ``batch`` (what a checkpoint after it holds)."""
+
+
+def make_sampler(cfg: TrainConfig, doc_lengths: Any) -> ZeppelinBatchSampler:
+    return ZeppelinBatchSampler(doc_lengths, max_seq_len=cfg.max_seq_len,
+                                tokens_per_batch=cfg.tokens_per_batch, seed=cfg.seed)
+
+
+def make_split(cfg: TrainConfig, cost: CostModel) -> Split:
+    return micro_batch_split(cfg.micro_batches, tokens_per_gpu=cfg.tokens_per_gpu,
+                             data_parallel_size=cfg.data_parallel_size, max_seq_len=cfg.max_seq_len,
+                             batch_fill=cfg.batch_fill, cost=cost)
+
+
+def iter_micro_batches(sampler: ZeppelinBatchSampler, split: Split,
+                       make_plan: Callable[[Sequence[int]], Plan]) -> Iterator[MicroBatch]:
+    """Every micro-batch of every global batch, in order, planned."""
+    for batch in sampler:
+        state = sampler.state_dict()
+        parts = micro_batches_of(batch, split)
+        for i, part in enumerate(parts):
+            yield MicroBatch(batch, i, len(parts), part.pieces, make_plan(part.seq_lens), state)
+
+
+def check_micro_batches(cfg: TrainConfig, cluster: ClusterConfig, doc_lengths: Any,
+                        sampler_state: dict | None) -> None:
+    """Split every global batch the run will train on before any process starts:
+    a count that leaves a micro-batch empty (or that no split fits) is a
+    :class:`ConfigError` naming the batch.  Sampling and splitting are pure and
+    cheap; planning is left to the ranks."""
+    sampler = make_sampler(cfg, doc_lengths)
+    if sampler_state is not None:
+        sampler.load_state_dict(sampler_state)
+    split = make_split(cfg, CostModel(cluster, load_model(cfg.model)))
+    batches = iter(sampler)
+    for _ in range(cfg.steps - int(sampler.state_dict()["index"])):
+        batch = next(batches)
+        try:
+            split(batch.seq_lens)
+        except InfeasibleError as exc:
+            raise ConfigError(f"--micro-batches {cfg.micro_batches}, global batch {batch.index}: {exc}") from None

@@ -1,0 +1,68 @@
+"""Tensor (and sequence) parallelism in the trainer: who plans for whom, and gradients.
+
+Ranks are numbered tensor-parallel-fastest (``rank = dp_rank * tp + tp_rank``,
+Megatron's default order), so a TP group is ``tp`` adjacent GPUs of one node.
+Plans place sequences over the ``world / tp`` data-parallel ranks: every GPU of a
+TP group holds the same tokens and ``1/tp`` of each layer's heads and MLP, and
+its engine and remap talk to the GPUs of the same TP rank in the other
+data-parallel ranks (:func:`~megatron_zeppelin.integration.hooks.data_parallel_comm_group`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from megatron_zeppelin.integration.hooks import plan_topology
+from megatron_zeppelin.topology import ClusterConfig
+
+
+def data_parallel_view(cluster: ClusterConfig, world_size: int, tp: int, tp_rank: int) -> ClusterConfig:
+    """The cluster as the data-parallel ranks of TP rank ``tp_rank`` see it
+    (``gpus_per_node / tp`` ranks per node, each with its GPU's NIC)."""
+    return dataclasses.replace(cluster, topology=plan_topology(cluster.topology, world_size, tp, tp_rank))
+
+
+def physical_nics(cluster: ClusterConfig, tp: int, tp_rank: int) -> list[int]:
+    """NIC of the node behind each NIC number of :func:`data_parallel_view` (which
+    renumbers the NICs that TP rank's GPUs use from 0)."""
+    topo = cluster.topology
+    return sorted({topo.nic_affinity[local * tp + tp_rank] for local in range(topo.gpus_per_node // tp)})
+
+
+def sequence_parallel_group(enabled: bool) -> dist.ProcessGroup | None:
+    """Megatron's TP group when sequence parallelism splits rows over it, else None."""
+    if not enabled:
+        return None
+    from megatron.core import parallel_state as mpu
+    return mpu.get_tensor_model_parallel_group()
+
+
+def allreduce_gradients(model: torch.nn.Module, sequence_parallel: bool) -> float:
+    """Sum gradients over the data-parallel group (one flat buffer) and, with
+    sequence parallelism, the norm weights' partial gradients over the TP group
+    (each TP rank saw ``1/tp`` of the tokens).  Returns the global gradient L2
+    norm: TP-sharded parameters counted on every TP rank, replicated ones once."""
+    from megatron.core import parallel_state as mpu
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat, group=mpu.get_data_parallel_group())
+    offset = 0
+    tp_group = mpu.get_tensor_model_parallel_group()
+    first_tp_rank = mpu.get_tensor_model_parallel_rank() == 0
+    square = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        n = p.numel()
+        grad = flat[offset:offset + n].view_as(p)
+        if sequence_parallel and getattr(p, "sequence_parallel", False):
+            dist.all_reduce(grad, group=tp_group)
+        if first_tp_rank or getattr(p, "tensor_model_parallel", False):
+            square += grad.double().pow(2).sum()
+        p.grad = grad.to(p.dtype)
+        offset += n
+    dist.all_reduce(square, group=tp_group)
+    return float(square.sqrt())
