@@ -89,20 +89,13 @@ class RankView:
     """Rows of the rank's q/k/v buffers."""
 
 
-# A few recent schedules by (plan object, head shape).  A schedule holds its
-# plan, so an id in the key is never reused while its entry lives.
-_CACHE: dict[tuple, EngineSchedule] = {}
-_CACHE_SIZE = 8
-
-
 def build_schedule(plan: Plan, q_heads: int, kv_heads: int, head_dim: int,
-                   dtype: torch.dtype = torch.float32) -> EngineSchedule:
-    """The schedule of ``plan``'s attention (cached per plan object, head shape and
-    dtype, so a model's layers derive it once)."""
-    key = (id(plan), q_heads, kv_heads, head_dim, dtype)
-    hit = _CACHE.get(key)
-    if hit is not None and hit.plan is plan:
-        return hit
+                   dtype: torch.dtype = torch.float32, cache: dict | None = None) -> EngineSchedule:
+    """The schedule of ``plan``'s attention.  ``cache``: a dict that lives as long as
+    ``plan`` (the step context's), so a model's layers derive it once per head shape."""
+    key = ("engine_schedule", q_heads, kv_heads, head_dim, dtype)
+    if cache is not None and key in cache:
+        return cache[key]
     jobs, tiers, job_of = [], [], {}
     for index, p in enumerate(plan.attention):
         if p.mode is Mode.LOCAL:
@@ -112,16 +105,15 @@ def build_schedule(plan: Plan, q_heads: int, kv_heads: int, head_dim: int,
         jobs.append(RingJob(p, kv_heads * head_dim, dtype) if p.mode is Mode.RING
                     else UlyssesJob(p, q_heads, kv_heads, head_dim, dtype))
     schedule = EngineSchedule(tuple(jobs), job_of, build_waves(jobs, tiers) if jobs else (), plan)
-    if len(_CACHE) >= _CACHE_SIZE:
-        _CACHE.pop(next(iter(_CACHE)))
-    _CACHE[key] = schedule
+    if cache is not None:
+        cache[key] = schedule
     return schedule
 
 
 def plan_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: Plan, rank: int,
                    comm: Communicator, backend: AttentionBackend | str = "auto",
                    softmax_scale: float | None = None,
-                   counter: AttentionCounter | None = None) -> torch.Tensor:
+                   counter: AttentionCounter | None = None, cache: dict | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens under ``plan``; differentiable.
 
     ``q: [t, hq, d]``, ``k, v: [t, hk, d]``: the rank's tokens in attention-layout
@@ -130,7 +122,7 @@ def plan_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: P
     also ranks holding no tokens."""
     if isinstance(backend, str):
         backend = get_backend(backend)
-    schedule = build_schedule(plan, q.shape[1], k.shape[1], q.shape[2], q.dtype)
+    schedule = build_schedule(plan, q.shape[1], k.shape[1], q.shape[2], q.dtype, cache)
     expected = schedule.rank_view(rank).tokens
     if q.shape[0] != expected or k.shape[0] != expected or v.shape[0] != expected:
         raise ValueError(f"rank {rank} holds {expected} tokens in the plan's attention layout, "

@@ -20,6 +20,7 @@ from megatron_zeppelin.data.indexed import IndexedDocuments
 from megatron_zeppelin.data.tokens import synthetic_tokens
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.plan import Span
+from megatron_zeppelin.remap import pad_rows
 from megatron_zeppelin.sampler import Piece, load_lengths
 
 
@@ -40,12 +41,16 @@ class RankBatch:
     """``[t]`` int64 next-token ids (0 where masked)."""
     loss_mask: torch.Tensor
     """``[t]`` float: 1 where the token has a label in its own sequence."""
+    pad_tokens: int = 0
+    """Masked rows of token 0 after the spans' tokens: one when the rank holds no
+    token (Megatron's layers cannot run on an empty tensor), else none."""
 
 
 def build_rank_batch(spans: Sequence[Span], pieces: Sequence[Piece], source: TokenSource,
-                     device: torch.device, pad_tokens: int = 0) -> RankBatch:
+                     device: torch.device) -> RankBatch:
     """Tokens, labels and mask of ``spans`` (spans index ``pieces`` by ``seq``),
-    followed by ``pad_tokens`` masked rows of token 0."""
+    padded with one masked row when ``spans`` hold no token."""
+    pad_tokens = pad_rows(sum(sp.length for sp in spans))
     tokens, labels, mask = [], [], []
     for sp in spans:
         piece = pieces[sp.seq]
@@ -65,7 +70,7 @@ def build_rank_batch(spans: Sequence[Span], pieces: Sequence[Piece], source: Tok
     def cat(parts: list[np.ndarray], dtype: type) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(parts).astype(dtype)).to(device)
     return RankBatch(tokens=cat(tokens, np.int64), labels=cat(labels, np.int64),
-                     loss_mask=cat(mask, np.float32))
+                     loss_mask=cat(mask, np.float32), pad_tokens=pad_tokens)
 
 
 def num_label_tokens(seq_lens: Sequence[int]) -> int:

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.attention.backends import AttentionBackend, get_backend
-from megatron_zeppelin.attention.engine import AttentionCounter
 from megatron_zeppelin.comm.base import ByteCounters, Communicator
 from megatron_zeppelin.comm.collectives import torch_all_reduce_max
 from megatron_zeppelin.cost import CostModel
@@ -29,9 +28,9 @@ from megatron_zeppelin.megatron import build_gpt_model, build_packed_seq_params
 from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.agreement import check_same_plan
-from megatron_zeppelin.remap import RemapContext, RemapCounters, set_remap_context
 from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.sampler import GlobalBatch, ZeppelinBatchSampler
+from megatron_zeppelin.step_context import StepContext
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import (TokenSource, build_rank_batch, make_token_source,
                                            num_label_tokens)
@@ -69,8 +68,6 @@ class Run:
     make_plan: Callable[[Sequence[int]], Plan]
     comm: Communicator | None
     counters: ByteCounters
-    remap_counters: RemapCounters
-    """Bytes the layout switches sent (also inside ``counters``: same communicator)."""
     backend: AttentionBackend
     source: TokenSource
     remap: bool
@@ -102,7 +99,6 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
     run = Run(cfg=cfg, rank=rank, world_size=world_size, device=device, cluster=cluster,
               model_cfg=model_cfg, model=model, optimizer=optimizer, sampler=sampler,
               make_plan=make_planner(cfg, cluster, model_cfg, remap), comm=comm, counters=counters,
-              remap_counters=RemapCounters(),
               backend=get_backend(cfg.backend), source=source, remap=remap)
     if cfg.load:
         load_checkpoint(run, Path(cfg.load))
@@ -155,18 +151,12 @@ def train_step(run: Run, batch: GlobalBatch) -> StepRecord:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"plan_{run.step:06d}.json").write_text(plan.to_json())
     spans = plan.attention_spans(run.rank)
-    pad = 0 if spans else 1  # Megatron's layers cannot run on zero tokens
-    data = build_rank_batch(spans, batch.pieces, run.source, run.device, pad_tokens=pad)
+    data = build_rank_batch(spans, batch.pieces, run.source, run.device)
     run.counters.reset()
-    run.remap_counters.reset()
-    pairs = AttentionCounter()
-    packed = build_packed_seq_params(
-        spans, plan=None if plan.strategy == REFERENCE else plan, rank=run.rank,
-        communicator=run.comm, backend=run.backend, device=run.device, pad_tokens=pad,
-        counters=pairs)
-    if run.remap:
-        set_remap_context(run.model, RemapContext(plan=plan, rank=run.rank, comm=run.comm,
-                                                  counters=run.remap_counters))
+    context = StepContext(plan=None if plan.strategy == REFERENCE else plan, rank=run.rank,
+                          communicator=run.comm, backend=run.backend)
+    packed = build_packed_seq_params(spans, context=context, device=run.device,
+                                     pad_tokens=data.pad_tokens)
     label_count = num_label_tokens(batch.seq_lens)
     token_loss = run.model(data.tokens[None], packed.position_ids[None], None,
                            labels=data.labels[None], packed_seq_params=packed)  # [1, t]
@@ -175,11 +165,12 @@ def train_step(run: Run, batch: GlobalBatch) -> StepRecord:
     grad_norm = allreduce_grads(run.model)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=False)
-    stats = torch.tensor([loss_sum.item(), pairs.forward_pairs // run.model_cfg.num_layers,
+    remap = context.remap_counters
+    stats = torch.tensor([loss_sum.item(), context.attention_counter.forward_pairs // run.model_cfg.num_layers,
                           run.counters.intra_node,
                           *[run.counters.inter_node_per_nic.get(n, 0)
                             for n in range(run.topology.nics_per_node)],
-                          run.remap_counters.remap_intra_node, run.remap_counters.remap_inter_node],
+                          remap.remap_intra_node, remap.remap_inter_node],
                          dtype=torch.float64, device=run.device)
     gathered = [torch.empty_like(stats) for _ in range(run.world_size)]
     dist.all_gather(gathered, stats)
