@@ -166,13 +166,14 @@ class _LocalQueue:
             self._pending = []
 
 
-def _packed(pieces: list[Piece], *tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Rows of ``pieces`` packed back to back, and their int32 ``cu_seqlens``."""
+def _packed(pieces: list[Piece], *tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """Rows of ``pieces`` packed back to back, their int32 ``cu_seqlens`` and the
+    longest piece (a host int from the plan: kernels need no device read)."""
     lengths = [p.rows.stop - p.rows.start for p in pieces]
     cu = torch.tensor([0, *lengths], dtype=torch.int32, device=tensors[0].device).cumsum(0, dtype=torch.int32)
     packed = [torch.cat([t[p.rows] for p in pieces]) if len(pieces) > 1 else t[pieces[0].rows]
               for t in tensors]
-    return packed, cu
+    return packed, cu, max(lengths)
 
 
 def _unpack(pieces: list[Piece], packed: torch.Tensor, dest: torch.Tensor) -> None:
@@ -193,8 +194,8 @@ class _PlanAttention(torch.autograd.Function):
         local_lse: dict[int, torch.Tensor] = {}              # placement index -> lse [hq, n]
 
         def compute_local(pieces: list[Piece]) -> None:
-            (pq, pk, pv), cu = _packed(pieces, q, k, v)
-            o, lse = run.backend.varlen_forward(pq, pk, pv, cu_seqlens=cu, scale=run.scale)
+            (pq, pk, pv), cu, longest = _packed(pieces, q, k, v)
+            o, lse = run.backend.varlen_forward(pq, pk, pv, cu_seqlens=cu, max_seqlen=longest, scale=run.scale)
             _unpack(pieces, o, out)
             row = 0
             for p in pieces:
@@ -226,9 +227,10 @@ class _PlanAttention(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
         def compute_local(pieces: list[Piece]) -> None:
-            (pd, pq, pk, pv, po), cu = _packed(pieces, dout, q, k, v, out)
+            (pd, pq, pk, pv, po), cu, longest = _packed(pieces, dout, q, k, v, out)
             lse = torch.cat([ctx.local_lse[p.index] for p in pieces], dim=1)
-            grads = run.backend.varlen_backward(pd, pq, pk, pv, po, lse, cu_seqlens=cu, scale=run.scale)
+            grads = run.backend.varlen_backward(pd, pq, pk, pv, po, lse, cu_seqlens=cu, max_seqlen=longest,
+                                                scale=run.scale)
             for packed, dest in zip(grads, (dq, dk, dv)):
                 _unpack(pieces, packed, dest)
             run.counter.backward_pairs += sum(causal_pairs(0, p.rows.stop - p.rows.start) for p in pieces)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.comm.base import ByteCounters, Message
+from megatron_zeppelin.comm.collectives import warm_up_nccl
 from megatron_zeppelin.topology import Topology
 
 
@@ -60,6 +61,7 @@ class DirectCommunicator:
         """Bytes this rank sent, by link class."""
         self.rank = dist.get_rank()
         topology.check_world_size(dist.get_world_size(group))
+        warm_up_nccl(group)  # collective: every rank builds the communicator
         self._rounds = 0
 
     def start_round(self, messages: Sequence[Message], sends: Mapping[int, torch.Tensor],

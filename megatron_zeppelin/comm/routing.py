@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.comm.base import ByteCounters, Message
+from megatron_zeppelin.comm.collectives import warm_up_nccl
 from megatron_zeppelin.cost.model import CostModel
 from megatron_zeppelin.plan.shards import chunk_bounds
 from megatron_zeppelin.topology import Topology
@@ -209,10 +210,7 @@ class RoutedCommunicator:
         nccl = dist.get_backend(self.group) == "nccl"
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        if nccl:
-            # batch_isend_irecv's first call on a group must involve every rank of it;
-            # a barrier here (every rank builds the communicator) creates the NCCL comm.
-            dist.barrier(group=self.group)
+        warm_up_nccl(self.group)
         self.device = device
         self.timeout = timeout
         self._rounds = 0

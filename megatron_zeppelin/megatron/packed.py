@@ -40,10 +40,12 @@ def build_packed_seq_params(spans: Sequence[Span], *, context: StepContext, devi
 
     With a plan, ``spans`` must be ``context.plan.attention_spans(context.rank)``;
     without one, each span must be a whole sequence (causal attention runs inside
-    each span).  Lengths and positions are built on the host and copied once.
+    each span).  ``cu_seqlens`` stay in host memory: Megatron's THD RoPE reads them
+    with ``.tolist()`` and one ``.item()`` per span, which on a GPU tensor would
+    stall the stream once per sequence; the position ids go to ``device``.
     """
     lengths = [sp.length for sp in spans] + ([pad_tokens] if pad_tokens else [])
-    cu = torch.cumsum(torch.tensor([0] + lengths, dtype=torch.int32), 0, dtype=torch.int32).to(device)
+    cu = torch.cumsum(torch.tensor([0] + lengths, dtype=torch.int32), 0, dtype=torch.int32)
     positions = torch.cat([torch.arange(sp.start, sp.end) for sp in spans]
                           + [torch.arange(pad_tokens)]).to(device)
     max_len = max(lengths, default=0)

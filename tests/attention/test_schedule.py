@@ -120,9 +120,11 @@ def test_random_plans_exact_and_collective(seed, topo_index, n_seqs):
 @given(st.integers(0, 2**31), st.sampled_from(range(len(TOPOS))), st.integers(1, 12))
 def test_waves_are_disjoint_and_tier_ordered(seed, topo_index, n_seqs):
     plan = random_plan(random.Random(seed), TOPOS[topo_index], n_seqs)
-    schedule = build_schedule(plan, 4, 2, 8)
-    assert build_schedule(plan, 4, 2, 8) is schedule              # cached per plan
-    assert build_schedule(plan, 8, 4, 8) is not schedule          # ...and per head shape
+    cache: dict = {}                                              # a step context's cache
+    schedule = build_schedule(plan, 4, 2, 8, cache=cache)
+    assert build_schedule(plan, 4, 2, 8, cache=cache) is schedule  # cached on the context
+    assert build_schedule(plan, 8, 4, 8, cache=cache) is not schedule  # ...per head shape
+    assert build_schedule(plan, 4, 2, 8) is not schedule          # no module-level cache
     seen_jobs, last_tier = [], -1
     for wave in schedule.waves:
         ranks = [r for j in wave.jobs for r in schedule.jobs[j].ranks]

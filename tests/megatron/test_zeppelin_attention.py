@@ -224,3 +224,13 @@ class _LoopbackComm:
 
     def wait(self) -> None:
         pass
+
+
+def test_cu_seqlens_stay_on_the_host():
+    """Megatron's THD RoPE calls .tolist() and .item() per span on cu_seqlens: on the
+    host those are free, on a GPU each would wait for the stream."""
+    spans = [Span(0, 0, 3), Span(1, 4, 9)]
+    packed = build_packed_seq_params(spans, context=StepContext(None, 0, None, None),
+                                     device=torch.device("meta"))
+    assert packed.cu_seqlens_q.device.type == "cpu" and packed.cu_seqlens_q.tolist() == [0, 3, 8]
+    assert packed.position_ids.device.type == "meta"
