@@ -113,7 +113,7 @@ def report_iteration(plan: Plan, num_tokens: int, batch_index: int, context: Ste
 
 def format_report(r: IterationReport) -> str:
     """The measured part of a ``--zeppelin-log-interval`` line."""
-    rate = (f"{r.tokens_per_s:.1f} tokens/s, {r.tflops_per_gpu:.3f} TFLOP/s/GPU" if r.seconds
+    rate = (f"{r.tokens_per_s:.1f} tokens/s, {r.tflops_per_gpu:.3g} TFLOP/s/GPU" if r.seconds
             else "tokens/s and TFLOP/s from the next iteration on")
     return f"remap_bytes={r.remap_bytes} {rate}"
 

@@ -35,7 +35,7 @@ class _Writer:
 def test_report_line_and_writers():
     r = IterationReport(iteration=7, tokens=2000, causal_pairs=50_000, remap_bytes=123456, seconds=0.5,
                         world_size=4, model_flops=2e12)
-    assert format_report(r) == "remap_bytes=123456 4000.0 tokens/s, 1.000 TFLOP/s/GPU"
+    assert format_report(r) == "remap_bytes=123456 4000.0 tokens/s, 1 TFLOP/s/GPU"
     tensorboard, wandb = _Writer(), _Writer()
     write_report(r, (tensorboard, wandb))
     assert tensorboard.seen["zeppelin/remap-bytes"] == (123456, 7) == wandb.seen["zeppelin/remap-bytes"]
