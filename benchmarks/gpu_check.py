@@ -204,7 +204,8 @@ def section_overhead(args: argparse.Namespace) -> str:
              "ring of 2 (loopback) + locals": overhead_case([2048, 1024, 512, 512], [16384])}
     for name, plan in cases.items():
         engine, plain = engine_vs_varlen(plan, backend)
-        rows.append(f"| {name} | {sum(plan.seq_lens)} | {engine:.2f} | {plain:.2f} | {100 * (engine / plain - 1):+.1f} % |")
+        overhead = 100 * (engine / plain - 1)
+        rows.append(f"| {name} | {sum(plan.seq_lens)} | {engine:.2f} | {plain:.2f} | {overhead:+.1f} % |")
     rows += ["", "The ring case runs both ranks on this GPU, one thread each, so its engine time holds both "
              "ranks' work and the loopback copies: it bounds the schedule's overhead, not NCCL's."]
     return "\n".join(rows)
@@ -299,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else ROOT / "docs" / "results" / f"gpu-{slug(gpu)}.md"
     parts = [f"# GPU check: {gpu}", "",
-             f"`bash scripts/gpu_check.sh {' '.join(sys.argv[1:])}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; "
+             f"`bash scripts/gpu_check.sh {' '.join(sys.argv[1:])}` on "
+             f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; "
              f"torch {torch.__version__}, CUDA {torch.version.cuda}.", ""]
     for name in SECTIONS:
         if name in args.skip:

@@ -18,7 +18,7 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   exit 0
 fi
 
-"$PY" -m pip install -q -e . pytest hypothesis
+"$PY" -m pip install -q -e ".[test]"
 for pkg in flash-attn "transformer-engine[pytorch]"; do
   if "$PY" -m pip install -q --only-binary=:all: "$pkg"; then
     echo "gpu_check: installed $pkg (prebuilt wheel)"

@@ -72,8 +72,11 @@ def test_calibrated_preset_is_a_loadable_cluster(tmp_path):
 
 
 def test_stream_overlap_counts_copies_beside_kernels():
-    kernel = lambda ts, dur, stream: {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "args": {"stream": stream}}  # noqa: E731
-    copy = lambda ts, dur, stream: {"ph": "X", "cat": "gpu_memcpy", "ts": ts, "dur": dur, "args": {"stream": stream}}  # noqa: E731
+    def event(cat, ts, dur, stream):
+        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    kernel = lambda *a: event("kernel", *a)  # noqa: E731
+    copy = lambda *a: event("gpu_memcpy", *a)  # noqa: E731
     trace = {"traceEvents": [kernel(0, 10, 7), kernel(12, 10, 7), copy(5, 10, 20), copy(30, 4, 20),
                              copy(0, 3, 7)]}  # the last copy is on the compute stream: not a transfer
     total, overlap = gpu_check.stream_overlap(trace)

@@ -10,12 +10,15 @@
   :class:`ZeppelinLoader` per split (``--dataloader-type external``);
 * :func:`get_batch` / :func:`get_batch_by_keys` -- instead of Megatron's batch:
   this rank's tokens in the Plan's attention layout and a
-  ``ZeppelinPackedSeqParams`` carrying the Plan to every attention layer.
+  ``ZeppelinPackedSeqParams`` carrying the step's ``StepContext``, which
+  ``ZeppelinGPTModel`` binds to every attention and remap module.
 
 Each global batch is planned once, identically on every rank (same sampler, same
-planner, no communication), in a background thread while the previous step
-trains; a 63-bit fingerprint all-reduce proves the ranks agree before the batch
-is used.  With tensor parallelism the planner sees one "GPU" per TP group (the
+planner, no communication; ``flexsp`` plans on rank 0 and broadcasts), in a
+background thread while the previous step trains; a 63-bit fingerprint
+all-reduce proves the ranks agree before the batch is used.  Every
+``--zeppelin-log-interval`` iterations the finished iteration is reported
+(``step_report``).  With tensor parallelism the planner sees one "GPU" per TP group (the
 data-parallel ranks); every TP rank of a group builds the same buffer and runs
 its own heads, its rings talking over a copy of its data-parallel group.
 """

@@ -64,7 +64,8 @@ def main():
                            "--only", "megatron"], capture_output=True, text=True, check=True).stdout.split()
     sys.argv = ["pretrain_gpt.py", *argv, "--use-cpu-initialization", "--global-batch-size", "2",
                 "--data-path", prefix, "--split", "100,0,0", "--zeppelin-cluster", cluster,
-                "--zeppelin-tokens-per-gpu", "1000", "--zeppelin-batch-fill", "0.7", "--zeppelin-backend", "torch", "--zeppelin-remap", "on",
+                "--zeppelin-tokens-per-gpu", "1000", "--zeppelin-batch-fill", "0.7", "--zeppelin-backend", "torch",
+                "--zeppelin-remap", "on",
                 "--zeppelin-log-interval", "1"]
     torch.set_num_threads(1)
     # Megatron-Core's torch_dist writer calls torch.cuda.synchronize() and
