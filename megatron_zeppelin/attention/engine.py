@@ -73,31 +73,25 @@ class LayerSchedules:
         return self._mids[backward]
 
 
-# A few recent schedules by (plan object, shape, transport).  An entry holds
-# its plan, so an id in the key is never reused while its entry lives.
-_CACHE: dict[tuple, LayerSchedules] = {}
-_CACHE_SIZE = 8
-
-
-def build_schedule(plan: Plan, shape: AttnShape, comm: LaneCommunicator | None) -> LayerSchedules:
-    """Forward and backward schedules of ``plan``'s attention layer (cached, so a
-    model's layers derive them once).  Without a communicator the transport is
-    direct (the plan must then move nothing)."""
-    transport = comm.transport if comm is not None else Transport(
+def build_schedule(plan: Plan, shape: AttnShape, comm: LaneCommunicator | None,
+                   cache: dict | None = None) -> LayerSchedules:
+    """Forward and backward schedules of ``plan``'s attention layer.  ``cache``: a
+    dict that lives as long as ``plan`` (the step context's), so a model's layers
+    derive them once.  Without a communicator the transport is direct (the plan
+    must then move nothing)."""
+    transport = comm.transport if isinstance(comm, LaneCommunicator) else Transport(
         Topology(nodes=1, gpus_per_node=plan.world_size, nics_per_node=1))
-    key = (id(plan), shape, transport)
-    hit = _CACHE.get(key)
-    if hit is not None and hit.plan is plan:
-        return hit
+    key = ("layer_schedules", shape, transport)
+    if cache is not None and key in cache:
+        return cache[key]
     for p in plan.attention:
         if p.mode is Mode.ULYSSES and (shape.q_heads % p.size or shape.kv_heads % p.size):
             from megatron_zeppelin.attention.ulysses import check_heads
             check_heads(p, shape.q_heads, shape.kv_heads)
     entry = LayerSchedules(plan, attention_schedule(plan, shape, transport, False),
                            attention_schedule(plan, shape, transport, True))
-    if len(_CACHE) >= _CACHE_SIZE:
-        _CACHE.pop(next(iter(_CACHE)))
-    _CACHE[key] = entry
+    if cache is not None:
+        cache[key] = entry
     return entry
 
 
@@ -111,7 +105,7 @@ def attn_shape(q: torch.Tensor, k: torch.Tensor) -> AttnShape:
 def plan_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: Plan, rank: int,
                    comm: LaneCommunicator | None, backend: AttentionBackend | str = "auto",
                    softmax_scale: float | None = None,
-                   counter: AttentionCounter | None = None) -> torch.Tensor:
+                   counter: AttentionCounter | None = None, cache: dict | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens under ``plan``; differentiable.
 
     ``q: [t, hq, d]``, ``k, v: [t, hk, d]``: the rank's tokens in attention-layout
@@ -120,7 +114,7 @@ def plan_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: P
     also ranks holding no tokens."""
     if isinstance(backend, str):
         backend = get_backend(backend)
-    layer = build_schedule(plan, attn_shape(q, k), comm)
+    layer = build_schedule(plan, attn_shape(q, k), comm, cache)
     expected = sum(p.rows.stop - p.rows.start for p in layer.pieces(rank).values())
     if q.shape[0] != expected or k.shape[0] != expected or v.shape[0] != expected:
         raise ValueError(f"rank {rank} holds {expected} tokens in the plan's attention layout, "
@@ -209,8 +203,9 @@ class _ForwardBinding(_Binding):
 
     def _local(self, indices: list[int]) -> None:
         pieces = [self.pieces[i] for i in indices]
-        (pq, pk, pv), cu = _packed(pieces, self.q, self.k, self.v)
-        o, lse = self.run.backend.varlen_forward(pq, pk, pv, cu_seqlens=cu, scale=self.run.scale)
+        (pq, pk, pv), cu, longest = _packed(pieces, self.q, self.k, self.v)
+        o, lse = self.run.backend.varlen_forward(pq, pk, pv, cu_seqlens=cu, max_seqlen=longest,
+                                                 scale=self.run.scale)
         _unpack(pieces, o, self.out)
         row = 0
         for p in pieces:
@@ -259,9 +254,10 @@ class _BackwardBinding(_Binding):
 
     def _local(self, indices: list[int]) -> None:
         pieces = [self.pieces[i] for i in indices]
-        (pd, pq, pk, pv, po), cu = _packed(pieces, self.dout, self.q, self.k, self.v, self.out)
+        (pd, pq, pk, pv, po), cu, longest = _packed(pieces, self.dout, self.q, self.k, self.v, self.out)
         lse = torch.cat([self.local_lse[p.index] for p in pieces], dim=1)
-        grads = self.run.backend.varlen_backward(pd, pq, pk, pv, po, lse, cu_seqlens=cu, scale=self.run.scale)
+        grads = self.run.backend.varlen_backward(pd, pq, pk, pv, po, lse, cu_seqlens=cu, max_seqlen=longest,
+                                                 scale=self.run.scale)
         for packed, dest in zip(grads, (self.dq, self.dk, self.dv)):
             _unpack(pieces, packed, dest)
 
@@ -271,13 +267,14 @@ class _BackwardBinding(_Binding):
             self.dq[rows], self.dk[rows], self.dv[rows] = part.grads()
 
 
-def _packed(pieces: list[Piece], *tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Rows of ``pieces`` packed back to back, and their int32 ``cu_seqlens``."""
+def _packed(pieces: list[Piece], *tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """Rows of ``pieces`` packed back to back, their int32 ``cu_seqlens`` and the
+    longest piece (a host int from the plan: kernels need no device read)."""
     lengths = [p.rows.stop - p.rows.start for p in pieces]
     cu = torch.tensor([0, *lengths], dtype=torch.int32, device=tensors[0].device).cumsum(0, dtype=torch.int32)
     packed = [torch.cat([t[p.rows] for p in pieces]) if len(pieces) > 1 else t[pieces[0].rows]
               for t in tensors]
-    return packed, cu
+    return packed, cu, max(lengths)
 
 
 def _unpack(pieces: list[Piece], packed: torch.Tensor, dest: torch.Tensor) -> None:
@@ -311,7 +308,7 @@ class _PlanAttention(torch.autograd.Function):
 
 
 def _execute(run: _Run, schedule: Schedule, binding: _Binding) -> None:
-    if run.comm is None:
-        run_without_transfers(schedule, run.rank, binding)
-    else:
+    if isinstance(run.comm, LaneCommunicator):     # every rank starts every call (tags count calls)
         run.comm.runner.run(schedule, binding, run.comm.recorder)
+    else:                                          # no lanes to run transfers on: the plan must need none
+        run_without_transfers(schedule, run.rank, binding)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.comm.base import ByteCounters, Message
+from megatron_zeppelin.comm.collectives import warm_up_nccl
 from megatron_zeppelin.comm.lanes import LaneRunner, StepRecorder, _Call
 from megatron_zeppelin.schedule.attention import Transport, add_transfer
 from megatron_zeppelin.schedule.ops import Op, ScheduleBuilder
@@ -72,10 +73,7 @@ class LaneCommunicator:
         nccl = dist.get_backend(group) == "nccl"
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        if nccl:
-            # A fresh NCCL group creates its communicator on the first collective,
-            # which must involve every rank: do it here, where every rank builds one.
-            dist.barrier(group=group)
+        warm_up_nccl(group)  # collective: every rank builds the communicator
         self.device = device
         self.transport = Transport(topology, min_routed_bytes)
         self.runner = LaneRunner(group, self.rank, self.counters, device=device, timeout=timeout)

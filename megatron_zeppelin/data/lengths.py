@@ -107,7 +107,8 @@ def what_if(lengths: np.ndarray, args: argparse.Namespace) -> str:
 
     with tempfile.TemporaryDirectory() as tmp:
         # The simulator reads a lengths file: hand it the user's, or one made from the dataset's index.
-        path = Path(tmp) / f"{Path(args.source).name}.npy"
+        # Named after the index it came from: the simulator prints this file's name.
+        path = Path(tmp) / f"{Path(args.source).name}.idx-lengths.npy"
         if is_indexed_prefix(args.source):
             np.save(path, lengths)
         else:

@@ -10,12 +10,15 @@
   :class:`ZeppelinLoader` per split (``--dataloader-type external``);
 * :func:`get_batch` / :func:`get_batch_by_keys` -- instead of Megatron's batch:
   this rank's tokens in the Plan's attention layout and a
-  ``ZeppelinPackedSeqParams`` carrying the Plan to every attention layer.
+  ``ZeppelinPackedSeqParams`` carrying the step's ``StepContext``, which
+  ``ZeppelinGPTModel`` binds to every attention and remap module.
 
 Each global batch is planned once, identically on every rank (same sampler, same
-planner, no communication), in a background thread while the previous step
-trains; a 63-bit fingerprint all-reduce proves the ranks agree before the batch
-is used.  With tensor parallelism the planner sees one "GPU" per TP group (the
+planner, no communication; ``flexsp`` plans on rank 0 and broadcasts), in a
+background thread while the previous step trains; a 63-bit fingerprint
+all-reduce proves the ranks agree before the batch is used.  Every
+``--zeppelin-log-interval`` iterations the finished iteration is reported
+(``step_report``).  With tensor parallelism the planner sees one "GPU" per TP group (the
 data-parallel ranks); every TP rank of a group builds the same buffer and runs
 its own heads, its rings talking over a copy of its data-parallel group.
 """
@@ -38,6 +41,8 @@ from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.integration.args import check_args, zeppelin_micro_batches
 from megatron_zeppelin.integration.checkpoint import data_state, restore_sampler
 from megatron_zeppelin.integration.data import SPLITS, DocumentBlend, open_blends
+from megatron_zeppelin.integration.step_report import (StepClock, format_report, megatron_writers,
+                                                        report_iteration, sum_over_ranks, write_report)
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.agreement import AllReduceMax, check_same_plan
@@ -45,8 +50,9 @@ from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split, micro_batches_of
 from megatron_zeppelin.prefetch import Prefetcher
 from megatron_zeppelin.sampler import GlobalBatch, TokenBudgetSampler, batch_budget
+from megatron_zeppelin.step_context import StepContext
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
-from megatron_zeppelin.train.batch import build_rank_batch, padded_length
+from megatron_zeppelin.train.batch import RankBatch, build_rank_batch
 
 
 
@@ -143,14 +149,11 @@ class PreparedBatch:
 
     batch: GlobalBatch
     """The sampler's batch (pieces numbered per dataset, as the sampler draws them)."""
-    plan: Plan
-    """Validated Plan of the batch."""
-    tokens: torch.Tensor
-    """``[t]`` int64 this rank's input ids in attention-layout order."""
-    labels: torch.Tensor
-    """``[t]`` int64 next-token ids (0 where masked)."""
-    loss_mask: torch.Tensor
-    """``[t]`` float32: 1 where a token has a label in its own sequence."""
+    plan: Plan | None
+    """Validated Plan of the batch (None until it arrives, where another rank plans)."""
+    data: RankBatch | None
+    """This rank's input ids, labels and loss mask in attention-layout order (host memory),
+    padded with one masked row when the Plan gives the rank no token."""
     sampler_state: dict
     """Sampler state right after drawing this batch (what a checkpoint taken after it holds)."""
 
@@ -168,7 +171,7 @@ class ZeppelinBatch:
     position_ids: torch.Tensor
     """``[1, t]`` each token's position inside its own sequence."""
     packed_seq_params: Any
-    """``ZeppelinPackedSeqParams`` with the Plan, communicator and backend."""
+    """``ZeppelinPackedSeqParams`` carrying the step's ``StepContext``."""
 
 
 class ZeppelinLoader:
@@ -177,17 +180,26 @@ class ZeppelinLoader:
     def __init__(self, *, sampler: TokenBudgetSampler, blend: DocumentBlend,
                  make_plan: Callable[[Sequence[int]], Plan], rank: int, device: torch.device,
                  communicator: Any, backend: Any, all_reduce_max: AllReduceMax | None,
-                 prefetch: bool = True, on_batch: Callable[[PreparedBatch], None] | None = None,
-                 split: Split | None = None, pad_multiple: int = 1) -> None:
+                 prefetch: bool = True,
+                 on_batch: Callable[[PreparedBatch, StepContext], None] | None = None,
+                 broadcast_plan: Callable[[Plan | None], Plan] | None = None,
+                 tp_size: int = 1, tp_rank: int = 0, split: Split | None = None,
+                 pad_multiple: int = 1) -> None:
         """``rank``: data-parallel rank (the Plan's rank).  ``all_reduce_max``: the
         plan check (None: off).  ``on_batch``: called on the main thread with every
-        batch handed to training (checkpoint state, plan dumps, logs).  ``split``:
-        each global batch runs as these micro-batches (None: one).  ``pad_multiple``:
-        each buffer is padded (rows without loss) to a multiple of it, at least one
-        row (the TP size under ``--sequence-parallel``, which splits rows evenly)."""
+        batch handed out and its step context (checkpoint state, plan dumps, the
+        previous iteration's report).  ``broadcast_plan``: plan on one rank only
+        and hand its Plan to the others (a collective that gets that rank's Plan
+        and None elsewhere); None: every rank plans.  ``split``: each global batch
+        runs as these micro-batches (None: one).  ``pad_multiple``: each buffer is
+        padded (rows without loss) to a multiple of it, at least one row (the TP
+        size under ``--sequence-parallel``, which splits rows evenly)."""
         self.sampler, self.blend, self.make_plan = sampler, blend, make_plan
         self.rank, self.device, self.communicator, self.backend = rank, device, communicator, backend
-        self.all_reduce_max, self.on_batch, self.pad_multiple = all_reduce_max, on_batch, pad_multiple
+        self.all_reduce_max, self.on_batch, self.broadcast_plan = all_reduce_max, on_batch, broadcast_plan
+        self.tp_size, self.tp_rank, self.pad_multiple = tp_size, tp_rank, pad_multiple
+        self.plans_here = broadcast_plan is None or dist.get_rank() == 0
+        """This rank computes Plans (all ranks, or the one that broadcasts)."""
         self._batches = iter(sampler) if split is None else \
             (micro for batch in sampler for micro in micro_batches_of(batch, split))
         # Plan batch k+1 while step k trains: the sampler and planner are pure host
@@ -196,38 +208,45 @@ class ZeppelinLoader:
         self._prepared = Prefetcher(prepared, name="zeppelin-plan") if prefetch else prepared
 
     def prepare(self) -> PreparedBatch:
-        """Draw, plan and read the next global batch (pure host work: safe off the main thread)."""
+        """Draw, plan and read the next global batch (pure host work: safe off the main thread).
+        Where another rank plans, the plan and data are left for :meth:`__next__`."""
         batch = next(self._batches)
         state = self.sampler.state_dict()
-        plan = self.make_plan(batch.seq_lens)
-        spans = plan.attention_spans(self.rank)
-        tokens = sum(sp.length for sp in spans)
-        data = build_rank_batch(spans, self.blend.blend_pieces(batch.pieces), self.blend, torch.device("cpu"),
-                                pad_tokens=padded_length(tokens, self.pad_multiple) - tokens)
-        return PreparedBatch(batch, plan, data.tokens, data.labels, data.loss_mask, state)
+        if not self.plans_here:
+            return PreparedBatch(batch, None, None, state)
+        return self._with_plan(PreparedBatch(batch, self.make_plan(batch.seq_lens), None, state))
+
+    def _with_plan(self, p: PreparedBatch) -> PreparedBatch:
+        data = build_rank_batch(p.plan.attention_spans(self.rank), self.blend.blend_pieces(p.batch.pieces),
+                                self.blend, torch.device("cpu"), multiple_of=self.pad_multiple)
+        return dataclasses.replace(p, data=data)
 
     def __iter__(self) -> "ZeppelinLoader":
         return self
 
     def __next__(self) -> ZeppelinBatch:
         prepared = next(self._prepared)
+        if self.broadcast_plan is not None:
+            prepared = dataclasses.replace(prepared, plan=self.broadcast_plan(prepared.plan))
+            if prepared.data is None:
+                prepared = self._with_plan(prepared)
         if self.all_reduce_max is not None:
             check_same_plan(prepared.plan, prepared.batch.index, self.all_reduce_max)
+        batch = self._to_device(prepared)
         if self.on_batch is not None:
-            self.on_batch(prepared)
-        return self._to_device(prepared)
+            self.on_batch(prepared, batch.packed_seq_params.context)
+        return batch
 
     def _to_device(self, p: PreparedBatch) -> ZeppelinBatch:
         from megatron_zeppelin.megatron.packed import build_packed_seq_params
 
-        spans = p.plan.attention_spans(self.rank)
-        packed = build_packed_seq_params(spans, plan=p.plan, rank=self.rank,
-                                         communicator=self.communicator, backend=self.backend,
-                                         device=self.device,
-                                         pad_tokens=p.tokens.numel() - sum(sp.length for sp in spans))
+        context = StepContext(plan=p.plan, rank=self.rank, communicator=self.communicator, backend=self.backend,
+                              tp_size=self.tp_size, tp_rank=self.tp_rank)
+        packed = build_packed_seq_params(p.plan.attention_spans(self.rank), context=context, device=self.device,
+                                         pad_tokens=p.data.pad_tokens)
         move = lambda t: t.to(self.device, non_blocking=True)[None]  # noqa: E731  [t] -> [1, t]
-        return ZeppelinBatch(move(p.tokens), move(p.labels), move(p.loss_mask), packed.position_ids[None],
-                             packed)
+        return ZeppelinBatch(move(p.data.tokens), move(p.data.labels), move(p.data.loss_mask),
+                             packed.position_ids[None], packed)
 
     def close(self) -> None:
         if isinstance(self._prepared, Prefetcher):
@@ -327,6 +346,21 @@ def _resolve_cluster(args: Any, world_size: int, tp: int, tp_rank: int) -> Clust
     return dataclasses.replace(cluster, topology=plan_topology(cluster.topology, world_size, tp, tp_rank))
 
 
+#: Planners whose Plan may differ between ranks: a MILP solved under a wall-clock
+#: limit (flexsp) can stop at a different incumbent on each rank, so one rank plans
+#: and broadcasts (docs/baselines.md).  The others are deterministic: every rank plans.
+PLAN_ON_ONE_RANK = frozenset({"flexsp"})
+
+
+def broadcast_plan_from_rank0(device: torch.device) -> Callable[[Plan | None], Plan]:
+    """Collective: global rank 0 passes its Plan, every other rank None; all get rank 0's."""
+    def broadcast(plan: Plan | None) -> Plan:
+        box = [plan.to_json() if plan is not None else None]
+        dist.broadcast_object_list(box, src=0, device=device)
+        return plan if plan is not None else Plan.from_json(box[0]).validate()
+    return broadcast
+
+
 def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ...]:
     """Megatron's dataset provider under ``--zeppelin``: one loader per split.
 
@@ -348,6 +382,7 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
     cost = CostModel(plan_cluster, model, routing=routing)
     make_plan = build_plan_fn(args.zeppelin_planner, cost, args.zeppelin_tokens_per_gpu,
                               args.zeppelin_remap == "on", args.zeppelin_planner_time_limit, tp)
+    broadcast = broadcast_plan_from_rank0(device) if args.zeppelin_planner in PLAN_ON_ONE_RANK else None
     communicator = _build_communicator(data_parallel_comm_group(tp, dp), own_cluster.topology, cost, routing,
                                        getattr(args, "params_dtype", torch.float32), device)
     backend = get_backend(args.zeppelin_backend)
@@ -359,6 +394,7 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
     micro = zeppelin_micro_batches(args)  # --global-batch-size / DP
     into_micro = micro_batch_split(micro, tokens_per_gpu=args.zeppelin_tokens_per_gpu, data_parallel_size=dp,
                               max_seq_len=args.seq_length, batch_fill=args.zeppelin_batch_fill, cost=cost)
+    clock = StepClock()
     loaders: list[ZeppelinLoader | None] = []
     for i, split in enumerate(SPLITS):
         blend = blends[split]
@@ -369,40 +405,54 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
         budget = batch_budget(micro * args.zeppelin_tokens_per_gpu, dp, args.seq_length, args.zeppelin_batch_fill)
         sampler = blend.sampler(max_seq_len=args.seq_length, tokens_per_batch=budget, seed=seed + i)
         restore_sampler(sampler, consumed[split])
+        on_batch = (record_batch(args, split, dist.get_rank() == 0, clock, model,
+                                 lambda values: sum_over_ranks(values, device)) if split == "train"
+                    else lambda p, context: clock.other_batch())
         loaders.append(ZeppelinLoader(
             sampler=sampler, blend=blend, make_plan=make_plan, rank=mpu.get_data_parallel_rank(),
             device=device, communicator=communicator, backend=backend, all_reduce_max=check,
             prefetch=args.zeppelin_prefetch == "on", split=into_micro,
             pad_multiple=tp if getattr(args, "sequence_parallel", False) else 1,
-            on_batch=record_batch(args, split, dist.get_rank() == 0) if split == "train" else None))
+            on_batch=on_batch, broadcast_plan=broadcast, tp_size=tp, tp_rank=dist.get_rank() % tp))
     return tuple(loaders)
 
 
-def record_batch(args: Any, split: str, first: bool) -> Callable[[PreparedBatch], None]:
-    """Record the data state on ``args`` (saved in every Megatron checkpoint); on the
-    ``first`` rank also dump plans and log tier counts."""
+def record_batch(args: Any, split: str, first: bool, clock: StepClock, model: ModelConfig,
+                 reduce_sum: Callable[[list[int]], list[int]]) -> Callable[[PreparedBatch, StepContext], None]:
+    """The training loader's ``on_batch``: record the data state on ``args`` (saved in
+    every Megatron checkpoint); report the iteration that just ended every
+    ``--zeppelin-log-interval`` iterations (``reduce_sum``: an all-reduce over every
+    rank, so every rank calls it for the same batches); on the ``first`` rank also
+    dump plans and print the reports."""
     dump = Path(args.zeppelin_plan_dump_dir) if args.zeppelin_plan_dump_dir else None
+    every = args.zeppelin_log_interval
     micro = zeppelin_micro_batches(args)
     seen = {"index": -1, "micro": 0}  # micro-batches of one global batch share its index
+    previous: list[tuple[PreparedBatch, StepContext]] = []
 
-    def handle(p: PreparedBatch) -> None:
+    def handle(p: PreparedBatch, context: StepContext) -> None:
         args.zeppelin_data_state = data_state(p.sampler_state, p.batch.index + 1)
         seen["micro"] = seen["micro"] + 1 if p.batch.index == seen["index"] else 0
         seen["index"] = p.batch.index
-        if not first:
-            return
-        if dump is not None:
+        seconds = clock.training_batch()
+        if previous:
+            done, done_context = previous.pop()
+            if every and done.batch.index % every == 0:
+                report = report_iteration(done.plan, done.batch.num_tokens, done.batch.index, done_context,
+                                          seconds, model, reduce_sum)
+                write_report(report, megatron_writers())
+                if first:
+                    print(f"{format_plan_log(done)}, {format_report(report)}", flush=True)
+        previous.append((p, context))
+        if first and dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
             suffix = f"_mb{seen['micro']}" if micro > 1 else ""
             (dump / f"{split}_plan_{p.batch.index:07d}{suffix}.json").write_text(p.plan.to_json())
-        every = args.zeppelin_log_interval
-        if every and p.batch.index % every == 0:
-            print(format_plan_log(p), flush=True)
     return handle
 
 
 def format_plan_log(p: PreparedBatch) -> str:
-    """One line: batch, tokens, tiers, attention and linear balance (max / mean)."""
+    """Batch, tokens, tiers, attention and linear balance (max / mean) of a Plan."""
     t = p.plan.tier_counts()
     pairs, linear = p.plan.attn_pairs_per_rank(), p.plan.linear_tokens_per_rank()
     ratio = lambda xs: max(xs) / (sum(xs) / len(xs)) if sum(xs) else 1.0  # noqa: E731

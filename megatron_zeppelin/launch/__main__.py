@@ -69,8 +69,13 @@ def _run(command: list[str]) -> int:
     if not Path(script).is_file():
         raise ConfigError(f"{script} does not exist; pass --megatron-lm DIR of a patched Megatron-LM "
                           "checkout (scripts/apply_megatron_patch.sh DIR)")
-    print(format_command(expanded), file=sys.stderr, flush=True)
-    return subprocess.call(expanded)
+    # Megatron's tensor-parallel communication overlap relies on one CUDA work queue
+    # (its own scripts and scripts/slurm/pretrain_gpt.sbatch set the same); a value
+    # the user exported wins.
+    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")}
+    print(f"CUDA_DEVICE_MAX_CONNECTIONS={env['CUDA_DEVICE_MAX_CONNECTIONS']} {format_command(expanded)}",
+          file=sys.stderr, flush=True)
+    return subprocess.call(expanded, env=env)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ attention_bias=..., packed_seq_params=...)``.  In the THD format the tensors are
 (``Plan.attention_spans(rank)`` order); the result must be reshapeable to
 ``[t, 1, heads * head_dim]``.  Heads are already split by tensor parallelism.
 
-The Plan, communicator and backend arrive on
-:class:`~megatron_zeppelin.megatron.packed.ZeppelinPackedSeqParams`; the engine
+The Plan, communicator and backend arrive in the step's
+:class:`~megatron_zeppelin.step_context.StepContext` (bound by
+``ZeppelinGPTModel.forward`` from the packed parameters); the engine
 (``megatron_zeppelin.attention.engine.plan_attention``) runs its inter-node,
 intra-node and local queues.  Without a plan the module is plain packed causal
 attention over ``cu_seqlens`` -- the data-parallel reference.
@@ -28,9 +29,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_zeppelin.attention.engine import plan_attention
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.megatron.packed import ZeppelinPackedSeqParams
+from megatron_zeppelin.step_context import UsesStepContext
 
 
-class ZeppelinAttention(MegatronModule):
+class ZeppelinAttention(UsesStepContext, MegatronModule):
     """Core attention over a Zeppelin Plan (causal, THD, GQA, no dropout)."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -70,17 +72,16 @@ class ZeppelinAttention(MegatronModule):
                               "(build them with megatron_zeppelin.megatron.build_packed_seq_params)")
         if attention_bias is not None:
             raise ConfigError("ZeppelinAttention does not support an attention bias")
-        p = packed_seq_params
-        if p.plan is None:
+        p, c = packed_seq_params, self.require_step_context()
+        if c.plan is None:
             out = packed_causal_attention(query, key, value, p.cu_seqlens_q, self.softmax_scale)
-            if p.counters is not None:
-                spans = len(p.cu_seqlens_q) - (1 if p.pad_tokens else 0)  # padding is no sequence
-                p.counters.forward_pairs += _packed_pairs(p.cu_seqlens_q[:spans])
+            spans = len(p.cu_seqlens_q) - (1 if p.pad_tokens else 0)  # padding is no sequence
+            c.attention_counter.forward_pairs += _packed_pairs(p.cu_seqlens_q[:spans])
         else:
             n = query.shape[0] - p.pad_tokens  # padding rows are not the plan's
-            out = plan_attention(query[:n], key[:n], value[:n], plan=p.plan, rank=p.rank,
-                                 comm=p.communicator, backend=p.backend,
-                                 softmax_scale=self.softmax_scale, counter=p.counters)
+            out = plan_attention(query[:n], key[:n], value[:n], plan=c.plan, rank=c.rank,
+                                 comm=c.communicator, backend=c.backend, softmax_scale=self.softmax_scale,
+                                 counter=c.attention_counter, cache=c.cache)
             if p.pad_tokens:
                 out = torch.cat([out, out.new_zeros((p.pad_tokens, *out.shape[1:]))])
         return out.reshape(out.shape[0], -1)

@@ -1,11 +1,12 @@
 """A Megatron-Core ``GPTModel`` whose RoPE follows each token's own position.
 
 ``GPTModel._preprocess`` builds rotary angles for the contiguous range
-``0..max_seqlen`` (and moves them to CUDA).  ``ZeppelinGPTModel`` overrides only
-that step when the batch carries :class:`ZeppelinPackedSeqParams`: the angles
-are built from ``packed_seq_params.position_ids`` (one per token), and Megatron's
-own THD RoPE applies them token by token.  Everything else -- embedding, layers,
-output layer, loss -- is Megatron's.
+``0..max_seqlen`` (and moves them to CUDA).  ``ZeppelinGPTModel`` overrides that
+step when the batch carries :class:`ZeppelinPackedSeqParams`: the angles are built
+from ``packed_seq_params.position_ids`` (one per token), and Megatron's own THD
+RoPE applies them token by token.  Its ``forward`` binds the batch's step context
+to the Zeppelin modules first.  Everything else -- embedding, layers, output
+layer, loss -- is Megatron's.
 """
 
 from __future__ import annotations
@@ -24,10 +25,19 @@ from megatron_zeppelin.megatron.packed import ZeppelinPackedSeqParams
 from megatron_zeppelin.megatron.rotary import rotary_freqs
 from megatron_zeppelin.megatron.spec import get_zeppelin_layer_spec
 from megatron_zeppelin.model_config import ModelConfig
+from megatron_zeppelin.step_context import bind_step_context, step_context_of
 
 
 class ZeppelinGPTModel(GPTModel):
-    """``GPTModel`` with per-token rotary positions for Zeppelin's packed buffers."""
+    """``GPTModel`` with per-token rotary positions for Zeppelin's packed buffers,
+    which hands the step's context to every Zeppelin module."""
+
+    def forward(self, *args: Any, packed_seq_params: Any = None, **kwargs: Any) -> Any:
+        # The one channel: the batch's context reaches the attention and remap
+        # modules here, before any layer runs.  A batch without one unbinds the
+        # previous step's, so those modules refuse to run instead of reusing it.
+        bind_step_context(self, step_context_of(packed_seq_params))
+        return super().forward(*args, packed_seq_params=packed_seq_params, **kwargs)
 
     def _preprocess(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                     decoder_input: torch.Tensor | None = None, inference_context: Any = None,

@@ -94,7 +94,7 @@ def _cat(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 def build_exchange(plan: Plan, rank: int) -> RemapExchange:
-    """The index maps of ``rank`` for ``plan`` (use :func:`exchange_for` to cache them)."""
+    """The index maps of ``rank`` for ``plan`` (``remap_tokens`` caches them on the step context)."""
     attn = _RowIndex(plan.attention_spans(rank))
     linear = _RowIndex(plan.linear[rank])
     # remap_schedule is sorted by (src, dst, seq, start): both ends of a pair see
@@ -118,32 +118,3 @@ def build_exchange(plan: Plan, rank: int) -> RemapExchange:
         raise PlanError(f"plan: rank {rank}'s linear layout does not hold every token of the batch "
                         "exactly once; call plan.validate() to find the broken sequence")
     return ex
-
-
-class _ExchangeCache:
-    """Small LRU of exchanges keyed by plan *identity* (hashing a Plan walks all
-    of it, and every layer asks for the same plan's maps several times a step)."""
-
-    def __init__(self, size: int = 8) -> None:
-        self.size = size
-        self.entries: OrderedDict[tuple[int, int], tuple[Plan, RemapExchange]] = OrderedDict()
-
-    def get(self, plan: Plan, rank: int) -> RemapExchange:
-        key = (id(plan), rank)
-        hit = self.entries.get(key)
-        if hit is not None and hit[0] is plan:  # holding the plan keeps its id unique
-            self.entries.move_to_end(key)
-            return hit[1]
-        ex = build_exchange(plan, rank)
-        self.entries[key] = (plan, ex)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
-        return ex
-
-
-_CACHE = _ExchangeCache()
-
-
-def exchange_for(plan: Plan, rank: int) -> RemapExchange:
-    """Cached :func:`build_exchange`."""
-    return _CACHE.get(plan, rank)

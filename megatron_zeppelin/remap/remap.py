@@ -18,53 +18,18 @@ import dataclasses
 import functools
 import importlib
 import math
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
-from megatron_zeppelin.comm.base import Communicator, Message
+from megatron_zeppelin.comm.base import ByteCounters, Communicator, Message
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.plan import Plan
-from megatron_zeppelin.remap.exchange import RemapExchange, exchange_for
+from megatron_zeppelin.remap.exchange import RemapExchange, build_exchange
 from megatron_zeppelin.remap.sequence_parallel import sequence_parallel_mlp
+from megatron_zeppelin.step_context import RemapCounters, UsesStepContext
 
 Direction = Literal["to_linear", "to_attention"]
-
-
-@dataclass
-class RemapCounters:
-    """Bytes this rank sent for layout switches (forward and backward), apart
-    from the attention engine's ring bytes in ``ByteCounters``."""
-
-    remap_intra_node: int = 0
-    """Bytes sent to GPUs of the same node."""
-    remap_inter_node: int = 0
-    """Bytes sent to other nodes (as the remap asked for them; a routed
-    communicator also counts how they travelled, in its own ByteCounters)."""
-
-    def reset(self) -> None:
-        self.remap_intra_node = 0
-        self.remap_inter_node = 0
-
-
-@dataclass(frozen=True)
-class RemapContext:
-    """Everything a layout switch needs in one step (set on the model per step)."""
-
-    plan: Plan
-    """The step's Plan (attention layout, linear layout, remap schedule)."""
-    rank: int
-    """This rank (whose buffers the hidden states are)."""
-    comm: Communicator
-    """Round-based communicator the switch runs over."""
-    counters: RemapCounters | None = None
-    """Where to add the bytes sent, or None."""
-    max_buffer_bytes: int | None = None
-    """Largest hidden-state buffer a switch may allocate (None: unlimited)."""
-    sequence_parallel_group: Any = None
-    """The tensor-parallel group when Megatron's sequence parallelism splits the
-    MLP's rows over it (``remap.sequence_parallel``); None without SP."""
 
 
 def pad_rows(tokens: int) -> int:
@@ -74,30 +39,35 @@ def pad_rows(tokens: int) -> int:
 
 def remap_tokens(x: torch.Tensor, *, plan: Plan, rank: int, comm: Communicator,
                  direction: Direction, counters: RemapCounters | None = None,
-                 max_buffer_bytes: int | None = None) -> torch.Tensor:
+                 max_buffer_bytes: int | None = None, cache: dict | None = None) -> torch.Tensor:
     """Move ``x`` (``[t, ...]``: this rank's tokens in the source layout's buffer
-    order, any trailing dims) to the other layout; differentiable.
+    order, any trailing dims) to the other layout; differentiable.  ``cache``: a
+    dict living as long as ``plan`` (the step context's) keeps the exchange maps
+    for the step's next switches.
 
     Collective: every rank calls it with the same plan and direction."""
     if direction not in ("to_linear", "to_attention"):
         raise ValueError(f"direction must be 'to_linear' or 'to_attention', got {direction!r}")
-    ex = exchange_for(plan, rank).to(x.device)
-    move = _Move(ex, comm, rank, plan.gpus_per_node, direction == "to_linear", counters,
-                 max_buffer_bytes)
+    key = ("remap_exchange", rank, x.device)
+    ex = cache.get(key) if cache is not None else None
+    if ex is None:
+        ex = build_exchange(plan, rank).to(x.device)
+        if cache is not None:
+            cache[key] = ex
+    move = _Move(ex, comm, rank, direction == "to_linear", counters, max_buffer_bytes)
     return _RemapFunction.apply(x, move)
 
 
 class _Move:
     """One direction of a switch; ``reversed()`` is the gradient's way."""
 
-    def __init__(self, ex: RemapExchange, comm: Communicator, rank: int, gpus_per_node: int,
-                 to_linear: bool, counters: RemapCounters | None, limit: int | None) -> None:
-        self.ex, self.comm, self.rank, self.gpn = ex, comm, rank, gpus_per_node
+    def __init__(self, ex: RemapExchange, comm: Communicator, rank: int, to_linear: bool,
+                 counters: RemapCounters | None, limit: int | None) -> None:
+        self.ex, self.comm, self.rank = ex, comm, rank
         self.to_linear, self.counters, self.limit = to_linear, counters, limit
 
     def reversed(self) -> "_Move":
-        return _Move(self.ex, self.comm, self.rank, self.gpn, not self.to_linear, self.counters,
-                     self.limit)
+        return _Move(self.ex, self.comm, self.rank, not self.to_linear, self.counters, self.limit)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ex = self.ex
@@ -124,6 +94,7 @@ class _Move:
         messages = [Message(m.id, m.src, m.dst, m.numel * row) for m in messages]
         sends = {i: x.index_select(0, rows).reshape(-1) for i, rows in gather.items()}
         recvs = {i: x.new_empty(rows.numel() * row) for i, rows in scatter.items()}
+        before = _sent(self.comm.counters)
         # Every rank holds the same message list, so all skip an empty round together.
         pending = self.comm.start_round(messages, sends, recvs) if messages else None
         out = x.new_zeros((n_out + pad_rows(n_out), *trailing))
@@ -133,17 +104,17 @@ class _Move:
         for i, rows in scatter.items():
             out.index_copy_(0, rows, recvs[i].view(rows.numel(), *trailing))
         if self.counters is not None:
-            self._count(messages, x.element_size())
+            # What the communicator counted during this round (no other round of
+            # this rank runs between start and wait): the bytes that really moved,
+            # routed hops included, not what the plan asked for.
+            after = _sent(self.comm.counters)
+            self.counters.remap_intra_node += after[0] - before[0]
+            self.counters.remap_inter_node += after[1] - before[1]
         return out
 
-    def _count(self, messages: list[Message], itemsize: int) -> None:
-        for m in messages:
-            if m.src != self.rank or m.dst == self.rank:
-                continue
-            if m.src // self.gpn == m.dst // self.gpn:
-                self.counters.remap_intra_node += m.numel * itemsize
-            else:
-                self.counters.remap_inter_node += m.numel * itemsize
+
+def _sent(counters: ByteCounters) -> tuple[int, int]:
+    return counters.intra_node, sum(counters.inter_node_per_nic.values())
 
 
 class _RemapFunction(torch.autograd.Function):
@@ -159,37 +130,30 @@ class _RemapFunction(torch.autograd.Function):
         return ctx.move(grad.contiguous()), None
 
 
-class ZeppelinRemap(torch.nn.Module):
-    """A layout switch as a module; identity until a :class:`RemapContext` is set
-    (``set_remap_context``) -- no plan means both layouts are the same."""
+class ZeppelinRemap(UsesStepContext, torch.nn.Module):
+    """A layout switch as a module, run with the step's context (bound by
+    ``ZeppelinGPTModel``); without one it raises rather than pass its input through."""
 
-    def __init__(self, direction: Direction, context: RemapContext | None = None) -> None:
+    def __init__(self, direction: Direction) -> None:
         super().__init__()
         if direction not in ("to_linear", "to_attention"):
             raise ValueError(f"direction must be 'to_linear' or 'to_attention', got {direction!r}")
         self.direction = direction
-        self.context = context
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c = self.context
-        if c is None:
-            return x
-        return remap_tokens(x, plan=c.plan, rank=c.rank, comm=c.comm, direction=self.direction,
-                            counters=c.counters, max_buffer_bytes=c.max_buffer_bytes)
+        c = self.require_step_context()
+        return remap_tokens(x, plan=c.require_plan("ZeppelinRemap"), rank=c.rank, comm=c.communicator,
+                            direction=self.direction, counters=c.remap_counters,
+                            max_buffer_bytes=c.remap_buffer_limit, cache=c.cache)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """Nothing to save: Megatron's ``MLP.sharded_state_dict`` asks every child
+        module for its shards (``--ckpt-format torch_dist``)."""
+        return {}
 
     def extra_repr(self) -> str:
         return self.direction
-
-
-def set_remap_context(model: torch.nn.Module, context: RemapContext | None) -> int:
-    """Give every ZeppelinRemap in ``model`` this step's context (None: identity);
-    returns how many switches were found."""
-    found = 0
-    for module in model.modules():
-        if isinstance(module, ZeppelinRemap):
-            module.context = context
-            found += 1
-    return found
 
 
 class RemapMLPMixin:
@@ -203,9 +167,9 @@ class RemapMLPMixin:
         self.to_attention = ZeppelinRemap("to_attention")
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        c = self.to_linear.context
+        c = self.to_linear.step_context
         if c is not None and c.sequence_parallel_group is not None:
-            tokens = sum(sp.length for sp in c.plan.attention_spans(c.rank))
+            tokens = sum(sp.length for sp in c.require_plan("ZeppelinRemap").attention_spans(c.rank))
             return sequence_parallel_mlp(super().forward, hidden_states, self.to_linear, self.to_attention,
                                          c.sequence_parallel_group, tokens + pad_rows(tokens), *args, **kwargs)
         # The MLP returns (output [t, b, h], bias [h] or None); the bias is per channel.

@@ -40,12 +40,19 @@ class RankBatch:
     """``[t]`` int64 next-token ids (0 where masked)."""
     loss_mask: torch.Tensor
     """``[t]`` float: 1 where the token has a label in its own sequence."""
+    pad_tokens: int = 0
+    """Masked rows of token 0 after the spans' tokens: one when the rank holds no
+    token (Megatron's layers cannot run on an empty tensor), and up to a multiple
+    of the TP size under sequence parallelism."""
 
 
 def build_rank_batch(spans: Sequence[Span], pieces: Sequence[Piece], source: TokenSource,
-                     device: torch.device, pad_tokens: int = 0) -> RankBatch:
+                     device: torch.device, multiple_of: int = 1) -> RankBatch:
     """Tokens, labels and mask of ``spans`` (spans index ``pieces`` by ``seq``),
-    followed by ``pad_tokens`` masked rows of token 0."""
+    padded with masked rows to :func:`padded_length` (one row when ``spans`` hold
+    no token; a multiple of the TP size under sequence parallelism)."""
+    held = sum(sp.length for sp in spans)
+    pad_tokens = padded_length(held, multiple_of) - held
     tokens, labels, mask = [], [], []
     for sp in spans:
         piece = pieces[sp.seq]
@@ -65,7 +72,7 @@ def build_rank_batch(spans: Sequence[Span], pieces: Sequence[Piece], source: Tok
     def cat(parts: list[np.ndarray], dtype: type) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(parts).astype(dtype)).to(device)
     return RankBatch(tokens=cat(tokens, np.int64), labels=cat(labels, np.int64),
-                     loss_mask=cat(mask, np.float32))
+                     loss_mask=cat(mask, np.float32), pad_tokens=pad_tokens)
 
 
 def padded_length(tokens: int, multiple: int) -> int:

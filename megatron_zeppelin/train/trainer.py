@@ -35,7 +35,7 @@ from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.plan import Plan, TierCounts
 from megatron_zeppelin.plan.agreement import check_same_plan
 from megatron_zeppelin.comm.lanes import StepRecorder
-from megatron_zeppelin.remap import RemapContext, RemapCounters, set_remap_context
+from megatron_zeppelin.step_context import RemapCounters, StepContext
 from megatron_zeppelin.schedule.attention import AttnShape
 from megatron_zeppelin.sim.modeled_trace import engine_settings
 from megatron_zeppelin.train.trace_dump import rank_record, write_step_trace
@@ -44,7 +44,7 @@ from megatron_zeppelin.prefetch import Prefetcher
 from megatron_zeppelin.sampler import ZeppelinBatchSampler
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import (TokenSource, build_rank_batch, make_token_source,
-                                           num_label_tokens, padded_length)
+                                           num_label_tokens)
 from megatron_zeppelin.train.cli import TrainConfig
 from megatron_zeppelin.train.log import StepLogger, StepRecord
 from megatron_zeppelin.train.micro import MicroBatch, iter_micro_batches, make_sampler, make_split
@@ -237,17 +237,13 @@ def forward_backward(run: Run, micro: MicroBatch, pairs: AttentionCounter) -> fl
             doc["engine"] = engine_settings(engine_attn_shape(run), run.comm.transport)
         (out / f"plan_{run.step:06d}{suffix}.json").write_text(json.dumps(doc))
     spans = plan.attention_spans(run.dp_rank)
-    tokens = sum(sp.length for sp in spans)
-    pad = padded_length(tokens, run.cfg.tp if run.cfg.sequence_parallel else 1) - tokens
-    data = build_rank_batch(spans, micro.pieces, run.source, run.device, pad_tokens=pad)
-    packed = build_packed_seq_params(
-        spans, plan=None if plan.strategy == REFERENCE else plan, rank=run.dp_rank,
-        communicator=run.comm, backend=run.backend, device=run.device, pad_tokens=pad,
-        counters=pairs)
-    if run.remap:
-        set_remap_context(run.model, RemapContext(plan=plan, rank=run.dp_rank, comm=run.comm,
-                                                  counters=run.remap_counters,
-                                                  sequence_parallel_group=sequence_parallel_group(run.cfg.sequence_parallel)))
+    data = build_rank_batch(spans, micro.pieces, run.source, run.device,
+                            multiple_of=run.cfg.tp if run.cfg.sequence_parallel else 1)
+    context = StepContext(plan=None if plan.strategy == REFERENCE else plan, rank=run.dp_rank,
+                          communicator=run.comm, backend=run.backend, attention_counter=pairs,
+                          remap_counters=run.remap_counters, tp_size=run.cfg.tp, tp_rank=run.rank % run.cfg.tp,
+                          sequence_parallel_group=sequence_parallel_group(run.cfg.sequence_parallel))
+    packed = build_packed_seq_params(spans, context=context, device=run.device, pad_tokens=data.pad_tokens)
     recorder = StepRecorder() if run.cfg.dump_trace else None
     if run.comm is not None:
         run.comm.recorder = recorder

@@ -76,14 +76,38 @@ def test_merged_blocks_backward_with_final_lse(backend):
 def test_varlen_matches_torch(backend):
     cu = torch.tensor([0, 17, 18, 150, 200], dtype=torch.int32, device="cuda")
     q, k, v, dout = _tensors(200, 200, 8, 2, 64, seed=5)
-    out, lse = backend.varlen_forward(q, k, v, cu_seqlens=cu, scale=0.125)
-    ref_out, ref_lse = TorchBackend().varlen_forward(q, k, v, cu_seqlens=cu, scale=0.125)
+    lens = dict(cu_seqlens=cu, max_seqlen=132, scale=0.125)
+    out, lse = backend.varlen_forward(q, k, v, **lens)
+    ref_out, ref_lse = TorchBackend().varlen_forward(q, k, v, **lens)
     torch.testing.assert_close(out.float(), ref_out.float(), **BF16_TOL)
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
-    grads = backend.varlen_backward(dout, q, k, v, out, lse, cu_seqlens=cu, scale=0.125)
-    ref_grads = TorchBackend().varlen_backward(dout, q, k, v, out, lse, cu_seqlens=cu, scale=0.125)
+    grads = backend.varlen_backward(dout, q, k, v, out, lse, **lens)
+    ref_grads = TorchBackend().varlen_backward(dout, q, k, v, out, lse, **lens)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g.float(), r.float(), **BF16_TOL)
+
+
+def test_strided_views_give_the_contiguous_result(backend):
+    """Megatron's q/k/v are views of one fused QKV projection, and a Ulysses head
+    split or a lone local piece is a strided view too: a kernel reading raw
+    pointers would compute on the wrong rows."""
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32, device="cuda")
+    qkv = torch.randn(100, 3, 4, 64, device="cuda").bfloat16()
+    q, k, v = qkv.unbind(1)                                    # [t, 4, 64] each, strided
+    assert not q.is_contiguous()
+    lens = dict(cu_seqlens=cu, max_seqlen=60, scale=0.125)
+    out, lse = backend.varlen_forward(q, k, v, **lens)
+    want, want_lse = backend.varlen_forward(q.contiguous(), k.contiguous(), v.contiguous(), **lens)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+
+
+def test_auto_runs_fp32_on_the_torch_kernels():
+    q, k, v, _ = (x.float() for x in _tensors(50, 50, 4, 4, 32, seed=9))
+    auto = get_backend("auto")
+    out, lse = auto.forward(q, k, v, causal=True, scale=0.2)   # flash-attn would refuse fp32
+    want, want_lse = TorchBackend().forward(q, k, v, causal=True, scale=0.2)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 class _NoComm:

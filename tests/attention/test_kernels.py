@@ -101,8 +101,8 @@ def test_varlen_packs_independent_sequences():
     cu = torch.tensor([0, 3, 4, 10, 12], dtype=torch.int32)
     q, k, v, dout = _tensors(12, 12, 4, 2, 8, seed=3)
     be = TorchBackend()
-    out, lse = be.varlen_forward(q, k, v, cu_seqlens=cu, scale=0.5)
-    grads = be.varlen_backward(dout, q, k, v, out, lse, cu_seqlens=cu, scale=0.5)
+    out, lse = be.varlen_forward(q, k, v, cu_seqlens=cu, max_seqlen=6, scale=0.5)
+    grads = be.varlen_backward(dout, q, k, v, out, lse, cu_seqlens=cu, max_seqlen=6, scale=0.5)
     start = 0
     for n in lengths:
         rows = slice(start, start + n)
@@ -137,7 +137,7 @@ def test_shape_errors_name_the_problem():
 def test_get_backend():
     assert get_backend("torch").name == "torch"
     if not torch.cuda.is_available():
-        assert get_backend("auto").name == "torch"
+        assert isinstance(get_backend("auto").pick(torch.zeros(1, 1, 1, dtype=torch.bfloat16)), TorchBackend)
     with pytest.raises(ConfigError, match="unknown attention backend 'xla'"):
         get_backend("xla")
     for name, package in (("flash", "flash_attn"), ("te", "transformer_engine")):

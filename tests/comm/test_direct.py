@@ -127,3 +127,19 @@ def _wrong_topology_case(rank, world_size):
 def test_wrong_world_size_is_a_config_error(world):
     for message in world.run(_wrong_topology_case):
         assert message.startswith("world size 4 does not match the topology 1 nodes x 2 GPUs")
+
+
+def test_a_fresh_nccl_group_is_warmed_up_by_every_rank(monkeypatch):
+    """batch_isend_irecv's first call on a NCCL group must involve all its ranks;
+    the communicator's constructor (run by every rank) makes that call."""
+    calls = []
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "barrier", lambda group=None: calls.append(group))
+    group = object()
+    DirectCommunicator(group, TOPO)
+    assert calls == [group]
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    DirectCommunicator(group, TOPO)
+    assert calls == [group]  # gloo needs no warm-up

@@ -23,6 +23,7 @@ from megatron_zeppelin.integration.hooks import (
     plan_topology,
     record_batch,
 )
+from megatron_zeppelin.integration.step_report import StepClock
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.sampler import batch_budget
 from megatron_zeppelin.topology import Topology, load_cluster
@@ -69,8 +70,8 @@ def test_every_token_lands_once_in_plan_order(setup):
     tiers = set()
     for _ in range(4):
         steps = [next(loader) for loader in ranks]
-        plan = steps[0].packed_seq_params.plan
-        assert all(s.packed_seq_params.plan == plan for s in steps)
+        plan = steps[0].packed_seq_params.context.plan
+        assert all(s.packed_seq_params.context.plan == plan for s in steps)
         labelled = 0
         for rank, step in enumerate(steps):
             assert step.tokens.shape == step.labels.shape == step.loss_mask.shape == step.position_ids.shape
@@ -96,11 +97,11 @@ def test_tokens_come_from_the_right_documents(setup):
                    lengths[pieces[s.seq].dataset][pieces[s.seq].doc])[pieces[s.seq].start + s.start:
                                                                       pieces[s.seq].start + s.end]
         for s in plan.attention_spans(0)])
-    np.testing.assert_array_equal(prepared.tokens.numpy(), expected)
+    np.testing.assert_array_equal(prepared.data.tokens.numpy(), expected)
     # Labels are the next token of the same piece (the first span's, checked inside it).
     n = plan.attention_spans(0)[0].length
-    np.testing.assert_array_equal(prepared.labels.numpy()[:n - 1], expected[1:n])
-    assert prepared.loss_mask.numpy()[:n - 1].all()
+    np.testing.assert_array_equal(prepared.data.labels.numpy()[:n - 1], expected[1:n])
+    assert prepared.data.loss_mask.numpy()[:n - 1].all()
 
 
 def test_prefetch_and_resume_see_the_same_batches(setup):
@@ -112,9 +113,9 @@ def test_prefetch_and_resume_see_the_same_batches(setup):
     b.close()
     resumed = [next(loaders(blend, make_plan, resume_at=2)[1])]
     for x, y in zip(straight, fetched):
-        assert torch.equal(x.tokens, y.tokens) and x.packed_seq_params.plan == y.packed_seq_params.plan
+        assert torch.equal(x.tokens, y.tokens) and x.packed_seq_params.context.plan == y.packed_seq_params.context.plan
     assert torch.equal(resumed[0].tokens, straight[2].tokens)
-    assert resumed[0].packed_seq_params.plan == straight[2].packed_seq_params.plan
+    assert resumed[0].packed_seq_params.context.plan == straight[2].packed_seq_params.context.plan
 
 
 def test_plan_check_with_fake_all_reduce(setup):
@@ -163,17 +164,26 @@ def test_megatron_batch_shapes_and_records(setup, tmp_path, capsys):
     args = add_zeppelin_args(argparse.ArgumentParser()).parse_args(
         ["--zeppelin", "--zeppelin-plan-dump-dir", str(tmp_path), "--zeppelin-log-interval", "1"])
     loader = loaders(blend, make_plan)[0]
-    loader.on_batch = record_batch(args, "train", first=True)
+    times = iter([10.0, 12.5])
+    one_rank_sum = lambda values: [v * WORLD for v in values]  # noqa: E731  4 ranks, same values
+    loader.on_batch = record_batch(args, "train", True, StepClock(lambda: next(times)), load_model("tiny"),
+                                   one_rank_sum)
     tokens, labels, loss_mask, attention_mask, position_ids, packed = get_batch(loader)
-    assert attention_mask is None and packed.plan is not None and tokens.shape == position_ids.shape
+    assert attention_mask is None and packed.context.plan is not None and tokens.shape == position_ids.shape
     assert args.zeppelin_data_state["batches_consumed"] == 1
     assert args.zeppelin_data_state["sampler"] == loader.sampler.state_dict()
     assert (tmp_path / "train_plan_0000000.json").is_file()
-    assert capsys.readouterr().out.startswith("zeppelin batch 0:")
+    assert capsys.readouterr().out == ""  # batch 0 is reported once it has trained
+    packed.context.remap_counters.remap_intra_node = 100  # what batch 0's remaps counted on this rank
+    first_plan = packed.context.plan
     keys = ["attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group", "labels", "local_cp_size",
             "loss_mask", "max_seqlen", "position_ids", "tokens"]
     values = dict(zip(keys, get_batch_by_keys(loader, keys)))
-    assert values["cu_seqlens"].plan is not None and values["tokens"].shape[0] == 1
+    line = capsys.readouterr().out
+    tokens0 = sum(first_plan.seq_lens)
+    assert line.startswith(f"zeppelin batch 0: {len(first_plan.seq_lens)} seqs, {tokens0} tokens")
+    assert f"remap_bytes={4 * 100} {tokens0 / 2.5:.1f} tokens/s" in line  # summed over ranks; 2.5 s
+    assert values["cu_seqlens"].context.plan is not None and values["tokens"].shape[0] == 1
     assert all(values[k] is None for k in ("attention_mask", "cu_seqlens_padded", "max_seqlen", "local_cp_size"))
     assert args.zeppelin_data_state["batches_consumed"] == 2
     assert "local" in format_plan_log(loader.prepare())
@@ -214,10 +224,12 @@ def test_micro_batch_plans_are_dumped_apart(tmp_path):
     args = add_zeppelin_args(argparse.ArgumentParser()).parse_args(
         ["--zeppelin", "--zeppelin-plan-dump-dir", str(tmp_path)])
     args.world_size, args.global_batch_size = 4, 8
-    handle = record_batch(args, "train", first=True)
+    times = iter(range(10))
+    handle = record_batch(args, "train", True, StepClock(lambda: float(next(times))), load_model("tiny"),
+                          lambda values: values)
     for index in (0, 0, 1, 1):
         handle(SimpleNamespace(batch=SimpleNamespace(index=index), plan=SimpleNamespace(to_json=lambda: "{}"),
-                               sampler_state={}))
+                               sampler_state={}), None)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "train_plan_0000000_mb0.json", "train_plan_0000000_mb1.json",
         "train_plan_0000001_mb0.json", "train_plan_0000001_mb1.json"]

@@ -46,10 +46,10 @@ def _loaders_case(rank, world_size, prefix, tp, routing, iteration, steps, micro
         out = []
         for _ in range(steps):
             b = next(train)
-            out.append((b.packed_seq_params.plan.fingerprint(), b.tokens[0].tolist(),
-                        b.packed_seq_params.plan.seq_lens, b.packed_seq_params.pad_tokens,
+            out.append((b.packed_seq_params.context.plan.fingerprint(), b.tokens[0].tolist(),
+                        b.packed_seq_params.context.plan.seq_lens, b.packed_seq_params.pad_tokens,
                         int(b.loss_mask.sum())))
-        kinds = type(b.packed_seq_params.communicator).__name__
+        kinds = type(b.packed_seq_params.context.communicator).__name__
         valid_ok = valid is None or next(valid).tokens.shape[0] == 1
         train.close()
         if valid is not None:
@@ -155,3 +155,47 @@ def test_plan_hash_mismatch_detected_over_gloo(world):
     one_off = same[:3] + [[400, 200, 50, 31]]
     errors = world.run(_plan_check_case, one_off)
     assert all(e is not None and "different Plans for global batch 0" in e for e in errors)
+
+
+def _broadcast_case(rank, world_size, prefix, broadcast):
+    """Ranks whose planners disagree (as a time-limited MILP can): with the plan
+    broadcast from rank 0 every rank trains rank 0's Plan; without, the check stops."""
+    import torch
+
+    from megatron_zeppelin.comm.collectives import torch_all_reduce_max
+    from megatron_zeppelin.cost import CostModel
+    from megatron_zeppelin.integration.data import open_blends
+    from megatron_zeppelin.integration.hooks import ZeppelinLoader, broadcast_plan_from_rank0, build_plan_fn
+    from megatron_zeppelin.model_config import load_model
+    from megatron_zeppelin.plan.agreement import PlanMismatchError
+    from megatron_zeppelin.sampler import batch_budget
+    from megatron_zeppelin.topology import load_cluster
+
+    cpu = torch.device("cpu")
+    blend = open_blends([prefix], "1")["train"]
+    cost = CostModel(load_cluster("cpu-sim"), load_model("tiny"))
+    make_plan = build_plan_fn("zeppelin" if rank == 0 else "packing_dp", cost, 600, False, 5.0)
+    planned = []
+    loader = ZeppelinLoader(
+        sampler=blend.sampler(max_seq_len=512, tokens_per_batch=batch_budget(600, 4, 512), seed=2), blend=blend,
+        make_plan=lambda lens: planned.append(1) or make_plan(lens), rank=rank, device=cpu, communicator=None,
+        backend=None, all_reduce_max=torch_all_reduce_max(cpu), prefetch=True,
+        broadcast_plan=broadcast_plan_from_rank0(cpu) if broadcast else None)
+    try:
+        plans = [next(loader).packed_seq_params.context.plan for _ in range(2)]
+    except PlanMismatchError as exc:
+        return str(exc)
+    finally:
+        loader.close()
+    return [p.fingerprint() for p in plans], [p.strategy for p in plans], len(planned)
+
+
+def test_one_rank_plans_and_broadcasts_for_flexsp(world, prefix):
+    from megatron_zeppelin.integration.hooks import PLAN_ON_ONE_RANK
+
+    assert "flexsp" in PLAN_ON_ONE_RANK
+    results = world.run(_broadcast_case, prefix, True)
+    assert all(r[0] == results[0][0] and r[1] == ["zeppelin"] * 2 for r in results)
+    assert results[0][2] >= 2 and all(r[2] == 0 for r in results[1:])  # only rank 0 ran its planner
+    errors = world.run(_broadcast_case, prefix, False)
+    assert all("different Plans" in e for e in errors)

@@ -114,3 +114,18 @@ def test_cli_errors_are_one_line(tmp_path):
     assert multi.returncode == 2 and "spans 2 nodes" in multi.stderr
     missing = run("--preset", "tiny-cpu", "--run", "--rdzv-host", "node-0")
     assert missing.returncode == 2 and "pretrain_gpt.py does not exist" in missing.stderr
+
+
+def test_run_sets_cuda_device_max_connections(tmp_path, monkeypatch):
+    """--run launches like the SLURM script: CUDA_DEVICE_MAX_CONNECTIONS=1 unless exported."""
+    import megatron_zeppelin.launch.__main__ as launch_main
+
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    seen = []
+    monkeypatch.setattr(launch_main.subprocess, "call", lambda argv, env: seen.append(env) or 0)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert launch_main._run(["python", str(script)]) == 0
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    assert launch_main._run(["python", str(script)]) == 0
+    assert [e["CUDA_DEVICE_MAX_CONNECTIONS"] for e in seen] == ["1", "8"]

@@ -22,6 +22,7 @@ from megatron_zeppelin.megatron import (ZeppelinAttention, build_gpt_model, buil
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan import Mode, Plan, Span, placement
 from megatron_zeppelin.planner.base import same_layout_linear
+from megatron_zeppelin.step_context import StepContext
 
 MODEL = ModelConfig(name="t", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                     ffn_hidden_size=64, vocab_size=64)
@@ -46,8 +47,8 @@ def _model(seed: int = 0):
 
 
 def _forward(model, ids: torch.Tensor, spans: list[Span], plan: Plan | None = None, labels=None):
-    packed = build_packed_seq_params(spans, plan=plan, rank=0, communicator=None,
-                                     backend=get_backend("torch"), device=CPU)
+    context = StepContext(plan=plan, rank=0, communicator=None, backend=get_backend("torch"))
+    packed = build_packed_seq_params(spans, context=context, device=CPU)
     return model(ids[None], packed.position_ids[None], None, labels=None if labels is None else labels[None],
                  packed_seq_params=packed)
 
@@ -102,7 +103,7 @@ def test_thd_rope_applies_each_tokens_own_position(one_rank):
     config = transformer_config(MODEL)
     rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
     spans = [Span(0, 0, 2), Span(0, 6, 8), Span(1, 0, 3)]
-    packed = build_packed_seq_params(spans, plan=None, rank=0, communicator=None, backend=None, device=CPU)
+    packed = build_packed_seq_params(spans, context=StepContext(None, 0, None, None), device=CPU)
     torch.manual_seed(2)
     full = {0: torch.randn(8, 2, 8), 1: torch.randn(3, 2, 8)}
     rows = torch.cat([full[sp.seq][sp.start:sp.end] for sp in spans])
@@ -169,3 +170,79 @@ def test_moe_spec_remaps_the_moe_block_and_routes_on_cpu():
     mlp = spec.submodules.mlp
     assert issubclass(mlp.module, MoELayer) and issubclass(mlp.module, RemapMLPMixin)
     assert mlp.submodules.router is ZeppelinTopKRouter
+
+
+def test_step_context_reaches_every_zeppelin_module_through_the_model(one_rank):
+    """One channel: the context on the packed parameters is bound by the model to
+    every ZeppelinAttention and ZeppelinRemap; a batch without one unbinds it, and
+    the modules then refuse to run instead of passing their input through."""
+    from megatron_zeppelin.megatron.packed import ZeppelinPackedSeqParams
+    from megatron_zeppelin.remap import ZeppelinRemap
+
+    torch.manual_seed(3)
+    model = build_gpt_model(MODEL, max_seq_len=64, remap=True)
+    lens = [6, 3]
+    attention = tuple(placement(i, n, Mode.LOCAL, [0]) for i, n in enumerate(lens))
+    plan = Plan(strategy="t", world_size=1, gpus_per_node=1, seq_lens=tuple(lens), attention=attention,
+                linear=same_layout_linear(1, attention)).validate()
+    ids = torch.randint(0, MODEL.vocab_size, (sum(lens),))
+    context = StepContext(plan=plan, rank=0, communicator=_LoopbackComm(), backend=get_backend("torch"))
+    packed = build_packed_seq_params(plan.attention_spans(0), context=context, device=CPU)
+    model(ids[None], packed.position_ids[None], None, packed_seq_params=packed)
+    users = [m for m in model.modules() if isinstance(m, (ZeppelinAttention, ZeppelinRemap))]
+    assert len(users) == 3 * MODEL.num_layers and all(m.step_context is context for m in users)
+    assert context.attention_counter.forward_pairs == MODEL.num_layers * (21 + 6)
+    kinds = sorted({key[0] for key in context.cache})
+    assert kinds == ["layer_schedules", "remap_exchange"]  # per-plan data lives on the context
+    bare = ZeppelinPackedSeqParams(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens_q,
+                                   cu_seqlens_kv=packed.cu_seqlens_q, position_ids=packed.position_ids)
+    with pytest.raises(ConfigError, match="ran without a Zeppelin step context"):
+        model(ids[None], packed.position_ids[None], None, packed_seq_params=bare)
+    assert all(m.step_context is None for m in users)
+
+
+def test_remap_model_saves_and_loads_with_torch_dist(one_rank, tmp_path, monkeypatch):
+    """``--ckpt-format torch_dist`` asks every module for ``sharded_state_dict``
+    (Megatron-Core 0.16.1 raised AttributeError on ZeppelinRemap at the first save)."""
+    pytest.importorskip("psutil", reason="Megatron's torch_dist writer needs psutil")
+    from megatron.core import dist_checkpointing
+
+    # Megatron's torch_dist writer calls these two CUDA functions unconditionally;
+    # on a CPU-only torch they mean "the CPU" (no stream to wait for).
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    torch.manual_seed(4)
+    saved = build_gpt_model(MODEL, max_seq_len=64, remap=True)
+    dist_checkpointing.save(saved.sharded_state_dict(), str(tmp_path))
+    torch.manual_seed(5)
+    loaded = build_gpt_model(MODEL, max_seq_len=64, remap=True)
+    loaded.load_state_dict(dist_checkpointing.load(loaded.sharded_state_dict(), str(tmp_path)))
+    for (name, want), got in zip(saved.state_dict().items(), loaded.state_dict().values()):
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(got, want), name
+
+
+class _LoopbackComm:
+    """One rank's communicator: a round only copies a rank's messages to itself."""
+
+    def __init__(self) -> None:
+        from megatron_zeppelin.comm.base import ByteCounters
+        self.counters = ByteCounters()
+
+    def start_round(self, messages, sends, recvs):
+        for m in messages:
+            recvs[m.id].copy_(sends[m.id])
+        return self
+
+    def wait(self) -> None:
+        pass
+
+
+def test_cu_seqlens_stay_on_the_host():
+    """Megatron's THD RoPE calls .tolist() and .item() per span on cu_seqlens: on the
+    host those are free, on a GPU each would wait for the stream."""
+    spans = [Span(0, 0, 3), Span(1, 4, 9)]
+    packed = build_packed_seq_params(spans, context=StepContext(None, 0, None, None),
+                                     device=torch.device("meta"))
+    assert packed.cu_seqlens_q.device.type == "cpu" and packed.cu_seqlens_q.tolist() == [0, 3, 8]
+    assert packed.position_ids.device.type == "meta"

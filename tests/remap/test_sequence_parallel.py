@@ -8,7 +8,8 @@ import torch
 
 from megatron_zeppelin.comm.base import ByteCounters
 from megatron_zeppelin.comm.direct import DirectCommunicator
-from megatron_zeppelin.remap import RemapContext, ZeppelinRemap, pad_rows
+from megatron_zeppelin.remap import ZeppelinRemap, pad_rows
+from megatron_zeppelin.step_context import StepContext
 from megatron_zeppelin.remap.sequence_parallel import sequence_parallel_mlp
 from megatron_zeppelin.topology import Topology
 from tests.distributed import world_fixture
@@ -30,8 +31,9 @@ def _case(rank, world_size, seeds):
     weight = torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(3))
     for seed in seeds:
         plan = random_plan(seed, world_size=DP, gpus_per_node=1)
-        context = RemapContext(plan=plan, rank=dp_rank, comm=comm)
-        to_linear, to_attention = ZeppelinRemap("to_linear", context), ZeppelinRemap("to_attention", context)
+        context = StepContext(plan=plan, rank=dp_rank, communicator=comm, backend=None)
+        to_linear, to_attention = ZeppelinRemap("to_linear"), ZeppelinRemap("to_attention")
+        to_linear.step_context = to_attention.step_context = context
         x = features(plan.attention_spans(dp_rank), seed, WIDTH)  # [t + pad, 2, w]
         attention_rows = x.shape[0]
         rows = attention_rows + -attention_rows % TP + TP  # SP padding (one extra TP block: any multiple works)

@@ -361,8 +361,12 @@ def test_rank_batch_labels_stay_inside_each_sequence():
 
     pieces = [Piece(doc=3, start=10, end=18), Piece(doc=5, start=0, end=3)]
     spans = [Span(0, 0, 2), Span(0, 6, 8), Span(1, 0, 3)]
-    b = build_rank_batch(spans, pieces, Counting(), torch.device("cpu"), pad_tokens=1)
-    assert b.tokens.tolist() == [3010, 3011, 3016, 3017, 5000, 5001, 5002, 0]
-    assert b.labels.tolist() == [3011, 3012, 3017, 0, 5001, 5002, 0, 0]
-    assert b.loss_mask.tolist() == [1, 1, 1, 0, 1, 1, 0, 0]
+    b = build_rank_batch(spans, pieces, Counting(), torch.device("cpu"))
+    assert b.tokens.tolist() == [3010, 3011, 3016, 3017, 5000, 5001, 5002]
+    assert b.labels.tolist() == [3011, 3012, 3017, 0, 5001, 5002, 0]
+    assert b.loss_mask.tolist() == [1, 1, 1, 0, 1, 1, 0]
+    assert b.pad_tokens == 0
+    # A rank the Plan gives no token holds one masked row (Megatron's layers need one).
+    empty = build_rank_batch([], pieces, Counting(), torch.device("cpu"))
+    assert (empty.tokens.tolist(), empty.loss_mask.tolist(), empty.pad_tokens) == ([0], [0], 1)
     assert num_label_tokens([8, 3]) == 9

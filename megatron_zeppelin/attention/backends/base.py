@@ -16,6 +16,12 @@ blocks.  So ``causal=True`` means "query i sees keys j <= i" on a square block,
 Shapes: ``q: [tq, hq, d]``, ``k, v: [tk, hk, d]`` (GQA: ``hq`` a multiple of
 ``hk``; query head ``h`` uses key head ``h // (hq // hk)``), ``out: [tq, hq, d]``
 in ``q.dtype``, ``lse: [hq, tq]`` float32 (the flash-attn varlen convention).
+
+Inputs may be any strided views (a Ulysses head split, one piece of a larger
+buffer, Megatron's ``value`` split out of the fused QKV): a backend whose kernel
+reads raw pointers makes them contiguous first (:func:`contiguous`).  Lengths
+that size a kernel launch (``max_seqlen``) come from the caller as host ints,
+known from the Plan, so no call waits for the GPU to read them back.
 """
 
 from __future__ import annotations
@@ -48,15 +54,39 @@ class AttentionBackend(Protocol):
         ``sum(dout * out)`` -- which makes per-block gradients add up exactly."""
 
     def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                       cu_seqlens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       cu_seqlens: torch.Tensor, max_seqlen: int,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal attention of many whole sequences packed THD-style:
         sequence ``i`` is rows ``cu_seqlens[i]:cu_seqlens[i+1]`` of q, k and v
-        (``cu_seqlens``: int32, starts at 0).  Returns ``(out, lse [hq, t])``."""
+        (``cu_seqlens``: int32, starts at 0; ``max_seqlen``: the longest, a host
+        int).  Returns ``(out, lse [hq, t])``."""
 
     def varlen_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, *, cu_seqlens: torch.Tensor,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        max_seqlen: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of :meth:`varlen_forward`."""
+
+
+#: The flags that choose the kernels, for error messages.
+BACKEND_FLAGS = "--zeppelin-backend in Megatron-LM, --backend in python -m megatron_zeppelin.train"
+
+#: Element types the fused kernels (flash-attn, TransformerEngine) compute in.
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors as dense row-major storage (a copy only where a view is strided):
+    fused kernels read ``data_ptr()`` and the shape and ignore strides."""
+    return [t.contiguous() for t in tensors]
+
+
+def check_fused_input(name: str, q: torch.Tensor) -> None:
+    """A fused kernel's input must be an fp16/bf16 CUDA tensor; the error names the
+    flags that pick the PyTorch kernels instead."""
+    if not q.is_cuda or q.dtype not in HALF_DTYPES:
+        raise ConfigError(f"attention backend {name!r} needs fp16/bf16 CUDA tensors, got {q.dtype} on "
+                          f"{q.device}; choose the torch kernels, or auto, which uses them for fp32 and "
+                          f"CPU tensors ({BACKEND_FLAGS})")
 
 
 def check_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> int:

@@ -15,7 +15,8 @@ import inspect
 
 import torch
 
-from megatron_zeppelin.attention.backends.base import check_block
+from megatron_zeppelin.attention.backends.base import (BACKEND_FLAGS, check_block, check_fused_input,
+                                                        contiguous)
 from megatron_zeppelin.errors import ConfigError
 
 
@@ -24,8 +25,8 @@ def _import_flash():
         from flash_attn import flash_attn_interface
     except ImportError as exc:
         raise ConfigError(f"attention backend 'flash' needs flash-attn ({exc}); install it with "
-                          "`pip install flash-attn --no-build-isolation` on a CUDA machine or "
-                          "choose --attention-backend torch") from None
+                          f"`pip install flash-attn --no-build-isolation` on a CUDA machine, or choose "
+                          f"the torch or auto kernels ({BACKEND_FLAGS})") from None
     return flash_attn_interface
 
 
@@ -43,32 +44,31 @@ class FlashBackend:
         self._bwd_params = set(inspect.signature(self._fa._flash_attn_varlen_backward).parameters)
 
     def _check(self, q: torch.Tensor) -> None:
-        if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-            raise ConfigError(f"attention backend 'flash' needs fp16/bf16 CUDA tensors, got "
-                              f"{q.dtype} on {q.device}; use --attention-backend torch for fp32 or CPU")
+        check_fused_input(self.name, q)
 
-    def varlen_forward(self, q, k, v, *, cu_seqlens, scale, cu_seqlens_k=None, causal=True):
+    def varlen_forward(self, q, k, v, *, cu_seqlens, max_seqlen, scale, cu_seqlens_k=None, max_seqlen_k=None,
+                       causal=True):
         self._check(q)
         cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
-        max_q = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        max_k = int((cu_k[1:] - cu_k[:-1]).max())
+        max_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
+        q, k, v = contiguous(q, k, v)
         out, lse, _ = self._fa.flash_attn_varlen_func(
-            q, k, v, cu_seqlens, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
+            q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, dropout_p=0.0, softmax_scale=scale,
             causal=causal, return_attn_probs=True)
         if lse.dim() != 2:
             raise ConfigError("flash-attn returned a padded LSE (release < 2.4); upgrade flash-attn")
         return out, lse.float()
 
-    def varlen_backward(self, dout, q, k, v, out, lse, *, cu_seqlens, scale, cu_seqlens_k=None,
-                        causal=True):
+    def varlen_backward(self, dout, q, k, v, out, lse, *, cu_seqlens, max_seqlen, scale, cu_seqlens_k=None,
+                        max_seqlen_k=None, causal=True):
         self._check(q)
         cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+        max_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
+        dout, q, k, v, out, lse = contiguous(dout, q, k, v, out, lse)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self._fa._flash_attn_varlen_backward(**self._backward_kwargs(
-            dout=dout.contiguous(), q=q, k=k, v=v, out=out.contiguous(), softmax_lse=lse.contiguous(),
-            dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_k,
-            max_seqlen_q=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
-            max_seqlen_k=int((cu_k[1:] - cu_k[:-1]).max()), softmax_scale=scale, causal=causal))
+            dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen, max_seqlen_k=max_k, softmax_scale=scale, causal=causal))
         return dq, dk, dv
 
     def _backward_kwargs(self, **kwargs) -> dict:
@@ -80,11 +80,13 @@ class FlashBackend:
 
     def forward(self, q, k, v, *, causal, scale):
         check_block(q, k, v, causal)
-        return self.varlen_forward(q, k, v, cu_seqlens=_cu([q.shape[0]], q.device), scale=scale,
-                                   cu_seqlens_k=_cu([k.shape[0]], q.device), causal=causal)
+        return self.varlen_forward(q, k, v, cu_seqlens=_cu([q.shape[0]], q.device), max_seqlen=q.shape[0],
+                                   scale=scale, cu_seqlens_k=_cu([k.shape[0]], q.device),
+                                   max_seqlen_k=k.shape[0], causal=causal)
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale):
         check_block(q, k, v, causal)
         return self.varlen_backward(dout, q, k, v, out, lse, cu_seqlens=_cu([q.shape[0]], q.device),
-                                    scale=scale, cu_seqlens_k=_cu([k.shape[0]], q.device),
+                                    max_seqlen=q.shape[0], scale=scale,
+                                    cu_seqlens_k=_cu([k.shape[0]], q.device), max_seqlen_k=k.shape[0],
                                     causal=causal)

@@ -17,7 +17,8 @@ import inspect
 
 import torch
 
-from megatron_zeppelin.attention.backends.base import check_block
+from megatron_zeppelin.attention.backends.base import (BACKEND_FLAGS, check_block, check_fused_input,
+                                                        contiguous)
 from megatron_zeppelin.errors import ConfigError
 
 
@@ -26,8 +27,8 @@ def _import_te():
         from transformer_engine.pytorch.cpp_extensions import fused_attn
     except ImportError as exc:
         raise ConfigError(f"attention backend 'te' needs TransformerEngine ({exc}); install "
-                          "transformer-engine[pytorch] on a CUDA machine or choose "
-                          "--attention-backend torch") from None
+                          f"transformer-engine[pytorch] on a CUDA machine, or choose the torch or auto "
+                          f"kernels ({BACKEND_FLAGS})") from None
     return fused_attn
 
 
@@ -37,6 +38,7 @@ def _call(fn, **kwargs):
 
 
 def _lengths(cu: torch.Tensor) -> list[int]:
+    # A device read: only the padded-stats layout of cuDNN < 9.6 needs every length.
     return (cu[1:] - cu[:-1]).tolist()
 
 
@@ -76,47 +78,51 @@ class TeBackend:
             self._packed_stats = True
 
     def _check(self, q: torch.Tensor) -> None:
-        if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-            raise ConfigError(f"attention backend 'te' needs fp16/bf16 CUDA tensors, got {q.dtype} "
-                              f"on {q.device}; use --attention-backend torch for fp32 or CPU")
+        check_fused_input(self.name, q)
 
-    def _common(self, cu_q, cu_k, scale, causal) -> dict:
-        return dict(max_seqlen_q=max(_lengths(cu_q)), max_seqlen_kv=max(_lengths(cu_k)),
+    def _common(self, cu_q, cu_k, max_q, max_k, scale, causal) -> dict:
+        return dict(max_seqlen_q=max_q, max_seqlen_kv=max_k,
                     cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, cu_seqlens_q_padded=cu_q,
                     cu_seqlens_kv_padded=cu_k, fused_attention_backend=self._backend,
                     attn_scale=scale, dropout=0.0, fast_zero_fill=True, qkv_layout="thd_thd_thd",
                     attn_bias_type="no_bias", attn_mask_type="padding_causal" if causal else "padding",
                     window_size=(-1, 0) if causal else (-1, -1))
 
-    def varlen_forward(self, q, k, v, *, cu_seqlens, scale, cu_seqlens_k=None, causal=True):
+    def varlen_forward(self, q, k, v, *, cu_seqlens, max_seqlen, scale, cu_seqlens_k=None, max_seqlen_k=None,
+                       causal=True):
         self._check(q)
         cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+        max_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
+        q, k, v = contiguous(q, k, v)  # TE reads data_ptr() and the shape, never the strides
         out, aux = _call(self._fa.fused_attn_fwd, is_training=True, q=q, k=k, v=v, fake_dtype=q.dtype,
-                         **self._common(cu_seqlens, cu_k, scale, causal))
+                         **self._common(cu_seqlens, cu_k, max_seqlen, max_k, scale, causal))
         return out, _lse_to_engine(aux[0], cu_seqlens)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, *, cu_seqlens, scale, cu_seqlens_k=None,
-                        causal=True):
+    def varlen_backward(self, dout, q, k, v, out, lse, *, cu_seqlens, max_seqlen, scale, cu_seqlens_k=None,
+                        max_seqlen_k=None, causal=True):
         self._check(q)
         cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+        max_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
+        dout, q, k, v, out = contiguous(dout, q, k, v, out)
         stats = _lse_to_te(lse.float(), self._packed_stats, cu_seqlens)
         # dropout is 0, so the philox state is never read; TE still wants the tensor.
         rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
-        grads = _call(self._fa.fused_attn_bwd, q=q, k=k, v=v, o=out.contiguous(), d_o=dout.contiguous(),
+        grads = _call(self._fa.fused_attn_bwd, q=q, k=k, v=v, o=out, d_o=dout,
                       fake_dtype=q.dtype, dqkv_dtype=q.dtype, aux_ctx_tensors=[stats, rng_state],
-                      deterministic=False, **self._common(cu_seqlens, cu_k, scale, causal))
+                      deterministic=False, **self._common(cu_seqlens, cu_k, max_seqlen, max_k, scale, causal))
         return grads[0], grads[1], grads[2]
 
     def forward(self, q, k, v, *, causal, scale):
         check_block(q, k, v, causal)
         cu_q, cu_k = _cu(q.shape[0], q.device), _cu(k.shape[0], q.device)
-        return self.varlen_forward(q, k, v, cu_seqlens=cu_q, scale=scale, cu_seqlens_k=cu_k, causal=causal)
+        return self.varlen_forward(q, k, v, cu_seqlens=cu_q, max_seqlen=q.shape[0], scale=scale, cu_seqlens_k=cu_k,
+                                   max_seqlen_k=k.shape[0], causal=causal)
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale):
         check_block(q, k, v, causal)
         cu_q, cu_k = _cu(q.shape[0], q.device), _cu(k.shape[0], q.device)
-        return self.varlen_backward(dout, q, k, v, out, lse, cu_seqlens=cu_q, scale=scale,
-                                    cu_seqlens_k=cu_k, causal=causal)
+        return self.varlen_backward(dout, q, k, v, out, lse, cu_seqlens=cu_q, max_seqlen=q.shape[0], scale=scale,
+                                    cu_seqlens_k=cu_k, max_seqlen_k=k.shape[0], causal=causal)
 
 
 def _cu(n: int, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,150 @@
+"""One rank of the end-to-end Megatron-LM test (run by test_megatron_lm_e2e.py, one process per
+rank, inside a patched Megatron-LM core_v0.16.1 tree):
+
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python megatron_lm_e2e.py DATA CLUSTER CKPT STEPS
+
+Megatron-LM's own parser, ``gpt_builder``/``model_provider`` and the patched
+``pretrain_gpt.py`` (dataset provider, ``forward_step``, ``loss_func``) train ``STEPS``
+global batches with ``--zeppelin-remap on`` on 2 gloo ranks (Megatron-LM's loop itself
+needs CUDA; its per-step calls run here).  Beside it, the project's trainer
+(``train.trainer.train_step``, ``--strategy reference``: plain data parallelism) trains a
+copy of the same weights on the same global batches.  Half way, the Megatron model is
+saved with Megatron-Core's ``torch_dist`` format (what ``--ckpt-format torch_dist``
+writes), loaded into a freshly built model, and training continues from there.
+
+Prints per step on rank 0:  STEP k megatron_loss trainer_loss attention_max/mean linear_max/mean
+"""
+
+import dataclasses
+import subprocess
+import sys
+from functools import partial
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.rerun_state_machine import RerunDataIterator
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.global_vars import _set_timers, set_args
+
+from megatron_zeppelin import integration as zeppelin
+from megatron_zeppelin.attention.backends import TorchBackend
+from megatron_zeppelin.comm.base import ByteCounters
+from megatron_zeppelin.megatron import build_gpt_model
+from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.sampler import GlobalBatch
+from megatron_zeppelin.topology import load_cluster
+from megatron_zeppelin.train.batch import num_label_tokens
+from megatron_zeppelin.train.reference import reference_plan
+from megatron_zeppelin.train.trainer import Run, allreduce_grads, train_step
+
+
+def build_megatron_model(seed):
+    from gpt_builders import gpt_builder
+    from model_provider import model_provider
+
+    torch.manual_seed(seed)  # CPU initialisation draws from torch's default generator: same on every rank
+    return partial(model_provider, zeppelin.gpt_builder(gpt_builder))(pre_process=True, post_process=True)
+
+
+def ratio(values):
+    return max(values) / (sum(values) / len(values))
+
+
+def gather(value):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def main():
+    prefix, cluster, ckpt_dir, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    argv = subprocess.run([sys.executable, "-m", "megatron_zeppelin.launch", "--preset", "tiny-cpu", "--print-args",
+                           "--only", "megatron"], capture_output=True, text=True, check=True).stdout.split()
+    sys.argv = ["pretrain_gpt.py", *argv, "--use-cpu-initialization", "--global-batch-size", "2",
+                "--data-path", prefix, "--split", "100,0,0", "--zeppelin-cluster", cluster,
+                "--zeppelin-tokens-per-gpu", "1000", "--zeppelin-batch-fill", "0.7", "--zeppelin-backend", "torch",
+                "--zeppelin-remap", "on",
+                "--zeppelin-log-interval", "1"]
+    torch.set_num_threads(1)
+    # Megatron-Core's torch_dist writer calls torch.cuda.synchronize() and
+    # torch.cuda.current_device() unconditionally; on a CPU-only torch they mean "the CPU".
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    args = parse_args(zeppelin.chain_args_providers(None, zeppelin.add_zeppelin_args))
+    validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    args.padded_vocab_size = 384  # what Megatron pads NullTokenizer's 257 to (tokenizer building skipped)
+    args.iteration, args.consumed_valid_samples = 0, 0
+    set_args(args)
+    _set_timers(args)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parallel_state.initialize_model_parallel()
+
+    import pretrain_gpt  # the patched script, as a module
+
+    model = build_megatron_model(args.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    # The project's trainer on the same weights: plain data parallelism (the oracle).
+    model_cfg = dataclasses.replace(load_model("tiny"), vocab_size=args.padded_vocab_size)
+    reference = build_gpt_model(model_cfg, max_seq_len=args.seq_length)
+    reference.load_state_dict(model.state_dict())  # strict: the same parameters, name by name
+    train_loader, _, _ = pretrain_gpt.train_valid_test_datasets_provider([1, 1, 1])
+    handed_out = []
+    log_batch = train_loader.on_batch
+    train_loader.on_batch = lambda p, context: (handed_out.append(p), log_batch(p, context))
+    run = Run(cfg=SimpleNamespace(strategy="reference", dump_plans=None), rank=rank, world_size=world,
+              device=torch.device("cpu"), cluster=load_cluster(cluster), model_cfg=model_cfg, model=reference,
+              optimizer=torch.optim.Adam(reference.parameters(), lr=1e-3), sampler=None,
+              make_plan=lambda lens: reference_plan(lens, world, world), comm=None, counters=ByteCounters(),
+              backend=TorchBackend(), source=train_loader.blend, remap=False)
+
+    mlp_rows = []  # what the first MLP's first linear layer saw on this rank, step by step
+
+    def watch_mlp(m):
+        m.decoder.layers[0].mlp.linear_fc1.register_forward_pre_hook(lambda mod, inp: mlp_rows.append(inp[0].shape[0]))
+
+    watch_mlp(model)
+    data = RerunDataIterator(train_loader)
+    for step in range(steps):
+        if step == steps // 2:
+            # --ckpt-format torch_dist: Megatron-Core's distributed checkpoint of the model's
+            # sharded state dict (the call that raised on ZeppelinRemap before), then a fresh
+            # model built the same way loads it and training continues from it.
+            dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
+            loaded = build_megatron_model(args.seed + 1)
+            loaded.load_state_dict(dist_checkpointing.load(loaded.sharded_state_dict(), ckpt_dir))
+            for (name, want), got in zip(model.state_dict().items(), loaded.state_dict().values()):
+                assert not isinstance(want, torch.Tensor) or torch.equal(got, want), name
+            state = optimizer.state_dict()
+            model, optimizer = loaded, torch.optim.Adam(loaded.parameters(), lr=1e-3)
+            optimizer.load_state_dict(state)
+            watch_mlp(model)
+            if rank == 0:
+                print(f"RESUMED torch_dist {ckpt_dir}", flush=True)
+        output, loss_func = pretrain_gpt.forward_step(data, model)
+        loss, num_tokens, _ = loss_func(output)
+        prepared = handed_out[-1]
+        label_count = num_label_tokens(prepared.batch.seq_lens)
+        (loss / label_count).backward()
+        allreduce_grads(model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        record = train_step(run, GlobalBatch(prepared.batch.index, prepared.batch.epoch,
+                                             tuple(train_loader.blend.blend_pieces(prepared.batch.pieces))))
+        attention_rows = gather(prepared.data.tokens.numel() - prepared.data.pad_tokens)
+        linear_rows = gather(mlp_rows[-1])
+        if rank == 0:
+            print(f"STEP {step} {float(total) / label_count:.8f} {record.loss:.8f} {ratio(attention_rows):.4f} "
+                  f"{ratio(linear_rows):.4f} linear={linear_rows} plan_linear={prepared.plan.linear_tokens_per_rank()}",
+                  flush=True)
+    next(data)  # hands out one more batch: the last step's zeppelin log line (with remap_bytes) prints now
+    train_loader.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # Megatron's checkpoint writer spawns processes that import this file
+    main()
