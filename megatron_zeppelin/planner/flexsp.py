@@ -155,7 +155,7 @@ def seq_time_fn(cost: CostModel) -> Callable[[int, int], float]:
     @lru_cache(maxsize=None)
     def t(length: int, d: int) -> float:
         link = cost.alltoall_link(range(d))
-        return cost.ulysses_cost(length, d, link).total_s + cost.linear_s(length) / d
+        return cost.ulysses_cost([length], d, link, latency=False).total_s + cost.linear_s(length) / d
     return t
 
 

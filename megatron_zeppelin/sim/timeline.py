@@ -13,8 +13,11 @@ A rank's step is three phases, all on its critical path:
 
 Sequences whose rings share the exact same rank tuple are packed into one ring
 (TransformerEngine's THD layout sends all of them each step); a ring holding
-one sequence is Zeppelin's case.  The step ends when the slowest rank ends
-(gradient all-reduce), so ``step_s`` is the maximum over ranks.
+one sequence is Zeppelin's case; Ulysses groups pack the same way (one
+all-to-all per layer for all their sequences).  Concurrent inter-node rings
+share NICs (``cost/contention.py``).  The step ends when the slowest rank
+ends, plus what the gradient all-reduce leaves exposed and the optimizer
+(``cost/step_sync.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_zeppelin.cost import CostModel, RingCost
+from megatron_zeppelin.cost.contention import ring_links
+from megatron_zeppelin.cost.step_sync import StepSync, backward_share, step_sync
 from megatron_zeppelin.plan import Mode, Plan, TierCounts
 
 #: Segment kinds, in the order a rank runs them (plots use the same order).
@@ -78,6 +83,14 @@ class StepTimeline:
     """max / mean of linear-layout tokens per rank (1.0 is perfect)."""
     tiers: TierCounts
     """Sequences per tier (local / intra / inter / ulysses)."""
+    sync: StepSync | None = None
+    """Gradient all-reduce (exposed part) and optimizer after the slowest rank;
+    None for one round of several (the step adds it once)."""
+
+    @property
+    def compute_s(self) -> float:
+        """The slowest rank's total, before the gradient sync."""
+        return max(r.total_s for r in self.ranks)
 
     @property
     def slowest_rank(self) -> int:
@@ -95,6 +108,7 @@ def attention_phase(cost: CostModel, plan: Plan) -> list[tuple[float, float]]:
     """(compute_s, exposed_comm_s) of every rank's attention phase."""
     w = plan.world_size
     rings: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    ulysses: dict[tuple[int, ...], list[int]] = defaultdict(list)
     local = [0.0] * w
     grouped = [0.0] * w      # compute of rings and Ulysses groups
     ring_exposed = [0.0] * w
@@ -106,10 +120,15 @@ def attention_phase(cost: CostModel, plan: Plan) -> list[tuple[float, float]]:
         elif p.mode is Mode.RING:
             rings[p.ranks].append(length)
         else:
-            _add(grouped, ulysses_comm, p.ranks,
-                 cost.ulysses_cost(length, p.size, cost.alltoall_link(p.ranks)))
-    for ranks, lengths in rings.items():
-        _add(grouped, ring_exposed, ranks, cost.ring_cost(lengths, len(ranks), cost.link_for(ranks)))
+            ulysses[p.ranks].append(length)
+    # A group's sequences share one all-to-all per layer and pass (packed).
+    for ranks, lengths in ulysses.items():
+        _add(grouped, ulysses_comm, ranks,
+             cost.ulysses_cost(lengths, len(ranks), cost.alltoall_link(ranks)))
+    kv = cost.model.kv_bytes_per_token
+    links = ring_links(cost, [(ranks, kv * sum(lengths) / len(ranks)) for ranks, lengths in rings.items()])
+    for (ranks, lengths), link in zip(rings.items(), links):
+        _add(grouped, ring_exposed, ranks, cost.ring_cost(lengths, len(ranks), link))
     # Local work runs inside the ring gaps; only the part of the gaps it cannot
     # fill stays exposed.  phase = sum(total) + max(0, local - ring_exposed).
     return [(grouped[r] + local[r], ulysses_comm[r] + max(0.0, ring_exposed[r] - local[r]))
@@ -160,8 +179,9 @@ def _inter_link(cost: CostModel, rank: int) -> tuple[int, int]:
     return (topo.node_of(rank), -1 if cost.routing else topo.nic_of(rank))
 
 
-def step_timeline(plan: Plan, cost: CostModel) -> StepTimeline:
-    """Per-rank modeled time of one step of ``plan`` (see the module docstring)."""
+def step_timeline(plan: Plan, cost: CostModel, *, sync: bool = True) -> StepTimeline:
+    """Per-rank modeled time of one step of ``plan`` (see the module docstring);
+    ``sync=False`` leaves out the gradient sync (one micro-batch of several)."""
     remap = remap_time(cost, plan)
     linear_tokens = plan.linear_tokens_per_rank()
     ranks = []
@@ -177,8 +197,10 @@ def step_timeline(plan: Plan, cost: CostModel) -> StepTimeline:
                                   exposed_comm_s=exposed, remap_s=remap,
                                   total_s=linear + compute + exposed + remap,
                                   segments=tuple(segments)))
+    slowest = max(ranks, key=lambda r: r.total_s)
+    tail = step_sync(cost, *backward_share(slowest.attn_compute_s, slowest.linear_s)) if sync else None
     return StepTimeline(strategy=plan.strategy, ranks=tuple(ranks),
-                        step_s=max(r.total_s for r in ranks),
+                        step_s=slowest.total_s + (tail.exposed_s if tail else 0.0), sync=tail,
                         attn_imbalance=imbalance(plan.attn_pairs_per_rank()),
                         linear_imbalance=imbalance(linear_tokens),
                         tiers=plan.tier_counts())

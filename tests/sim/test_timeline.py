@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.cost.contention import ring_links
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Mode, Plan, Span, placement
@@ -55,7 +56,8 @@ def test_local_only_matches_formula_by_hand():
         assert rt.attn_compute_s == pytest.approx(expect_attn[r], rel=1e-12)
         assert rt.linear_s == pytest.approx(expect_lin[r], rel=1e-12)
         assert rt.exposed_comm_s == 0 and rt.remap_s == 0
-    assert tl.step_s == pytest.approx(max(a + b for a, b in zip(expect_attn, expect_lin)), rel=1e-12)
+    assert tl.compute_s == pytest.approx(max(a + b for a, b in zip(expect_attn, expect_lin)), rel=1e-12)
+    assert tl.step_s == pytest.approx(tl.compute_s + tl.sync.grad_exposed_s + tl.sync.optimizer_s, rel=1e-12)
     assert tl.slowest_rank == 0
     assert tl.ranks[2].segments == ()
     assert (tl.tiers.local, tl.tiers.intra, tl.tiers.inter) == (4, 0, 0)
@@ -92,9 +94,12 @@ def test_local_work_longer_than_gaps_hides_all_ring_comm():
 def test_identical_rank_tuples_pack_into_one_ring():
     cost = make_cost()
     plan = make_plan(cost, [8192, 4096, 2048], [(RING, (0, 2)), (RING, (0, 2)), (RING, (2, 0))])
+    kv = cost.model.kv_bytes_per_token
+    # Both rings cross both node boundaries at once: they share the NICs.
+    shared, shared_alone = ring_links(cost, [((0, 2), kv * 12288 / 2), ((2, 0), kv * 2048 / 2)])
+    packed = cost.ring_cost([8192, 4096], 2, shared)
+    alone = cost.ring_cost([2048], 2, shared_alone)
     link = cost.link_for((0, 2))
-    packed = cost.ring_cost([8192, 4096], 2, link)
-    alone = cost.ring_cost([2048], 2, link)
     tl = step_timeline(plan, cost)
     for r in (0, 2):
         assert tl.ranks[r].attn_compute_s == pytest.approx(packed.compute_s + alone.compute_s, rel=1e-12)
@@ -106,7 +111,7 @@ def test_identical_rank_tuples_pack_into_one_ring():
 def test_ulysses_comm_is_not_hidden_by_local_work():
     cost = make_cost()
     plan = make_plan(cost, [8192, 65536], [(ULYSSES, (0, 1, 2, 3)), (LOCAL, (0,))])
-    uc = cost.ulysses_cost(8192, 4, cost.alltoall_link((0, 1, 2, 3)))
+    uc = cost.ulysses_cost([8192], 4, cost.alltoall_link((0, 1, 2, 3)))
     tl = step_timeline(plan, cost)
     assert tl.ranks[0].exposed_comm_s == pytest.approx(uc.exposed_s, rel=1e-12)
     assert tl.ranks[0].attn_compute_s == pytest.approx(uc.compute_s + cost.local_attn_s(65536), rel=1e-12)
@@ -207,7 +212,7 @@ def test_timeline_identities_on_random_plans(seq_lens, routing):
         assert min(r.linear_s, r.attn_compute_s, r.exposed_comm_s, r.remap_s) >= 0
         assert sum(s.duration_s for s in r.segments) == pytest.approx(r.total_s, rel=1e-12)
         assert all(a.start_s + a.duration_s == pytest.approx(b.start_s) for a, b in zip(r.segments, r.segments[1:]))
-    assert tl.step_s == max(r.total_s for r in tl.ranks)
+    assert tl.step_s == max(r.total_s for r in tl.ranks) + tl.sync.exposed_s
     pairs = plan.attn_pairs_per_rank()
     assert tl.attn_imbalance == pytest.approx(max(pairs) / (sum(pairs) / 8), rel=1e-12)
     # Linear time is exactly linear in tokens, and the layout covers every token once.

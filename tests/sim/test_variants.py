@@ -137,7 +137,7 @@ def test_attention_bytes_match_the_cost_model(length, k, mode):
         per_rank, other = cost.ring_cost([length], k, link).transfer_s, ablation.ulysses_bytes(plan, cost)
         mine = ablation.ring_bytes(plan, cost)
     else:
-        per_rank, other = cost.ulysses_cost(length, k, link).transfer_s, ablation.ring_bytes(plan, cost)
+        per_rank, other = cost.ulysses_cost([length], k, link).transfer_s, ablation.ring_bytes(plan, cost)
         mine = ablation.ulysses_bytes(plan, cost)
     assert mine == pytest.approx(k * per_rank * 1e9, rel=1e-9) and other == 0
 
