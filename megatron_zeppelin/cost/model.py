@@ -252,5 +252,7 @@ class CostModel:
         """Step time if all work were split perfectly over every GPU with no
         communication and each sequence's attention ran at its full-length
         kernel efficiency."""
-        work = sum(self.local_attn_s(L) for L in seq_lens) + self.linear_s(sum(seq_lens))
+        tokens = sum(seq_lens)
+        work = (sum(self.local_attn_s(L) for L in seq_lens) + self.linear_s(tokens)
+                - self.tp_comm_s(tokens))    # the same on a TP view of the cluster
         return work / self.cluster.topology.world_size

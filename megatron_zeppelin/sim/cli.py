@@ -25,9 +25,9 @@ from megatron_zeppelin.presets import CONFIG_ROOT
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 from megatron_zeppelin.sampler.lengths import load_lengths
 from megatron_zeppelin.sim.progress import Progress
-from megatron_zeppelin.sim.simulate import (BASELINE, STRATEGY_NAMES, SimResult, Strategy, build_strategies,
-                                            format_table, infeasible_notes, sample_batches, simulate,
-                                            te_cp_size)
+from megatron_zeppelin.sim.simulate import (BASELINE, STATIC, STRATEGY_NAMES, SimResult, Strategy,
+                                            build_strategies, format_table, infeasible_notes, sample_batches,
+                                            simulate)
 from megatron_zeppelin.topology import load_cluster
 
 DEFAULT_LENGTHS = "synthetic-longtail"
@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                    help=f"comma-separated, from: {DEFAULT_STRATEGIES}")
     p.add_argument("--cp-size", type=int, default=None,
-                   help=f"{BASELINE}'s static CP size (default: smallest power of two that fits "
-                        "--max-seq-len in --tokens-per-gpu)")
+                   help=f"fix {BASELINE}'s static CP size (TP=1) and ulysses_sp's SP size (default: each "
+                        "searches its feasible static layouts, TP x CP for te_cp, and keeps the fastest "
+                        "on the first batches, as a user tuning a static run would)")
     p.add_argument("--flexsp-time-limit", type=float, default=2.0, help="flexsp MILP time limit, seconds")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--dump-plans", type=Path, default=None,
@@ -141,24 +142,29 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
                           f"{args.max_seq_len}-token sequence; raise --tokens-per-gpu or --nodes, or "
                           "lower --max-seq-len")
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
-    cp_size = args.cp_size or te_cp_size(args.max_seq_len, args.tokens_per_gpu)
-    if BASELINE in names and args.cp_size is None and world % cp_size:
-        raise ConfigError(f"{BASELINE} needs a CP size of {cp_size} to fit --max-seq-len {args.max_seq_len} "
-                          f"at --tokens-per-gpu {args.tokens_per_gpu}, which does not divide {world} GPUs; "
-                          f"pass --cp-size, change --nodes, or leave {BASELINE} out of --strategies")
-    strategies = build_strategies(names, cost, cp_size=cp_size)
+    if args.cp_size is not None and world % args.cp_size:
+        raise ConfigError(f"--cp-size {args.cp_size} does not divide {world} GPUs; pick a divisor or leave "
+                          "it out to let the static baselines search their layouts")
     lengths_path = resolve_lengths(args.lengths)
     tokens_per_batch = args.tokens_per_batch or batch_budget(args.tokens_per_gpu, world, args.max_seq_len,
                                                              args.batch_fill)
     batches = sample_batches(load_lengths(lengths_path), max_seq_len=args.max_seq_len,
                              tokens_per_batch=tokens_per_batch, steps=args.steps, seed=args.seed)
+    strategies = build_strategies(names, cost, cp_size=args.cp_size, layout_batches=batches,
+                                  max_seq_len=args.max_seq_len, tokens_per_gpu=args.tokens_per_gpu,
+                                  time_limit_s=args.flexsp_time_limit)
+    static = {s.name: s for s in strategies if s.name in STATIC}
+    te = static.get(BASELINE)
+    cp_size = args.cp_size if te is None or te.cp_size is None else te.cp_size
     topo = cluster.topology
     config = {"cluster": cluster.name, "nodes": topo.nodes, "gpus_per_node": topo.gpus_per_node,
               "nics_per_node": topo.nics_per_node, "world_size": world, "gpu": cluster.gpu.name,
               "model": cost.model.name, "lengths": str(lengths_path), "max_seq_len": args.max_seq_len,
               "tokens_per_gpu": args.tokens_per_gpu, "tokens_per_batch": tokens_per_batch,
               "batch_fill": args.batch_fill, "seed": args.seed, "strategies": names,
-              "te_cp_cp_size": cp_size, "flexsp_time_limit_s": args.flexsp_time_limit}
+              "te_cp_cp_size": cp_size, "te_cp_tp_size": te.tp_size if te is not None else None,
+              "static_layouts": {n: st.layout for n, st in static.items()},
+              "flexsp_time_limit_s": args.flexsp_time_limit}
     return config, strategies, batches
 
 
@@ -168,8 +174,9 @@ def _summary(config: dict[str, Any], result: SimResult) -> str:
     return (f"{config['model']} on {config['world_size']} GPUs ({config['cluster']}, {config['nodes']} nodes); "
             f"{len(result.seq_lens)} steps of ~{tokens:,.0f} tokens / {seqs:.0f} sequences from "
             f"{Path(config['lengths']).name}; max_seq_len {config['max_seq_len']}, "
-            f"{config['tokens_per_gpu']} tokens/GPU, {BASELINE} CP={config['te_cp_cp_size']}; "
-            f"lower bound {result.lower_bound_step_s * 1e3:.1f} ms")
+            f"{config['tokens_per_gpu']} tokens/GPU, {BASELINE} TP={config['te_cp_tp_size'] or 1} x "
+            f"CP={config['te_cp_cp_size']}; lower bound {result.lower_bound_step_s * 1e3:.1f} ms"
+            + "".join(f"\nstatic layout {line}" for line in config["static_layouts"].values() if line))
 
 
 def _mkdir(path: Path) -> None:
