@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
+from megatron_zeppelin.topology import LinkSpec
 
 #: Bytes per gradient element on the wire: Megatron accumulates and all-reduces
 #: bf16 models' gradients in fp32 (``--accumulate-allreduce-grads-in-fp32`` is
@@ -61,18 +62,33 @@ def backward_share(attn_s: float, linear_s: float) -> tuple[float, float]:
     return attn_s + linear_s - bwd, bwd
 
 
+def collective_link(cost: CostModel) -> LinkSpec:
+    """Per-GPU bus bandwidth of a ring collective over every rank.
+
+    Inside one node that is NVLink.  Across nodes NCCL runs one ring per
+    channel, each crossing a node boundary through a different NIC, so only
+    the crossings share the network: the bus bandwidth is the node's total NIC
+    bandwidth (capped by NVLink), not one GPU's NIC share.  FlexSP's cluster
+    measured 44.7 GB/s all-reduce bus bandwidth over 2 nodes x 8 A100 with
+    400 Gb/s per node (Hetu-Galvatron, flexsp branch, hardware_configs)."""
+    topo, nvl, nic = cost.cluster.topology, cost.cluster.nvlink, cost.cluster.nic
+    if topo.nodes == 1:
+        return nvl
+    return LinkSpec(bandwidth_GBps=min(nvl.bandwidth_GBps, nic.bandwidth_GBps * topo.nics_per_node),
+                    latency_us=nic.latency_us)
+
+
 def grad_sync_s(cost: CostModel) -> tuple[float, float, int]:
     """(reduce-scatter seconds, all-gather seconds, buckets) of the distributed
     optimizer over all ranks of the plan: a ring collective sends ``(n-1)/n`` of
     the data per rank in ``n-1`` steps per bucket, fp32 gradients in, bf16
-    weights out, over the per-GPU link of a collective (NVLink inside a node,
-    the GPU's share of the node's NICs across nodes)."""
+    weights out, at :func:`collective_link`'s bus bandwidth."""
     n = cost.cluster.topology.world_size
     if n <= 1:
         return 0.0, 0.0, 0
     params = cost.model.num_parameters
     buckets = max(1, math.ceil(params / max(BUCKET_MIN_PARAMS, BUCKET_PARAMS_PER_RANK * n)))
-    link = cost.alltoall_link(range(n))
+    link = collective_link(cost)
     latency = buckets * (n - 1) * link.latency_us * 1e-6
     share = (n - 1) / n * params / (link.bandwidth_GBps * 1e9)
     return share * GRAD_BYTES + latency, share * cost.model.dtype_bytes + latency, buckets

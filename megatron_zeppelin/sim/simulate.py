@@ -262,11 +262,16 @@ def simulate(batches: Iterable[Sequence[int]], strategies: Sequence[Strategy], *
     return SimResult(seq_lens, lower, results)
 
 
+def plan_context(s: Strategy, tokens_per_gpu: int, time_limit_s: float) -> PlanContext:
+    """The context ``s`` plans every batch with (``tokens_per_gpu`` per GPU)."""
+    return PlanContext(cost=s.cost, tokens_per_gpu=tokens_per_gpu * s.tp_size, cp_size=s.cp_size,
+                       time_limit_s=time_limit_s, remap_enabled=s.remap_enabled,
+                       step_model=lambda plan: step_timeline(plan, s.cost).step_s)
+
+
 def _run_one(step: int, lens: list[int], s: Strategy, r: StrategyResult, tokens_per_gpu: int,
              time_limit_s: float, plot_step: int, on_plan: Callable[[int, str, Plan], None] | None) -> None:
-    ctx = PlanContext(cost=s.cost, tokens_per_gpu=tokens_per_gpu * s.tp_size, cp_size=s.cp_size,
-                      time_limit_s=time_limit_s, remap_enabled=s.remap_enabled,
-                      step_model=lambda plan: step_timeline(plan, s.cost).step_s)
+    ctx = plan_context(s, tokens_per_gpu, time_limit_s)
     try:
         t0 = time.perf_counter()
         plan, rounds = plan_batch(s.planner, lens, ctx)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_zeppelin.cost import CostModel
-from megatron_zeppelin.cost.step_sync import (ADAM_BYTES_PER_PARAM, GRAD_BYTES, OPTIMIZER_HBM_EFFICIENCY,
+from megatron_zeppelin.cost.step_sync import (ADAM_BYTES_PER_PARAM, collective_link, GRAD_BYTES, OPTIMIZER_HBM_EFFICIENCY,
                                               grad_sync_s, optimizer_s, overlapped_exposed_s,
                                               step_sync)
 from megatron_zeppelin.cost.tp import tp_view
@@ -27,7 +27,8 @@ def test_grad_sync_is_a_reduce_scatter_and_all_gather_over_every_rank(cost):
     rs, ag, buckets = grad_sync_s(cost)
     p, n = cost.model.num_parameters, 32
     assert buckets == -(-p // 40_000_000)
-    link = cost.alltoall_link(range(n))        # across nodes: each GPU's NIC share
+    link = collective_link(cost)               # across nodes: the node's 8 NICs
+    assert link.bandwidth_GBps == pytest.approx(8 * 50)
     latency = buckets * (n - 1) * link.latency_us * 1e-6
     assert rs == pytest.approx((n - 1) / n * p * GRAD_BYTES / (link.bandwidth_GBps * 1e9) + latency)
     assert ag == pytest.approx((n - 1) / n * p * 2 / (link.bandwidth_GBps * 1e9) + latency)
