@@ -52,24 +52,35 @@ class StaticLayout:
         return f"TP={self.tp} x CP={self.size}"
 
 
+def tp_problems(cost: CostModel, max_seq_len: int, tokens_per_gpu: int) -> dict[int, str | None]:
+    """For every TP size a user might launch on ``cost``'s cluster (TP=1 view):
+    why it cannot run, or None.  The TP x CP layouts add their own reasons."""
+    topo, m = cost.cluster.topology, cost.model
+    out = {}
+    for tp in TP_SIZES:
+        problem = tp_problem(cost.cluster, m.num_attention_heads, m.num_query_groups, tp)
+        if problem is None and max_seq_len > topo.world_size * tokens_per_gpu:
+            problem = f"a {max_seq_len}-token sequence is over {topo.world_size} GPUs x {tokens_per_gpu} tokens"
+        if problem is None:
+            problem = memory_problem(m, cost.cluster.gpu.memory_gib, tp, topo.world_size // tp)
+        out[tp] = problem
+    return out
+
+
 def te_cp_layouts(cost: CostModel, max_seq_len: int, tokens_per_gpu: int) -> list[StaticLayout]:
     """Every TP x CP a user might launch for ``max_seq_len`` on ``cost``'s
     cluster (TP=1 view), each with the reason it fails or None."""
-    topo, m = cost.cluster.topology, cost.model
-    world = topo.world_size
+    world = cost.cluster.topology.world_size
     out = []
-    for tp in TP_SIZES:
+    for tp, problem in tp_problems(cost, max_seq_len, tokens_per_gpu).items():
         c = 1
         while c * tp <= world:
-            problem = tp_problem(cost.cluster, m.num_attention_heads, m.num_query_groups, tp)
-            if problem is None and world % (c * tp):
-                problem = f"TP x CP = {tp * c} does not divide {world} GPUs"
-            if problem is None and max_seq_len > c * tp * tokens_per_gpu:
-                problem = (f"a {max_seq_len}-token sequence is over {c * tp} GPUs x {tokens_per_gpu} "
-                           "tokens per GPU")
-            if problem is None:
-                problem = memory_problem(m, cost.cluster.gpu.memory_gib, tp, world // tp)
-            out.append(StaticLayout(tp, c, problem))
+            why = problem
+            if why is None and world % (c * tp):
+                why = f"TP x CP = {tp * c} does not divide {world} GPUs"
+            if why is None and max_seq_len > c * tp * tokens_per_gpu:
+                why = f"a {max_seq_len}-token sequence is over {c * tp} GPUs x {tokens_per_gpu} tokens per GPU"
+            out.append(StaticLayout(tp, c, why))
             c *= 2
     return out
 

@@ -11,6 +11,13 @@ step (``PlanContext.step_model``) runs.  Every candidate is timed under the
 run's own cost model, where each cross-node message takes the faster of
 routed and direct (``CostModel.crossing_link``, the routing layer's own
 break-even), so Zeppelin is never modeled slower than its variants.
+
+The uniform layouts static CP would run -- every sequence zigzag-split over
+fixed groups of ``c`` ranks, packed into one ring per group -- are plans
+Zeppelin's engine runs as well, and for a batch of a few very long sequences
+on wide TP groups they can beat the hierarchical partitioning.  They join the
+candidates (each ``c`` that holds the batch in one pass), so Zeppelin is never
+modeled slower than TE CP on the same ranks either.
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.base import PlanContext
+from megatron_zeppelin.planner.te_cp import TeCpPlanner
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
 
 
@@ -41,10 +50,24 @@ class DecidingZeppelinPlanner:
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         if ctx.step_model is None:
             return self.inner.plan(seq_lens, ctx)
-        best, best_s = None, float("inf")
-        for option in candidate_contexts(ctx):
-            plan = self.inner.plan(seq_lens, option)
-            step = ctx.step_model(plan)
-            if step < best_s:
-                best, best_s = plan, step
-        return best
+        candidates = [self.inner.plan(seq_lens, option) for option in candidate_contexts(ctx)]
+        candidates += uniform_cp_plans(seq_lens, ctx)
+        return min(candidates, key=ctx.step_model)   # ties: the first (the run's own choice)
+
+
+def uniform_cp_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
+    """Static CP's layouts that hold the batch in one pass, as Zeppelin plans."""
+    world, cap = ctx.topology.world_size, ctx.tokens_per_gpu
+    longest = max(seq_lens, default=1)
+    out = []
+    c = 2
+    while c <= world:
+        if world % c == 0 and -(-longest // c) <= cap:
+            try:
+                rounds = TeCpPlanner().plan_rounds(seq_lens, dataclasses.replace(ctx, cp_size=c))
+            except InfeasibleError:
+                rounds = None
+            if rounds is not None and len(rounds.rounds) == 1:
+                out.append(dataclasses.replace(rounds.merged, strategy=ZeppelinPlanner.name))
+        c *= 2
+    return out

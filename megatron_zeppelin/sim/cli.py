@@ -25,7 +25,7 @@ from megatron_zeppelin.presets import CONFIG_ROOT
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 from megatron_zeppelin.sampler.lengths import load_lengths
 from megatron_zeppelin.sim.progress import Progress
-from megatron_zeppelin.sim.simulate import (BASELINE, STATIC, STRATEGY_NAMES, SimResult, Strategy,
+from megatron_zeppelin.sim.simulate import (BASELINE, STATIC, STRATEGY_NAMES, VARIANTS, SimResult, Strategy,
                                             build_strategies, format_table, infeasible_notes, sample_batches,
                                             simulate)
 from megatron_zeppelin.topology import load_cluster
@@ -154,6 +154,8 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
                                   max_seq_len=args.max_seq_len, tokens_per_gpu=args.tokens_per_gpu,
                                   time_limit_s=args.flexsp_time_limit)
     static = {s.name: s for s in strategies if s.name in STATIC}
+    layouts = {n: st.layout for n, st in static.items()}
+    layouts.update({"zeppelin": s.layout for s in strategies if s.name in VARIANTS and s.layout})
     te = static.get(BASELINE)
     cp_size = args.cp_size if te is None or te.cp_size is None else te.cp_size
     topo = cluster.topology
@@ -163,7 +165,7 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
               "tokens_per_gpu": args.tokens_per_gpu, "tokens_per_batch": tokens_per_batch,
               "batch_fill": args.batch_fill, "seed": args.seed, "strategies": names,
               "te_cp_cp_size": cp_size, "te_cp_tp_size": te.tp_size if te is not None else None,
-              "static_layouts": {n: st.layout for n, st in static.items()},
+              "static_layouts": layouts, "tp_sizes": {s.name: s.tp_size for s in strategies},
               "flexsp_time_limit_s": args.flexsp_time_limit}
     return config, strategies, batches
 

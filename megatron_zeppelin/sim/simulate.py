@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.cost.tp import tp_view
 from megatron_zeppelin.errors import ConfigError, InfeasibleError
 from megatron_zeppelin.plan import Plan, TierCounts
 from megatron_zeppelin.planner.base import PLANNERS, PlanContext, Planner, get_planner
@@ -113,7 +114,8 @@ def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | No
     Zeppelin's variants (:data:`VARIANTS`) run its planner with their layers.
 
     The static baselines (:data:`STATIC`) get the layout a competent user would
-    launch (``sim/static_layout.py``) when ``layout_batches``, ``max_seq_len``
+    launch, and Zeppelin's variants the TP size the full Zeppelin runs fastest
+    with (``sim/static_layout.py``), when ``layout_batches``, ``max_seq_len``
     and ``tokens_per_gpu`` are given and no ``cp_size`` fixes it; else
     ``cp_size`` with TP=1."""
     unknown = [n for n in names if n not in STRATEGY_NAMES]
@@ -123,12 +125,21 @@ def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | No
     if len(set(names)) != len(names):
         raise ConfigError(f"strategy list {','.join(names)} names one twice; list each once")
     strategies = []
+    searched = cp_size is None and layout_batches is not None
+    zeppelin_tp = None
+    if searched and any(n in VARIANTS for n in names):
+        zeppelin_tp = _static_strategy("zeppelin", cost.routed(True), layout_batches, max_seq_len,
+                                       tokens_per_gpu, time_limit_s)
     for name in names:
         variant = VARIANTS.get(name)
         routed = cost.routed(uses_routing(name))
-        if variant is not None:
+        if variant is not None and zeppelin_tp is not None and zeppelin_tp.infeasible is None:
+            tp = zeppelin_tp.tp_size     # the TP size the full Zeppelin runs best with, for every variant
+            strategies.append(Strategy(name, get_planner("zeppelin"), tp_view(routed, tp) if tp > 1 else routed,
+                                       remap_enabled=variant.remap, tp_size=tp, layout=zeppelin_tp.layout))
+        elif variant is not None:
             strategies.append(Strategy(name, get_planner("zeppelin"), routed, remap_enabled=variant.remap))
-        elif name in STATIC and cp_size is None and layout_batches is not None:
+        elif name in STATIC and searched:
             strategies.append(_static_strategy(name, routed, layout_batches, max_seq_len, tokens_per_gpu,
                                                time_limit_s))
         else:
@@ -149,7 +160,7 @@ def _static_strategy(name: str, cost: CostModel, batches: Sequence[Sequence[int]
                            time_limit_s=time_limit_s)
     if choice.layout is None:
         return Strategy(name, get_planner(name), cost, layout=choice.report, infeasible=choice.report)
-    return Strategy(name, get_planner(name), choice.cost, choice.layout.size, tp_size=choice.layout.tp,
+    return Strategy(name, get_planner(name), choice.cost, choice.layout.size or None, tp_size=choice.layout.tp,
                     layout=choice.report)
 
 
@@ -265,7 +276,7 @@ def simulate(batches: Iterable[Sequence[int]], strategies: Sequence[Strategy], *
 def plan_context(s: Strategy, tokens_per_gpu: int, time_limit_s: float) -> PlanContext:
     """The context ``s`` plans every batch with (``tokens_per_gpu`` per GPU)."""
     return PlanContext(cost=s.cost, tokens_per_gpu=tokens_per_gpu * s.tp_size, cp_size=s.cp_size,
-                       time_limit_s=time_limit_s, remap_enabled=s.remap_enabled,
+                       time_limit_s=time_limit_s, remap_enabled=s.remap_enabled, tp_size=s.tp_size,
                        step_model=lambda plan: step_timeline(plan, s.cost).step_s)
 
 

@@ -93,13 +93,13 @@ def test_dumped_plans_reproduce_the_reported_numbers(run):
         if not r["feasible"]:
             continue
         assert [f.name for f in files] == [f"step{k}_{name}.json" for k in range(STEPS)]
-        tp = cfg["te_cp_tp_size"] if name == "te_cp" else 1
+        tp = cfg["tp_sizes"][name]
         mine = cost.routed(uses_routing(name))
         mine = tp_view(mine, tp) if tp > 1 else mine
         size = {"te_cp": cfg["te_cp_cp_size"]}.get(name)
         if name == "ulysses_sp":
             size = int(cfg["static_layouts"][name].split("SP=")[1].split()[0])
-        ctx = PlanContext(cost=mine, tokens_per_gpu=4096 * tp, cp_size=size, time_limit_s=1.0)
+        ctx = PlanContext(cost=mine, tokens_per_gpu=4096 * tp, cp_size=size, time_limit_s=1.0, tp_size=tp)
         times = []
         for k, f in enumerate(files):
             plan = Plan.from_dict(json.loads(f.read_text())).validate()
