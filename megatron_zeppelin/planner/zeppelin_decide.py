@@ -50,8 +50,15 @@ class DecidingZeppelinPlanner:
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         if ctx.step_model is None:
             return self.inner.plan(seq_lens, ctx)
-        candidates = [self.inner.plan(seq_lens, option) for option in candidate_contexts(ctx)]
+        candidates, errors = [], []
+        for option in candidate_contexts(ctx):
+            try:
+                candidates.append(self.inner.plan(seq_lens, option))
+            except InfeasibleError as exc:    # e.g. remap's balanced layout has no room; others may
+                errors.append(exc)
         candidates += uniform_cp_plans(seq_lens, ctx)
+        if not candidates:
+            raise errors[0]
         return min(candidates, key=ctx.step_model)   # ties: the first (the run's own choice)
 
 
