@@ -23,6 +23,12 @@ LINEAR_BWD_RATIO = 2.0
 RING_BWD_BYTES_RATIO = 2.0
 #: Layout switches per layer and step: attention -> linear and back, forward and backward.
 REMAP_SWITCHES_PER_LAYER = 4
+#: TP collectives per layer and step: forward all-gather + reduce-scatter
+#: around attention and around the MLP (sequence parallelism), and the same
+#: two pairs again in backward; each pair moves what one all-reduce moves
+#: (Korthikanti et al. 2022, Sec. 4.2.2).  Megatron runs them on the compute
+#: stream unless ``--tp-comm-overlap`` (off by default): not hidden.
+TP_ALLREDUCES_PER_LAYER = 4
 #: All-to-alls per layer and step of Ulysses: Q,K,V in and O out forward, the
 #: same two backward (DeepSpeed-Ulysses, Jacobs et al. 2023, Sec. 3.1).
 ULYSSES_ALLTOALLS_PER_LAYER = 4
@@ -90,7 +96,6 @@ class CostModel:
         t = self.tp_size
         if t == 1 or tokens <= 0:
             return 0.0
-        from megatron_zeppelin.cost.tp import TP_ALLREDUCES_PER_LAYER
         nvl = self.cluster.nvlink
         per_gpu_bw = nvl.bandwidth_GBps / t * 1e9   # the TP view widened NVLink t-fold
         one = (2 * (t - 1) / t * tokens * self.model.hidden_bytes_per_token / per_gpu_bw

@@ -55,7 +55,7 @@ class StepSync:
         return self.grad_exposed_s + self.optimizer_s
 
 
-def backward_share(attn_s: float, linear_s: float) -> tuple[float, float]:
+def forward_backward_split(attn_s: float, linear_s: float) -> tuple[float, float]:
     """(forward, backward) seconds inside ``attn_s + linear_s`` of fwd+bwd work."""
     bwd = (attn_s * ATTN_BWD_RATIO / (1 + ATTN_BWD_RATIO)
            + linear_s * LINEAR_BWD_RATIO / (1 + LINEAR_BWD_RATIO))

@@ -17,13 +17,6 @@ from megatron_zeppelin.cost.model import CostModel
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.topology import ClusterConfig, LinkSpec, Topology
 
-#: TP collectives per layer and step: forward all-gather + reduce-scatter
-#: around attention and around the MLP (sequence parallelism), and the same
-#: two pairs again in backward; each pair moves what one all-reduce moves
-#: (Korthikanti et al. 2022, Sec. 4.2.2).  Megatron runs them on the compute
-#: stream unless ``--tp-comm-overlap`` (off by default): not hidden.
-TP_ALLREDUCES_PER_LAYER = 4
-
 
 def tp_problem(cluster: ClusterConfig, heads: int, kv_heads: int, tp: int) -> str | None:
     """Why ``tp`` cannot be used on this cluster and model, or None."""

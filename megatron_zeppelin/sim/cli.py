@@ -176,8 +176,9 @@ def _summary(config: dict[str, Any], result: SimResult) -> str:
     return (f"{config['model']} on {config['world_size']} GPUs ({config['cluster']}, {config['nodes']} nodes); "
             f"{len(result.seq_lens)} steps of ~{tokens:,.0f} tokens / {seqs:.0f} sequences from "
             f"{Path(config['lengths']).name}; max_seq_len {config['max_seq_len']}, "
-            f"{config['tokens_per_gpu']} tokens/GPU, {BASELINE} TP={config['te_cp_tp_size'] or 1} x "
-            f"CP={config['te_cp_cp_size']}; lower bound {result.lower_bound_step_s * 1e3:.1f} ms"
+            f"{config['tokens_per_gpu']} tokens/GPU, {BASELINE} "
+            + (f"TP={config['te_cp_tp_size'] or 1} x CP={config['te_cp_cp_size']}" if config["te_cp_cp_size"]
+               else "has no layout") + f"; lower bound {result.lower_bound_step_s * 1e3:.1f} ms"
             + "".join(f"\nstatic layout {line}" for line in config["static_layouts"].values() if line))
 
 

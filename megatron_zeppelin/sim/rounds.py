@@ -12,7 +12,7 @@ import dataclasses
 from typing import Sequence
 
 from megatron_zeppelin.cost import CostModel
-from megatron_zeppelin.cost.step_sync import backward_share, step_sync
+from megatron_zeppelin.cost.step_sync import forward_backward_split, step_sync
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.base import PlanContext, Planner
 from megatron_zeppelin.sim.timeline import StepTimeline, step_timeline
@@ -37,7 +37,7 @@ def rounds_timeline(rounds: Sequence[Plan], cost: CostModel) -> StepTimeline:
     fwd = bwd = 0.0
     for tl in parts:
         slowest = tl.ranks[tl.slowest_rank]
-        f, b = backward_share(slowest.attn_compute_s, slowest.linear_s)
+        f, b = forward_backward_split(slowest.attn_compute_s, slowest.linear_s)
         fwd, bwd = fwd + f, bwd + b
     sync = step_sync(cost, fwd, bwd)
     return dataclasses.replace(parts[0], step_s=sum(tl.compute_s for tl in parts) + sync.exposed_s,

@@ -138,7 +138,9 @@ def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | No
             strategies.append(Strategy(name, get_planner("zeppelin"), tp_view(routed, tp) if tp > 1 else routed,
                                        remap_enabled=variant.remap, tp_size=tp, layout=zeppelin_tp.layout))
         elif variant is not None:
-            strategies.append(Strategy(name, get_planner("zeppelin"), routed, remap_enabled=variant.remap))
+            why = zeppelin_tp.infeasible if zeppelin_tp is not None else None
+            strategies.append(Strategy(name, get_planner("zeppelin"), routed, remap_enabled=variant.remap,
+                                       layout=why, infeasible=why))
         elif name in STATIC and searched:
             strategies.append(_static_strategy(name, routed, layout_batches, max_seq_len, tokens_per_gpu,
                                                time_limit_s))

@@ -73,8 +73,10 @@ def choose_layout(name: str, cost: CostModel, batches: Sequence[Sequence[int]], 
             continue
         tried.append((statistics.fmean(steps), layout, view))
     if not tried:
-        reasons = [f"{c}: {c.problem}" for c in candidates if c.problem] + failures
-        return LayoutChoice(None, cost, f"{name}: no static layout fits: " + "; ".join(reasons[-6:]))
+        # Per TP size, the reason of its widest group (the one likeliest to fit).
+        widest = {c.tp: c for c in candidates}
+        reasons = [f"{_label(name, c)}: {c.problem}" for c in widest.values() if c.problem] + failures
+        return LayoutChoice(None, cost, f"{name}: no static layout fits: " + "; ".join(reasons))
     best_s, best, view = min(tried, key=lambda t: (t[0], t[1].tp, t[1].size))
     others = ", ".join(f"{_label(name, lay)} {s * 1e3:.0f} ms" for s, lay, _ in sorted(tried, key=lambda t: t[0]))
     return LayoutChoice(best, view, f"{name}: {_label(name, best)} (tried: {others})")

@@ -28,7 +28,7 @@ from typing import Sequence
 
 from megatron_zeppelin.cost import CostModel, RingCost
 from megatron_zeppelin.cost.contention import ring_links
-from megatron_zeppelin.cost.step_sync import StepSync, backward_share, step_sync
+from megatron_zeppelin.cost.step_sync import StepSync, forward_backward_split, step_sync
 from megatron_zeppelin.plan import Mode, Plan, TierCounts
 
 #: Segment kinds, in the order a rank runs them (plots use the same order).
@@ -198,7 +198,7 @@ def step_timeline(plan: Plan, cost: CostModel, *, sync: bool = True) -> StepTime
                                   total_s=linear + compute + exposed + remap,
                                   segments=tuple(segments)))
     slowest = max(ranks, key=lambda r: r.total_s)
-    tail = step_sync(cost, *backward_share(slowest.attn_compute_s, slowest.linear_s)) if sync else None
+    tail = step_sync(cost, *forward_backward_split(slowest.attn_compute_s, slowest.linear_s)) if sync else None
     return StepTimeline(strategy=plan.strategy, ranks=tuple(ranks),
                         step_s=slowest.total_s + (tail.exposed_s if tail else 0.0), sync=tail,
                         attn_imbalance=imbalance(plan.attn_pairs_per_rank()),
