@@ -46,8 +46,10 @@ def build_rounds(strategy: str, topo: Topology, lens: Sequence[int],
                  rounds: Sequence[Sequence[SeqPlacement]], token_cap: int | None) -> RoundsPlan:
     """The merged plan and the per-round plans of ``rounds`` (placements with
     batch-wide sequence indices); ``token_cap`` holds per round."""
-    return RoundsPlan(merge_rounds(strategy, topo, lens, rounds, token_cap),
-                      tuple(round_plan(strategy, topo, lens, r, token_cap) for r in rounds))
+    merged = merge_rounds(strategy, topo, lens, rounds, token_cap)
+    if len(rounds) == 1:        # one pass: the merged plan is the round (and validating once is enough)
+        return RoundsPlan(merged, (merged,))
+    return RoundsPlan(merged, tuple(round_plan(strategy, topo, lens, r, token_cap) for r in rounds))
 
 
 def round_plan(strategy: str, topo: Topology, lens: Sequence[int], attention: Sequence[SeqPlacement],

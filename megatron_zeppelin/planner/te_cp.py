@@ -35,6 +35,9 @@ from megatron_zeppelin.planner.static_groups import StaticGroupPlanner
 
 #: TP sizes a Megatron user tries (TP stays inside a node's NVLink).
 TP_SIZES = (1, 2, 4, 8)
+#: Feasible CP sizes tried per TP size, smallest first: a wider ring holds the
+#: same tokens in more steps, so a user stops after the first two that fit.
+CP_SIZES_PER_TP = 2
 
 
 @dataclass(frozen=True)
@@ -73,14 +76,15 @@ def te_cp_layouts(cost: CostModel, max_seq_len: int, tokens_per_gpu: int) -> lis
     world = cost.cluster.topology.world_size
     out = []
     for tp, problem in tp_problems(cost, max_seq_len, tokens_per_gpu).items():
-        c = 1
-        while c * tp <= world:
+        c, fits = 1, 0
+        while c * tp <= world and fits < CP_SIZES_PER_TP:
             why = problem
             if why is None and world % (c * tp):
                 why = f"TP x CP = {tp * c} does not divide {world} GPUs"
             if why is None and max_seq_len > c * tp * tokens_per_gpu:
                 why = f"a {max_seq_len}-token sequence is over {c * tp} GPUs x {tokens_per_gpu} tokens per GPU"
             out.append(StaticLayout(tp, c, why))
+            fits += why is None
             c *= 2
     return out
 

@@ -32,6 +32,11 @@ from megatron_zeppelin.planner.te_cp import TeCpPlanner
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
 
 
+#: Uniform CP sizes tried per batch (planning a plan whose every sequence is
+#: split over a wide ring is the costly part of the decision).
+UNIFORM_CP_CANDIDATES = 2
+
+
 def candidate_contexts(ctx: PlanContext) -> list[PlanContext]:
     """The contexts to plan a batch with, the run's own first (ties keep it)."""
     remaps = (True, False) if ctx.remap_enabled else (False,)
@@ -63,12 +68,13 @@ class DecidingZeppelinPlanner:
 
 
 def uniform_cp_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
-    """Static CP's layouts that hold the batch in one pass, as Zeppelin plans."""
+    """Static CP's layouts that hold the batch in one pass, as Zeppelin plans:
+    the smallest such CP size and twice it (a wider ring only adds steps)."""
     world, cap = ctx.topology.world_size, ctx.tokens_per_gpu
     longest = max(seq_lens, default=1)
     out = []
     c = 2
-    while c <= world:
+    while c <= world and len(out) < UNIFORM_CP_CANDIDATES:
         if world % c == 0 and -(-longest // c) <= cap:
             try:
                 rounds = TeCpPlanner().plan_rounds(seq_lens, dataclasses.replace(ctx, cp_size=c))
