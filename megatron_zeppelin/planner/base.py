@@ -37,6 +37,10 @@ class PlanContext:
     remap_enabled: bool = True
     """Give the linear modules a token-balanced layout (``ZeppelinRemap``); when
     off, a planner's linear layout is its attention layout."""
+    remap_decided: bool = True
+    """With ``remap_enabled``: Zeppelin remaps a batch only where the modeled
+    step says it pays; False remaps every batch (the trainer's ``--remap on``,
+    so that the flag does what it says)."""
     step_model: Callable[[Plan], float] | None = None
     """Modeled step seconds of a plan under ``cost`` (the simulator's timeline).
     Zeppelin decides per batch with it whether to remap and which plan's

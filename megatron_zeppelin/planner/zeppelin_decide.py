@@ -5,7 +5,8 @@ attention layout is already nearly token-balanced it costs more than it saves.
 Routing helps a ring's node crossings but its planner then prefers rings that
 a plan made without routing would not use.  So every batch is planned with
 each choice the run allows -- remap on and off (on only if
-``PlanContext.remap_enabled``), planned for routed and for direct crossings
+``PlanContext.remap_enabled``, off only if ``remap_decided``), planned for
+routed and for direct crossings
 (routed only if ``cost.routing``) -- and the plan with the smallest modeled
 step (``PlanContext.step_model``) runs.  Every candidate is timed under the
 run's own cost model, where each cross-node message takes the faster of
@@ -39,7 +40,7 @@ UNIFORM_CP_CANDIDATES = 2
 
 def candidate_contexts(ctx: PlanContext) -> list[PlanContext]:
     """The contexts to plan a batch with, the run's own first (ties keep it)."""
-    remaps = (True, False) if ctx.remap_enabled else (False,)
+    remaps = ((True, False) if ctx.remap_decided else (True,)) if ctx.remap_enabled else (False,)
     costs = (ctx.cost, ctx.cost.routed(False)) if ctx.cost.routing else (ctx.cost,)
     return [dataclasses.replace(ctx, cost=c, remap_enabled=r) for c in costs for r in remaps]
 
@@ -61,7 +62,8 @@ class DecidingZeppelinPlanner:
                 candidates.append(self.inner.plan(seq_lens, option))
             except InfeasibleError as exc:    # e.g. remap's balanced layout has no room; others may
                 errors.append(exc)
-        candidates += uniform_cp_plans(seq_lens, ctx)
+        if not (ctx.remap_enabled and not ctx.remap_decided):   # uniform CP plans do not remap
+            candidates += uniform_cp_plans(seq_lens, ctx)
         if not candidates:
             raise errors[0]
         return min(candidates, key=ctx.step_model)   # ties: the first (the run's own choice)

@@ -142,7 +142,9 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
     planner = get_planner(cfg.strategy)
     # Without the remapping layer the linear modules see the attention layout.
     cost = CostModel(cluster, model_cfg, routing=routing_on(cfg))
-    ctx = PlanContext(cost=cost, tokens_per_gpu=cfg.tokens_per_gpu, remap_enabled=remap,
+    # --remap on means remap every batch; Zeppelin still picks, by the model, the
+    # plan for routed or direct crossings.
+    ctx = PlanContext(cost=cost, tokens_per_gpu=cfg.tokens_per_gpu, remap_enabled=remap, remap_decided=False,
                       cp_size=static_size(cfg.strategy, cost, cfg.max_seq_len, cfg.tokens_per_gpu),
                       step_model=lambda plan: step_timeline(plan, cost).step_s)
 

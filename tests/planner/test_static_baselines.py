@@ -125,6 +125,8 @@ def test_zeppelin_decision_is_never_slower_than_its_choices():
     chosen = step_timeline(get_planner("zeppelin").plan(lens, ctx), cost).step_s
     for option in options:
         assert chosen <= step_timeline(ZeppelinPlanner().plan(lens, option), cost).step_s * (1 + 1e-12)
-    # Variants only get the choices their flags allow.
+    # Variants only get the choices their flags allow; the trainer's --remap on always remaps.
     fixed = dataclasses.replace(ctx, cost=cost.routed(False), remap_enabled=False)
     assert len(candidate_contexts(fixed)) == 1
+    forced = dataclasses.replace(ctx, remap_decided=False)
+    assert all(o.remap_enabled for o in candidate_contexts(forced))
