@@ -6,8 +6,8 @@ Routing helps a ring's node crossings but its planner then prefers rings that
 a plan made without routing would not use.  So every batch is planned with
 each choice the run allows -- remap on and off (on only if
 ``PlanContext.remap_enabled``, off only if ``remap_decided``), planned for
-routed and for direct crossings
-(routed only if ``cost.routing``) -- and the plan with the smallest modeled
+routed and for direct crossings (routed only if ``cost.routing``) -- and the
+plan with the smallest modeled
 step (``PlanContext.step_model``) runs.  Every candidate is timed under the
 run's own cost model, where each cross-node message takes the faster of
 routed and direct (``CostModel.crossing_link``, the routing layer's own
@@ -17,8 +17,9 @@ The uniform layouts static CP would run -- every sequence zigzag-split over
 fixed groups of ``c`` ranks, packed into one ring per group -- are plans
 Zeppelin's engine runs as well, and for a batch of a few very long sequences
 on wide TP groups they can beat the hierarchical partitioning.  They join the
-candidates (each ``c`` that holds the batch in one pass), so Zeppelin is never
-modeled slower than TE CP on the same ranks either.
+candidates (the two smallest ``c`` that hold the batch in one pass, the sizes
+a static run would pick), so Zeppelin is not modeled slower than TE CP on the
+same ranks either.
 """
 
 from __future__ import annotations
