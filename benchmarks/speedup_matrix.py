@@ -28,7 +28,7 @@ from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.presets import CONFIG_ROOT
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 from megatron_zeppelin.sampler.lengths import load_lengths
-from megatron_zeppelin.sim.simulate import BASELINE, build_strategies, sample_batches, simulate, te_cp_size
+from megatron_zeppelin.sim.simulate import BASELINE, build_strategies, sample_batches, simulate
 from megatron_zeppelin.topology import load_cluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,13 +52,16 @@ def cell(model: str, cluster_name: str, max_len: int, lengths_name: str, doc_len
     row = {"model": model, "cluster": cluster_name, "max_len": max_len, "lengths": lengths_name, "cap": cap}
     if max_len > cap * world:
         return {**row, "skip": f"{max_len} tokens do not fit {world} GPUs x {cap}"}
-    cp = te_cp_size(max_len, cap)
-    names = [n for n in args.strategies if n != BASELINE or world % cp == 0]
-    row["cp"] = f"{cp}" + (f" ({-(-cp // gpn)} nodes)" if cp > gpn else "")
     batches = sample_batches(doc_lengths, max_seq_len=max_len, tokens_per_batch=batch_budget(cap, world, max_len),
                              steps=args.steps, seed=args.seed)
-    result = simulate(batches, build_strategies(names, cost, cp_size=cp), tokens_per_gpu=cap,
-                      time_limit_s=args.flexsp_time_limit)
+    # te_cp and Zeppelin with the static layouts a tuning user would launch (sim/static_layout.py).
+    strategies = build_strategies(args.strategies, cost, layout_batches=batches, max_seq_len=max_len,
+                                  tokens_per_gpu=cap, time_limit_s=args.flexsp_time_limit)
+    te = next((s for s in strategies if s.name == BASELINE), None)
+    spans = te is not None and te.cp_size and te.cp_size * te.tp_size > gpn
+    row["cp"] = ("-" if te is None or te.cp_size is None else f"TP={te.tp_size} x CP={te.cp_size}"
+                 + (f" ({-(-te.cp_size * te.tp_size // gpn)} nodes)" if spans else ""))
+    result = simulate(batches, strategies, tokens_per_gpu=cap, time_limit_s=args.flexsp_time_limit)
     row["seqs"] = sum(map(len, result.seq_lens)) / len(result.seq_lens)
     row["step_ms"] = {n: (r.step_time_s * 1e3 if r.step_time_s else None) for n, r in result.strategies.items()}
     row["speedup"] = {n: result.speedup(n) for n in result.strategies}
@@ -71,7 +74,7 @@ def geomean(values: list[float]) -> float:
 
 def report(rows: list[dict], args: argparse.Namespace, elapsed: float) -> str:
     others = [n for n in args.strategies if n != BASELINE]
-    head = ["model", "cluster", "max len", "lengths", "tokens/GPU", f"{BASELINE} CP", "seqs/batch",
+    head = ["model", "cluster", "max len", "lengths", "tokens/GPU", f"{BASELINE} layout", "seqs/batch",
             f"{BASELINE} ms", *[f"{n} speedup" for n in others]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:

@@ -97,6 +97,14 @@ class ModelConfig:
         return 2.0 * (self.num_layers * per_layer + h * self.vocab_size)
 
     @property
+    def num_parameters(self) -> int:
+        """Weights: per layer QKV, out-proj, SwiGLU MLP and two RMSNorms; untied
+        input embedding and output projection (LLaMA); the final norm."""
+        h = self.hidden_size
+        per_layer = h * (h + 2 * self.kv_size) + h * h + 3 * h * self.ffn_hidden_size + 2 * h
+        return self.num_layers * per_layer + 2 * h * self.vocab_size + h
+
+    @property
     def attn_flops_per_pair(self) -> float:
         """Forward FLOPs per (query, key) pair over all layers: QK^T and PV, each
         2 FLOPs per multiply-add over h = heads x head_dim."""

@@ -32,7 +32,11 @@ class GpuSpec:
     linear_efficiency: float
     """Fraction of peak reached by the GEMMs of projections and MLP (0..1]."""
     memory_gib: float
-    """HBM capacity, GiB (reports only; the planner's cap is tokens per GPU)."""
+    """HBM capacity, GiB (the static baselines' TP x CP search checks weights,
+    gradients, optimizer states and activations against it)."""
+    hbm_GBps: float
+    """HBM bandwidth, GB/s: the optimizer step is a memory-bound sweep over the
+    parameters, gradients and Adam states."""
 
     def __post_init__(self) -> None:
         for name in ("attn_efficiency", "linear_efficiency"):
@@ -41,6 +45,8 @@ class GpuSpec:
                 raise ConfigError(f"gpu.{name} must be in (0, 1], got {value}")
         if self.peak_tflops <= 0 or self.attn_half_block < 0:
             raise ConfigError("gpu.peak_tflops must be > 0 and gpu.attn_half_block >= 0")
+        if self.memory_gib <= 0 or self.hbm_GBps <= 0:
+            raise ConfigError("gpu.memory_gib and gpu.hbm_GBps must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,15 @@ LINEAR_BWD_RATIO = 2.0
 RING_BWD_BYTES_RATIO = 2.0
 #: Layout switches per layer and step: attention -> linear and back, forward and backward.
 REMAP_SWITCHES_PER_LAYER = 4
+#: TP collectives per layer and step: forward all-gather + reduce-scatter
+#: around attention and around the MLP (sequence parallelism), and the same
+#: two pairs again in backward; each pair moves what one all-reduce moves
+#: (Korthikanti et al. 2022, Sec. 4.2.2).  Megatron runs them on the compute
+#: stream unless ``--tp-comm-overlap`` (off by default): not hidden.
+TP_ALLREDUCES_PER_LAYER = 4
+#: All-to-alls per layer and step of Ulysses: Q,K,V in and O out forward, the
+#: same two backward (DeepSpeed-Ulysses, Jacobs et al. 2023, Sec. 3.1).
+ULYSSES_ALLTOALLS_PER_LAYER = 4
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,10 @@ class CostModel:
     model: ModelConfig
     routing: bool = True
     """Inter-node transfers spread over all NICs of the node through proxies."""
+    tp_size: int = 1
+    """GPUs per rank: each rank is a tensor-parallel group of this many GPUs
+    (build with :func:`megatron_zeppelin.cost.tp.tp_view`, which also widens the
+    cluster); ``linear_s`` then pays the TP collectives."""
 
     # ------------------------------------------------------------- compute
     def attn_efficiency(self, block: float) -> float:
@@ -76,7 +89,21 @@ class CostModel:
         and output layer for ``tokens``."""
         g = self.cluster.gpu
         flops = tokens * self.model.linear_flops_per_token * (1 + LINEAR_BWD_RATIO)
-        return flops / (g.peak_tflops * 1e12 * g.linear_efficiency) + moe_dispatch_s(self, tokens)
+        return (flops / (g.peak_tflops * 1e12 * g.linear_efficiency) + self.tp_comm_s(tokens)
+                + moe_dispatch_s(self, tokens))
+
+    def tp_comm_s(self, tokens: float) -> float:
+        """The TP collectives of ``tokens`` over all layers (0 without TP): per
+        layer ``TP_ALLREDUCES_PER_LAYER`` ring all-reduces of the hidden states,
+        each GPU moving ``2 (t-1)/t`` of them over its own NVLink."""
+        t = self.tp_size
+        if t == 1 or tokens <= 0:
+            return 0.0
+        nvl = self.cluster.nvlink
+        per_gpu_bw = nvl.bandwidth_GBps / t * 1e9   # the TP view widened NVLink t-fold
+        one = (2 * (t - 1) / t * tokens * self.model.hidden_bytes_per_token / per_gpu_bw
+               + 2 * (t - 1) * nvl.latency_us * 1e-6)
+        return TP_ALLREDUCES_PER_LAYER * self.model.num_layers * one
 
     # ---------------------------------------------------------------- links
     def link_for(self, ranks: Sequence[int]) -> LinkSpec:
@@ -85,17 +112,44 @@ class CostModel:
         Inside a node that is NVLink.  Across nodes each ring step crosses every
         node boundary once; without routing that crossing goes through the one
         NIC of the sending GPU, with routing it is split over all NICs of the
-        node (dispatch and combine over NVLink, pipelined with the NIC sends)."""
+        node (:meth:`routed_link`)."""
         topo, nic, nvl = self.cluster.topology, self.cluster.nic, self.cluster.nvlink
         if len({topo.node_of(r) for r in ranks}) == 1:
             return nvl
         if not self.routing or topo.nics_per_node == 1:
             return nic
-        spread = nic.bandwidth_GBps * topo.nics_per_node
-        # The sender's NVLink carries the (P-1)/P of the block it dispatches.
-        dispatch_cap = nvl.bandwidth_GBps * topo.nics_per_node / max(topo.nics_per_node - 1, 1)
-        return LinkSpec(bandwidth_GBps=min(spread, dispatch_cap),
-                        latency_us=nic.latency_us + 2 * nvl.latency_us)
+        return self.routed_link()
+
+    def direct_link(self, sharing: int = 1) -> LinkSpec:
+        """One GPU's NIC when ``sharing`` concurrent messages use it."""
+        nic = self.cluster.nic
+        return LinkSpec(bandwidth_GBps=nic.bandwidth_GBps / max(sharing, 1), latency_us=nic.latency_us)
+
+    def routed_link(self, sharing: int = 1) -> LinkSpec:
+        """A message routed over the ``P`` NICs of its node while ``sharing``
+        routed messages leave the node at once.
+
+        The routing layer cuts a message in ``P`` pieces and forwards each in
+        three store-and-forward hops (comm/routing.py): the sender dispatches
+        ``(P-1)/P`` of the bytes over its NVLink, each NIC carries ``1/P`` (times
+        the messages sharing it), the receiver's NVLink takes ``(P-1)/P`` back in.
+        A piece's hops follow one another, so the stages add up: seconds per byte
+        ``2 (P-1)/(P nvl) + sharing/(P nic)``; latency NIC + 2 NVLink hops."""
+        P, nic, nvl = self.cluster.topology.nics_per_node, self.cluster.nic, self.cluster.nvlink
+        per_byte = (2 * (P - 1) / (P * nvl.bandwidth_GBps)
+                    + max(sharing, 1) / (P * nic.bandwidth_GBps))
+        return LinkSpec(bandwidth_GBps=1 / per_byte, latency_us=nic.latency_us + 2 * nvl.latency_us)
+
+    def crossing_link(self, nbytes: float, direct_sharing: int = 1, routed_sharing: int = 1) -> LinkSpec:
+        """The link a cross-node message of ``nbytes`` takes: routed when routing
+        is on and it is faster for that size (the break-even the routing layer
+        applies, :func:`~megatron_zeppelin.comm.routing.min_routed_bytes`), else
+        its sender's NIC."""
+        direct = self.direct_link(direct_sharing)
+        if not self.routing or self.cluster.topology.nics_per_node == 1:
+            return direct
+        routed = self.routed_link(routed_sharing)
+        return routed if routed.transfer_s(nbytes) < direct.transfer_s(nbytes) else direct
 
     def alltoall_link(self, ranks: Sequence[int]) -> LinkSpec:
         """The per-GPU link of an all-to-all (Ulysses) over ``ranks``.
@@ -150,13 +204,6 @@ class CostModel:
                 * (1 + RING_BWD_BYTES_RATIO))
 
     # ------------------------------------------------------------- ulysses
-    def alltoall_s(self, bytes_per_rank: float, group_size: int, link: LinkSpec) -> float:
-        """One all-to-all where each rank sends ``(d-1)/d`` of ``bytes_per_rank``."""
-        if group_size <= 1:
-            return 0.0
-        sent = bytes_per_rank * (group_size - 1) / group_size
-        return link.latency_us * 1e-6 * (group_size - 1) + sent / (link.bandwidth_GBps * 1e9)
-
     def ulysses_bytes_per_rank(self, length: int, group_size: int) -> float:
         """Bytes one rank of a Ulysses group puts in each all-to-all's input: its
         ``L/d`` tokens' Q, K, V and output."""
@@ -169,14 +216,32 @@ class CostModel:
         d = group_size
         return 2 * self.model.num_layers * d * self.ulysses_bytes_per_rank(length, d) * (d - 1) / d
 
-    def ulysses_cost(self, length: int, group_size: int, link: LinkSpec) -> RingCost:
-        """Ulysses sequence parallelism of one sequence over ``d`` ranks: all-to-all
-        of Q, K, V (tokens -> heads), full-sequence attention on ``heads / d``,
-        all-to-all of the output back; the backward moves the same bytes again.
-        Nothing overlaps (the all-to-alls sit on the critical path)."""
+    def alltoall_s(self, bytes_per_rank: float, group_size: int, link: LinkSpec) -> float:
+        """One all-to-all where each rank sends ``(d-1)/d`` of ``bytes_per_rank``
+        (one message to each of the ``d - 1`` others)."""
+        if group_size <= 1:
+            return 0.0
+        sent = bytes_per_rank * (group_size - 1) / group_size
+        return link.latency_us * 1e-6 * (group_size - 1) + sent / (link.bandwidth_GBps * 1e9)
+
+    def ulysses_cost(self, lengths: Sequence[int], group_size: int, link: LinkSpec, *,
+                     latency: bool = True) -> RingCost:
+        """Ulysses sequence parallelism of the sequences in ``lengths`` packed on
+        one group of ``d`` ranks, as DeepSpeed-Ulysses and FlexSP run them: per
+        layer one all-to-all carries Q, K, V of *all* the group's sequences
+        (tokens -> heads) and one carries the outputs back, the backward the same
+        again; attention runs on ``heads / d`` over each full sequence.  Nothing
+        overlaps (the all-to-alls sit on the critical path).  ``latency=False``
+        leaves out the per-collective latency (a per-sequence share of a packed
+        group, as FlexSP's additive time model needs)."""
         m, d = self.model, group_size
-        compute = self.attn_s(causal_pairs(0, length) / d, length)
-        comm = 2 * m.num_layers * self.alltoall_s(self.ulysses_bytes_per_rank(length, d), d, link)
+        compute = sum(self.attn_s(causal_pairs(0, L) / d, L) for L in lengths)
+        if d <= 1:
+            return RingCost(compute, 0.0, compute)
+        sent = sum(self.ulysses_bytes_per_rank(L, d) for L in lengths) * (d - 1) / d
+        comm = 2 * m.num_layers * sent / (link.bandwidth_GBps * 1e9)
+        if latency:
+            comm += ULYSSES_ALLTOALLS_PER_LAYER * m.num_layers * (d - 1) * link.latency_us * 1e-6
         return RingCost(compute, comm, compute + comm)
 
     # ---------------------------------------------------------------- remap
@@ -185,8 +250,16 @@ class CostModel:
         (attention->linear and back, forward and backward).  Bytes are what the
         busiest rank sends per layer per direction over NVLink and NICs."""
         c = self.cluster
-        nic_bw = c.nic.bandwidth_GBps * (c.topology.nics_per_node if self.routing else 1)
-        one = max(intra_bytes / (c.nvlink.bandwidth_GBps * 1e9), inter_bytes / (nic_bw * 1e9))
+        topo = c.topology
+        nvl_bytes, nic_bw = intra_bytes, c.nic.bandwidth_GBps
+        if self.routing and topo.nics_per_node > 1:
+            # Routed, the busiest node's bytes leave through all its NICs, and its
+            # GPUs dispatch and combine (P-1)/P of them over the NVLinks that
+            # carry the intra-node part of the switch: the legs compete.
+            P = topo.nics_per_node
+            nic_bw *= P
+            nvl_bytes += 2 * (P - 1) / P * inter_bytes / topo.gpus_per_node
+        one = max(nvl_bytes / (c.nvlink.bandwidth_GBps * 1e9), inter_bytes / (nic_bw * 1e9))
         one += messages * c.nvlink.latency_us * 1e-6 if intra_bytes or inter_bytes else 0.0
         return REMAP_SWITCHES_PER_LAYER * self.model.num_layers * one
 
@@ -195,5 +268,7 @@ class CostModel:
         """Step time if all work were split perfectly over every GPU with no
         communication and each sequence's attention ran at its full-length
         kernel efficiency."""
-        work = sum(self.local_attn_s(L) for L in seq_lens) + self.linear_s(sum(seq_lens))
+        tokens = sum(seq_lens)
+        work = (sum(self.local_attn_s(L) for L in seq_lens) + self.linear_s(tokens)
+                - self.tp_comm_s(tokens))    # the same on a TP view of the cluster
         return work / self.cluster.topology.world_size

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import ConfigError
@@ -27,7 +27,8 @@ class PlanContext:
     tokens_per_gpu: int
     """Per-GPU token cap (memory budget) for both layouts."""
     cp_size: int | None = None
-    """Static CP size for ``te_cp`` (None: smallest power of two that fits)."""
+    """Static CP (``te_cp``) or SP (``ulysses_sp``) group size (None: the
+    smallest power of two that fits the batch's longest sequence)."""
     time_limit_s: float = 10.0
     """Solver time limit for MILP-based planners (``flexsp``)."""
     tp_size: int = 1
@@ -36,6 +37,15 @@ class PlanContext:
     remap_enabled: bool = True
     """Give the linear modules a token-balanced layout (``ZeppelinRemap``); when
     off, a planner's linear layout is its attention layout."""
+    remap_decided: bool = True
+    """With ``remap_enabled``: Zeppelin remaps a batch only where the modeled
+    step says it pays; False remaps every batch (the trainer's ``--remap on``,
+    so that the flag does what it says)."""
+    step_model: Callable[[Plan], float] | None = None
+    """Modeled step seconds of a plan under ``cost`` (the simulator's timeline).
+    Zeppelin decides per batch with it whether to remap and which plan's
+    crossings to route (``planner/zeppelin_decide.py``); without it Zeppelin
+    plans once with the flags as given."""
 
     @property
     def local_heads(self) -> tuple[int, int]:
@@ -58,11 +68,12 @@ class Planner(Protocol):
 
 #: strategy name -> "module:ClassName" (imported on first use).
 PLANNERS: dict[str, str] = {
-    "zeppelin": "megatron_zeppelin.planner.zeppelin:ZeppelinPlanner",
+    "zeppelin": "megatron_zeppelin.planner.zeppelin_decide:DecidingZeppelinPlanner",
     "te_cp": "megatron_zeppelin.planner.te_cp:TeCpPlanner",
     "packing_dp": "megatron_zeppelin.planner.packing_dp:PackingDpPlanner",
     "megatron_hybrid_cp": "megatron_zeppelin.planner.hybrid_cp:HybridCpPlanner",
     "flexsp": "megatron_zeppelin.planner.flexsp:FlexSpPlanner",
+    "ulysses_sp": "megatron_zeppelin.planner.ulysses_sp:UlyssesSpPlanner",
 }
 
 

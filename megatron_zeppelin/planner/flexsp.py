@@ -24,7 +24,12 @@ first.  Solved under ``ctx.time_limit_s`` from a greedy start (first fit under a
 bisected makespan); the best incumbent is used, or the greedy grouping when the
 solver has none or the greedy models faster on the real (unpadded) lengths.
 Under a time limit the incumbent depends on machine speed: compute on one rank
-and broadcast, as FlexSP does.
+and broadcast, as FlexSP does (its solver runs ahead, overlapped with training,
+so the simulator charges no planning time to the step).  A batch that does not
+fit in one pass is split into micro-batches first ("sequence blaster"), each
+solved alone; gradients accumulate over them.  The group's sequences share
+one all-to-all per layer (packed), so ``t`` leaves out the per-collective
+latency and the timeline charges it once per group.
 """
 
 from __future__ import annotations
@@ -40,9 +45,10 @@ import numpy as np
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.plan import Mode, Plan, placement
-from megatron_zeppelin.planner.base import PlanContext, same_layout_linear
+from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, placement
+from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.packing import check_lengths
+from megatron_zeppelin.planner.rounds import RoundsPlan, build_rounds
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +161,7 @@ def seq_time_fn(cost: CostModel) -> Callable[[int, int], float]:
     @lru_cache(maxsize=None)
     def t(length: int, d: int) -> float:
         link = cost.alltoall_link(range(d))
-        return cost.ulysses_cost(length, d, link).total_s + cost.linear_s(length) / d
+        return cost.ulysses_cost([length], d, link, latency=False).total_s + cost.linear_s(length) / d
     return t
 
 
@@ -365,13 +371,23 @@ def _start_vector(m: _Milp, start: list[tuple[int, dict[int, int]]], buckets: Se
 
 
 class FlexSpPlanner:
-    """Heterogeneous Ulysses SP groups chosen per batch by FlexSP's MILP."""
+    """Heterogeneous Ulysses SP groups chosen per batch by FlexSP's MILP; a batch
+    that does not fit in one pass is split into micro-batches first."""
 
     name = "flexsp"
 
-    def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
+    def plan_rounds(self, seq_lens: Sequence[int], ctx: PlanContext) -> RoundsPlan:
         lens = check_lengths(seq_lens)
-        topo, cap, world = ctx.topology, ctx.tokens_per_gpu, ctx.topology.world_size
+        return build_rounds(self.name, ctx.topology, lens, self._rounds(lens, ctx), ctx.tokens_per_gpu)
+
+    def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
+        return self.plan_rounds(seq_lens, ctx).merged
+
+    def _rounds(self, lens: tuple[int, ...], ctx: PlanContext) -> list[list[SeqPlacement]]:
+        """FlexSP's sequence blaster: the fewest micro-batches, starting from
+        ``tokens / (world x cap)``, whose every part the solver can place; parts
+        are filled longest first onto the part with the fewest tokens."""
+        cap, world = ctx.tokens_per_gpu, ctx.topology.world_size
         kv_heads = ctx.local_heads[1]
         sizes = ulysses_sizes(world, kv_heads)
         for seq, L in enumerate(lens):
@@ -381,41 +397,62 @@ class FlexSpPlanner:
                     f"{sizes[-1]} GPUs at {cap} tokens per GPU, but Ulysses groups are limited to "
                     f"powers of two dividing both {kv_heads} KV heads and {world} GPUs; raise "
                     "--tokens-per-gpu or use a ring-based strategy")
+        parts = max(1, -(-sum(lens) // (world * cap)))
+        while parts <= len(lens):
+            rounds = [self._solve(lens, part, sizes, ctx) for part in _split(lens, parts)]
+            if all(r is not None for r in rounds):
+                return rounds
+            parts += 1
+        raise InfeasibleError(
+            f"flexsp: no SP grouping fits {sum(lens)} tokens in {world} GPUs x {cap} "
+            "tokens per GPU even one sequence per micro-batch; raise --tokens-per-gpu")
+
+    def _solve(self, lens: tuple[int, ...], seqs: list[int], sizes: list[int],
+               ctx: PlanContext) -> list[SeqPlacement] | None:
+        """Placements of the sequences ``seqs`` in one pass, or None."""
+        cap, world = ctx.tokens_per_gpu, ctx.topology.world_size
+        sub = [lens[i] for i in seqs]
         t = seq_time_fn(ctx.cost)
-        buckets = bucket_lengths(lens, world * cap)
+        buckets = bucket_lengths(sub, world * cap)
         # Start: the greedy on the MILP's own data (boundaries, bucket minima).
         padded = [(k, b.boundary, b.shortest) for k, b in enumerate(buckets) for _ in b.seqs]
         hint = greedy_groups([p[1] for p in padded], [p[2] for p in padded], sizes, world, cap, t)
         start = None if hint is None else [(d, dict(Counter(padded[i][0] for i in items)))
                                            for d, items in hint]
         groups = solve_milp(buckets, sizes, world, cap, t, ctx.time_limit_s, start)
-        greedy = greedy_groups(lens, lens, sizes, world, cap, t)
-        members = None if groups is None else _assign(groups, buckets, lens, t)
+        greedy = greedy_groups(sub, sub, sizes, world, cap, t)
+        members = None if groups is None else _assign(groups, buckets, sub, t)
         if members is None:
             logger.debug("flexsp: no MILP solution in %.1f s; using the greedy grouping",
                          ctx.time_limit_s)
             members = greedy
-        elif greedy is not None and _makespan(greedy, lens, t) < _makespan(members, lens, t):
+        elif greedy is not None and _makespan(greedy, sub, t) < _makespan(members, sub, t):
             # Bucket padding can make the MILP's optimum slightly worse on real lengths.
             logger.debug("flexsp: greedy grouping beats the MILP's on real lengths")
             members = greedy
         if members is None:
-            raise InfeasibleError(
-                f"flexsp: no SP grouping fits {sum(lens)} tokens in {world} GPUs x {cap} "
-                "tokens per GPU; raise --tokens-per-gpu or lower the batch's token budget")
+            return None
         attention, offset = [], 0
-        for d, seqs in sorted(members, key=lambda g: -g[0]):  # aligned blocks, largest first
+        for d, local in sorted(members, key=lambda g: -g[0]):  # aligned blocks, largest first
             ranks = list(range(offset, offset + d))
             offset += d
-            for seq in seqs:
-                L = lens[seq]
-                if d == 1:
-                    attention.append(placement(seq, L, Mode.LOCAL, [ranks[0]]))
-                else:
-                    attention.append(placement(seq, L, Mode.ULYSSES, ranks))
-        return Plan(strategy=self.name, world_size=world, gpus_per_node=topo.gpus_per_node,
-                    seq_lens=lens, attention=tuple(attention),
-                    linear=same_layout_linear(world, attention), token_cap=cap).validate()
+            for i in local:
+                seq = seqs[i]
+                mode = Mode.LOCAL if d == 1 else Mode.ULYSSES
+                attention.append(placement(seq, lens[seq], mode, ranks[:1] if d == 1 else ranks))
+        return attention
+
+
+def _split(lens: Sequence[int], parts: int) -> list[list[int]]:
+    """Sequence indices in ``parts`` micro-batches, longest first onto the part
+    with the fewest tokens (ties: the lower part)."""
+    out: list[list[int]] = [[] for _ in range(parts)]
+    tokens = [0] * parts
+    for seq in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
+        p = min(range(parts), key=lambda p: (tokens[p], p))
+        out[p].append(seq)
+        tokens[p] += lens[seq]
+    return [sorted(p) for p in out if p]
 
 
 def _makespan(groups: list[Group], lens: Sequence[int], t: Callable[[int, int], float]) -> float:

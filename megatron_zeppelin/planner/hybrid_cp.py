@@ -24,8 +24,8 @@ first, so every group is exactly one of those aligned blocks.
 
 Because sub-samples are separate micro-batches, memory holds one at a time
 (``L / cp <= cap`` by construction) while a rank's step total may exceed the
-cap: the Plan carries no ``token_cap``.  Round boundaries are barriers; use
-:func:`hybrid_cp_rounds` to time them.
+cap: the Plan carries no ``token_cap``.  Round boundaries are barriers:
+``plan_rounds`` gives one Plan per round and the simulator adds them up.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.plan import Mode, Plan, placement
-from megatron_zeppelin.planner.base import PlanContext, same_layout_linear
+from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, placement
+from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.packing import check_lengths
+from megatron_zeppelin.planner.rounds import RoundsPlan, build_rounds
 
 #: ``next_hdp_group`` defaults: balance slack (5 %) and bucket overshoot (10 %).
 BALANCE_DELTA = 0.05
@@ -190,15 +191,22 @@ def hybrid_cp_rounds(seq_lens: Sequence[int], tokens_per_gpu: int, world_size: i
 
 
 class HybridCpPlanner:
-    """Per-sequence power-of-two CP groups from Megatron's BalancedCPScheduler."""
+    """Per-sequence power-of-two CP groups from Megatron's BalancedCPScheduler,
+    in rounds with a barrier after each (:mod:`~megatron_zeppelin.planner.rounds`)."""
 
     name = "megatron_hybrid_cp"
 
-    def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
+    def plan_rounds(self, seq_lens: Sequence[int], ctx: PlanContext) -> RoundsPlan:
         lens = check_lengths(seq_lens)
-        topo = ctx.topology
-        attention = []
-        for groups in hybrid_cp_rounds(lens, ctx.tokens_per_gpu, topo.world_size):
+        return build_rounds(self.name, ctx.topology, lens, self._rounds(lens, ctx), None)
+
+    def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
+        return self.plan_rounds(seq_lens, ctx).merged
+
+    def _rounds(self, lens: tuple[int, ...], ctx: PlanContext) -> list[list[SeqPlacement]]:
+        rounds = []
+        for groups in hybrid_cp_rounds(lens, ctx.tokens_per_gpu, ctx.topology.world_size):
+            attention = []
             for g in groups:
                 ranks = range(g.first_rank, g.first_rank + g.size)
                 for seq in g.seqs:
@@ -209,8 +217,5 @@ class HybridCpPlanner:
                         attention.append(placement(seq, L, Mode.LOCAL, [g.first_rank]))
                     else:
                         attention.append(placement(seq, L, Mode.RING, ranks))
-        return Plan(strategy=self.name, world_size=topo.world_size,
-                    gpus_per_node=topo.gpus_per_node, seq_lens=lens,
-                    attention=tuple(attention),
-                    linear=same_layout_linear(topo.world_size, attention),
-                    token_cap=None).validate()
+            rounds.append(attention)
+        return rounds

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, SeqPlacement, placement
-from megatron_zeppelin.plan.shards import zigzag_shards
+from megatron_zeppelin.plan.shards import contiguous_shards, zigzag_shards
 
 #: ``shares(length, rank_loads) -> tokens per rank of the bin`` (same order).
 Shares = Callable[[int, Sequence[int]], Sequence[int]]
@@ -49,13 +49,7 @@ def pack_longest_first(seq_lens: Sequence[int], bins: Bins, shares: Shares, *, s
     order = sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i))
     for seq in order:
         L = seq_lens[seq]
-        for b in sorted(range(bins.num_bins), key=lambda b: (sum(bins.loads[b]), b)):
-            share = tuple(shares(L, bins.loads[b]))
-            if all(load + s <= bins.cap for load, s in zip(bins.loads[b], share)):
-                bins.loads[b] = [load + s for load, s in zip(bins.loads[b], share)]
-                bins.items[b].append((seq, share))
-                break
-        else:
+        if not _place(bins, seq, L, shares):
             free = max((bins.cap - max(ld) for ld in bins.loads), default=0)
             raise InfeasibleError(
                 f"{strategy}: sequence {seq} (length {L}) does not fit on any {what}: the emptiest "
@@ -63,6 +57,44 @@ def pack_longest_first(seq_lens: Sequence[int], bins: Bins, shares: Shares, *, s
                 f"({sum(seq_lens)} tokens on {bins.num_bins * bins.width} GPUs); raise "
                 f"--tokens-per-gpu or use a strategy that splits sequences")
     return bins
+
+
+def pack_in_rounds(seq_lens: Sequence[int], make_bins: Callable[[], Bins], shares: Shares, *,
+                   strategy: str, what: str) -> list[Bins]:
+    """Micro-batches of a batch that does not fit at once: each round packs the
+    remaining sequences longest first (:func:`pack_longest_first`), and those
+    that fit no bin wait for the next round, as gradient accumulation would run
+    them.  Returns the bins of every round (items hold batch-wide sequence
+    indices).  A sequence that fits no empty bin raises."""
+    remaining = list(range(len(seq_lens)))
+    rounds = []
+    while remaining:
+        bins, placed, deferred = make_bins(), [], []
+        for seq in sorted(remaining, key=lambda i: (-seq_lens[i], i)):
+            if _place(bins, seq, seq_lens[seq], shares):
+                placed.append(seq)
+            else:
+                deferred.append(seq)
+        if not placed:
+            seq = deferred[0]
+            raise InfeasibleError(
+                f"{strategy}: sequence {seq} (length {seq_lens[seq]}) does not fit on an empty {what} "
+                f"under the cap of {bins.cap} tokens per GPU; raise --tokens-per-gpu or use a "
+                "larger group")
+        rounds.append(bins)
+        remaining = sorted(deferred)
+    return rounds
+
+
+def _place(bins: Bins, seq: int, length: int, shares: Shares) -> bool:
+    """Put ``seq`` on the bin with the fewest tokens where it fits; False if none."""
+    for b in sorted(range(bins.num_bins), key=lambda b: (sum(bins.loads[b]), b)):
+        share = tuple(shares(length, bins.loads[b]))
+        if all(load + s <= bins.cap for load, s in zip(bins.loads[b], share)):
+            bins.loads[b] = [load + s for load, s in zip(bins.loads[b], share)]
+            bins.items[b].append((seq, share))
+            return True
+    return False
 
 
 def one_rank(length: int, loads: Sequence[int]) -> list[int]:
@@ -80,6 +112,15 @@ def zigzag_or_one_rank(length: int, loads: Sequence[int]) -> list[int]:
     if k == 1 or length < 2 * k:
         return one_rank(length, loads)
     return [sum(e - s for s, e in ranges) for ranges in zigzag_shards(length, k)]
+
+
+def contiguous_or_one_rank(length: int, loads: Sequence[int]) -> list[int]:
+    """Contiguous Ulysses shares over the whole bin; a sequence too short for
+    ``2k`` tokens stays on one rank (as in :func:`zigzag_or_one_rank`)."""
+    k = len(loads)
+    if k == 1 or length < 2 * k:
+        return one_rank(length, loads)
+    return [sum(e - s for s, e in ranges) for ranges in contiguous_shards(length, k)]
 
 
 def placements(bins: Bins, seq_lens: Sequence[int], mode: Mode,

@@ -1,25 +1,92 @@
-"""``te_cp``: static context parallelism as Megatron-Core + TransformerEngine run it.
+"""``te_cp``: static TP x CP as a Megatron-Core + TransformerEngine user runs it.
 
-The CP size ``c`` is fixed for the whole run (``--context-parallel-size``), so
-the world is ``world / c`` DP replicas of ``c`` consecutive ranks each
+The layout is fixed for the whole run (``--tensor-model-parallel-size t``,
+``--context-parallel-size c``).  A competent user picks it for the model,
+the maximum length and the cluster: among the TP sizes that divide a node and
+the heads, and the CP sizes that hold the longest sequence in memory
+(:func:`te_cp_layouts` lists them with the reason each other one fails), the
+fastest on their data (the simulator times each, ``sim/static_layout.py``).
+A rank of the plan is one TP group (``cost/tp.py``).
+
+The world is then ``world / c`` DP replicas of ``c`` consecutive ranks
 (Megatron's rank order puts CP inside DP: a CP group is node-contiguous and
-spans nodes only when ``c > gpus_per_node``).  Each replica packs whole
-sequences into its THD buffer (longest first onto the replica with the fewest
-tokens, at most ``c * tokens_per_gpu`` of them), and TE's THD attention cuts
-*every* packed sequence into ``2c`` chunks (DualChunkSwap, rank ``i`` holds
-chunks ``i`` and ``2c-1-i``) and runs the p2p ring over the whole group --
-short sequences pay ring traffic too.  That is the waste Zeppelin removes.
+spans nodes only when it outgrows a node).  Each replica packs whole sequences
+into its THD buffer (longest first onto the replica with the fewest tokens,
+at most ``c * tokens_per_gpu`` of them), and TE's THD attention cuts *every*
+packed sequence into ``2c`` chunks (DualChunkSwap) and runs one p2p ring over
+the group carrying all of them -- short sequences pay ring traffic too.  No
+routing: TE's p2p sends go through each GPU's own NIC.  What does not fit one
+pass waits for the next micro-batch (gradient accumulation).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.cost.memory import memory_problem
+from megatron_zeppelin.cost.tp import tp_problem
 from megatron_zeppelin.errors import ConfigError, InfeasibleError
-from megatron_zeppelin.plan import Mode, Plan
-from megatron_zeppelin.planner.base import PlanContext, same_layout_linear
-from megatron_zeppelin.planner.packing import (Bins, check_lengths, pack_longest_first, placements,
-                                               zigzag_or_one_rank)
+from megatron_zeppelin.plan import Mode
+from megatron_zeppelin.planner.base import PlanContext
+from megatron_zeppelin.planner.packing import zigzag_or_one_rank
+from megatron_zeppelin.planner.static_groups import StaticGroupPlanner
+
+#: TP sizes a Megatron user tries (TP stays inside a node's NVLink).
+TP_SIZES = (1, 2, 4, 8)
+#: Feasible CP sizes tried per TP size, smallest first: a wider ring holds the
+#: same tokens in more steps, so a user stops after the first two that fit.
+CP_SIZES_PER_TP = 2
+
+
+@dataclass(frozen=True)
+class StaticLayout:
+    """One static parallel layout a user could launch."""
+
+    tp: int
+    """Tensor-parallel size (GPUs per rank of the plan)."""
+    size: int
+    """CP (or SP) group size, in ranks of the plan."""
+    problem: str | None = None
+    """Why it cannot run (None: feasible)."""
+
+    def __str__(self) -> str:
+        return f"TP={self.tp} x CP={self.size}"
+
+
+def tp_problems(cost: CostModel, max_seq_len: int, tokens_per_gpu: int) -> dict[int, str | None]:
+    """For every TP size a user might launch on ``cost``'s cluster (TP=1 view):
+    why it cannot run, or None.  The TP x CP layouts add their own reasons."""
+    topo, m = cost.cluster.topology, cost.model
+    out = {}
+    for tp in TP_SIZES:
+        problem = tp_problem(cost.cluster, m.num_attention_heads, m.num_query_groups, tp)
+        if problem is None and max_seq_len > topo.world_size * tokens_per_gpu:
+            problem = f"a {max_seq_len}-token sequence is over {topo.world_size} GPUs x {tokens_per_gpu} tokens"
+        if problem is None:
+            problem = memory_problem(m, cost.cluster.gpu.memory_gib, tp, topo.world_size // tp)
+        out[tp] = problem
+    return out
+
+
+def te_cp_layouts(cost: CostModel, max_seq_len: int, tokens_per_gpu: int) -> list[StaticLayout]:
+    """Every TP x CP a user might launch for ``max_seq_len`` on ``cost``'s
+    cluster (TP=1 view), each with the reason it fails or None."""
+    world = cost.cluster.topology.world_size
+    out = []
+    for tp, problem in tp_problems(cost, max_seq_len, tokens_per_gpu).items():
+        c, fits = 1, 0
+        while c * tp <= world and fits < CP_SIZES_PER_TP:
+            why = problem
+            if why is None and world % (c * tp):
+                why = f"TP x CP = {tp * c} does not divide {world} GPUs"
+            if why is None and max_seq_len > c * tp * tokens_per_gpu:
+                why = f"a {max_seq_len}-token sequence is over {c * tp} GPUs x {tokens_per_gpu} tokens per GPU"
+            out.append(StaticLayout(tp, c, why))
+            fits += why is None
+            c *= 2
+    return out
 
 
 def te_cp_size(seq_lens: Sequence[int], tokens_per_gpu: int, world_size: int,
@@ -45,26 +112,20 @@ def te_cp_size(seq_lens: Sequence[int], tokens_per_gpu: int, world_size: int,
                           "add nodes")
 
 
-class TeCpPlanner:
+class TeCpPlanner(StaticGroupPlanner):
     """DP replicas of one fixed CP group size; every sequence zigzag-split over its group."""
 
     name = "te_cp"
+    mode = Mode.RING
+    shares = zigzag_or_one_rank
+    group = "CP group"
 
-    def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
-        lens = check_lengths(seq_lens)
-        topo, cap = ctx.topology, ctx.tokens_per_gpu
-        c = te_cp_size(lens, cap, topo.world_size, ctx.cp_size)
+    def group_size(self, lens: tuple[int, ...], ctx: PlanContext) -> int:
+        cap = ctx.tokens_per_gpu
+        c = te_cp_size(lens, cap, ctx.topology.world_size, ctx.cp_size)
         for seq, L in enumerate(lens):
             if -(-L // c) > cap:
                 raise InfeasibleError(
                     f"te_cp: sequence {seq} has {L} tokens, more than context-parallel size {c} "
                     f"x {cap} tokens per GPU; raise the CP size or --tokens-per-gpu")
-        bins = pack_longest_first(lens, Bins(topo.world_size // c, c, cap),
-                                  zigzag_or_one_rank, strategy=self.name,
-                                  what=f"CP group of {c} GPUs")
-        attention = placements(bins, lens, Mode.RING, first_rank=lambda b: b * c)
-        return Plan(strategy=self.name, world_size=topo.world_size,
-                    gpus_per_node=topo.gpus_per_node, seq_lens=lens,
-                    attention=tuple(attention),
-                    linear=same_layout_linear(topo.world_size, attention),
-                    token_cap=cap).validate()
+        return c

@@ -121,7 +121,7 @@ class _TierTimes:
         key = (length, -d, inter)
         hit = self._memo.get(key)
         if hit is None:
-            hit = (self.cost.ulysses_cost(length, d, self.a2a_inter if inter else self.intra).total_s, 0.0)
+            hit = (self.cost.ulysses_cost([length], d, self.a2a_inter if inter else self.intra).total_s, 0.0)
             self._memo[key] = hit
         return hit[0]
 

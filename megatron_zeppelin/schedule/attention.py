@@ -137,28 +137,33 @@ class _Segment:
 
 def add_attention(b: ScheduleBuilder, prefix: tuple, plan: Plan, shape: AttnShape, transport: Transport,
                   backward: bool, entry: dict[int, list[int]] | None = None, *,
-                  pack_rings: bool = False) -> dict[int, list[int]]:
+                  pack: bool = False) -> dict[int, list[int]]:
     """Add one layer's attention (forward or backward); return each rank's frontier.
 
-    ``pack_rings`` runs all ring sequences of the same rank tuple as one ring
-    (TransformerEngine's THD layout: each step sends and computes all of them),
-    for baselines the engine does not run."""
+    ``pack`` runs all ring sequences of the same rank tuple as one ring
+    (TransformerEngine's THD layout: each step sends and computes all of them)
+    and all Ulysses sequences of the same rank tuple as one group (FlexSP and
+    DeepSpeed: one all-to-all per layer), for baselines the engine does not run."""
     seg = _Segment(b, prefix, entry or {})
     kv_numel = shape.kv_heads * shape.head_dim
     local: dict[int, list[int]] = {}
     rings: dict[tuple, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for index, p in enumerate(plan.attention):
         tier = plan.tier_of(p)
         if p.mode is Mode.LOCAL:
             local.setdefault(p.ranks[0], []).append(index)
         elif p.mode is Mode.RING:
-            rings.setdefault(p.ranks if pack_rings else (index,), []).append(index)
+            rings.setdefault(p.ranks if pack else (index,), []).append(index)
         else:
-            _add_ulysses(seg, transport, index, p, TIER_ORDER[tier], shape, backward)
+            groups.setdefault(p.ranks if pack else (index,), []).append(index)
     for members in rings.values():
         tier = plan.tier_of(plan.attention[members[0]])
         _add_ring(seg, transport, [(i, plan.attention[i]) for i in members], TIER_ORDER[tier], tier, kv_numel,
                   shape, backward)
+    for members in groups.values():
+        _add_ulysses(seg, transport, [(i, plan.attention[i]) for i in members], TIER_ORDER["ulysses"], shape,
+                     backward)
     for rank, indices in local.items():
         for pack, members in enumerate(_packs(plan, indices, shape.local_pack_tokens)):
             lengths = tuple(plan.seq_lens[plan.attention[i].seq] for i in members)
@@ -216,26 +221,36 @@ def _add_ring(seg: _Segment, transport: Transport, members: list[tuple[int, obje
         kv_in, dkv_in = new_kv, new_dkv
 
 
-def _add_ulysses(seg: _Segment, transport: Transport, index: int, p, tier_order: int, shape: AttnShape,
-                 backward: bool) -> None:
+def _add_ulysses(seg: _Segment, transport: Transport, members: list[tuple[int, object]], tier_order: int,
+                 shape: AttnShape, backward: bool) -> None:
+    """A Ulysses group over the ranks of ``members`` (placements with one rank
+    tuple): one sequence for Zeppelin, all of a group's when packed."""
+    index, p = members[0]
     # An all-to-all loads every NIC of the node at once (each GPU sends its share
     # through its own): there is no idle NIC for routing to borrow, only two
     # extra hops to pay.  Its messages always go direct.
     transport = dataclasses.replace(transport, min_routed_bytes=math.inf)
+    def messages(step: int) -> list[tuple[int, int, int]]:
+        out = geo.ulysses_messages(p, step, backward, shape.q_heads, shape.kv_heads, shape.head_dim)
+        for _, other in members[1:]:
+            more = geo.ulysses_messages(other, step, backward, shape.q_heads, shape.kv_heads, shape.head_dim)
+            out = [(a, c, n + m[2]) for (a, c, n), m in zip(out, more)]
+        return out
+
     arrived: dict[int, list[int]] = {}
-    for i, (a, c, numel) in enumerate(geo.ulysses_messages(p, 0, backward, shape.q_heads, shape.kv_heads,
-                                                         shape.head_dim)):
+    for i, (a, c, numel) in enumerate(messages(0)):
         arrived.setdefault(c, []).extend(seg.transfer(
             (0, 0, tier_order, index, i), transport, ("a2a_in", index, a, c), p.ranks[a], p.ranks[c], numel,
             shape.itemsize, [], tier="ulysses", name="a2a_in", backward=backward))
-    length = p.shards[-1][0][1]
+    pairs = [geo.ulysses_pairs(q) for _, q in members]
+    lengths = [q.shards[-1][0][1] for _, q in members]
+    block = sum(n * x for n, x in zip(pairs, lengths)) // max(sum(pairs), 1)   # pair-weighted length
     computed = {pos: seg.compute((1, 1, tier_order, index, pos), p.ranks[pos], arrived.get(pos, []),
                                  tier="ulysses", name="ulysses_bwd" if backward else "ulysses_fwd",
-                                 backward=backward, pairs=geo.ulysses_pairs(p), block=length,
+                                 backward=backward, pairs=sum(pairs), block=max(block, 1),
                                  key=("ulysses", index, pos))
                 for pos in range(p.size)}
-    for i, (a, c, numel) in enumerate(geo.ulysses_messages(p, 2, backward, shape.q_heads, shape.kv_heads,
-                                                         shape.head_dim)):
+    for i, (a, c, numel) in enumerate(messages(2)):
         seg.transfer((2, 0, tier_order, index, i), transport, ("a2a_out", index, a, c), p.ranks[a],
                      p.ranks[c], numel, shape.itemsize, [computed[a]], tier="ulysses", name="a2a_out",
                      backward=backward)

@@ -36,9 +36,9 @@ from megatron_zeppelin.sim.progress import Progress
 from megatron_zeppelin.schedule.trace import read_trace
 from megatron_zeppelin.sim.modeled_trace import (check_fits, from_settings, replay_trace, with_recorded_topology,
                                                  write_modeled_trace)
-from megatron_zeppelin.sim.simulate import (BASELINE, STRATEGY_NAMES, VARIANTS, SimResult, Strategy,
+from megatron_zeppelin.sim.simulate import (BASELINE, STATIC, STRATEGY_NAMES, VARIANTS, SimResult, Strategy,
                                             build_strategies, format_table, infeasible_notes, sample_batches,
-                                            simulate, te_cp_size, uses_routing)
+                                            simulate, uses_routing)
 from megatron_zeppelin.sim.timeline import step_timeline, transport_of
 from megatron_zeppelin.topology import load_cluster
 
@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                    help=f"comma-separated, from: {DEFAULT_STRATEGIES}")
     p.add_argument("--cp-size", type=int, default=None,
-                   help=f"{BASELINE}'s static CP size (default: smallest power of two that fits "
-                        "--max-seq-len in --tokens-per-gpu)")
+                   help=f"fix {BASELINE}'s static CP size (TP=1) and ulysses_sp's SP size (default: each "
+                        "searches its feasible static layouts, TP x CP for te_cp, and keeps the fastest "
+                        "on the first batches, as a user tuning a static run would)")
     p.add_argument("--flexsp-time-limit", type=float, default=2.0, help="flexsp MILP time limit, seconds")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--dump-plans", type=Path, default=None,
@@ -244,25 +245,32 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
                           f"{args.max_seq_len}-token sequence; raise --tokens-per-gpu or --nodes, or "
                           "lower --max-seq-len")
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
-    cp_size = args.cp_size or te_cp_size(args.max_seq_len, args.tokens_per_gpu)
-    if BASELINE in names and args.cp_size is None and world % cp_size:
-        raise ConfigError(f"{BASELINE} needs a CP size of {cp_size} to fit --max-seq-len {args.max_seq_len} "
-                          f"at --tokens-per-gpu {args.tokens_per_gpu}, which does not divide {world} GPUs; "
-                          f"pass --cp-size, change --nodes, or leave {BASELINE} out of --strategies")
-    strategies = build_strategies(names, cost, cp_size=cp_size)
+    if args.cp_size is not None and world % args.cp_size:
+        raise ConfigError(f"--cp-size {args.cp_size} does not divide {world} GPUs; pick a divisor or leave "
+                          "it out to let the static baselines search their layouts")
     lengths_path = resolve_lengths(args.lengths)
     tokens_per_batch = args.tokens_per_batch or batch_budget(args.tokens_per_gpu, world, args.max_seq_len,
                                                              args.batch_fill)
     batches = sample_batches(load_lengths(lengths_path), max_seq_len=args.max_seq_len,
                              tokens_per_batch=tokens_per_batch, steps=args.steps, seed=args.seed)
+    strategies = build_strategies(names, cost, cp_size=args.cp_size, layout_batches=batches,
+                                  max_seq_len=args.max_seq_len, tokens_per_gpu=args.tokens_per_gpu,
+                                  time_limit_s=args.flexsp_time_limit)
+    static = {s.name: s for s in strategies if s.name in STATIC}
+    layouts = {n: st.layout for n, st in static.items()}
+    layouts.update({"zeppelin": s.layout for s in strategies if s.name in VARIANTS and s.layout})
+    te = static.get(BASELINE)
+    cp_size = args.cp_size if te is None or te.cp_size is None else te.cp_size
     topo = cluster.topology
     config = {"cluster": cluster.name, "nodes": topo.nodes, "gpus_per_node": topo.gpus_per_node,
               "nics_per_node": topo.nics_per_node, "world_size": world, "gpu": cluster.gpu.name,
               "model": cost.model.name, "lengths": str(lengths_path), "max_seq_len": args.max_seq_len,
               "tokens_per_gpu": args.tokens_per_gpu, "tokens_per_batch": tokens_per_batch,
               "batch_fill": args.batch_fill, "seed": args.seed, "strategies": names,
-              "te_cp_cp_size": cp_size, "flexsp_time_limit_s": args.flexsp_time_limit,
-              "tp": 1, "micro_batches": 1, "moe": cost.model.moe_summary}  # what the simulator models
+              "te_cp_cp_size": cp_size, "te_cp_tp_size": te.tp_size if te is not None else None,
+              "static_layouts": layouts, "tp_sizes": {s.name: s.tp_size for s in strategies},
+              "flexsp_time_limit_s": args.flexsp_time_limit,
+              "micro_batches": 1, "moe": cost.model.moe_summary}  # what the simulator models
     return config, strategies, batches
 
 
@@ -272,9 +280,17 @@ def _summary(config: dict[str, Any], result: SimResult) -> str:
     return (f"{config['model']} on {config['world_size']} GPUs ({config['cluster']}, {config['nodes']} nodes); "
             f"{len(result.seq_lens)} steps of ~{tokens:,.0f} tokens / {seqs:.0f} sequences from "
             f"{Path(config['lengths']).name}; max_seq_len {config['max_seq_len']}, "
-            f"{config['tokens_per_gpu']} tokens/GPU, {BASELINE} CP={config['te_cp_cp_size']}; "
-            f"lower bound {result.lower_bound_step_s * 1e3:.1f} ms\n"
-            f"modeled: TP {config['tp']}, {config['micro_batches']} micro-batch per step, {config['moe']}")
+            f"{config['tokens_per_gpu']} tokens/GPU, {BASELINE} "
+            + (f"TP={config['te_cp_tp_size'] or 1} x CP={config['te_cp_cp_size']}" if config["te_cp_cp_size"]
+               else "has no layout") + f"; lower bound {result.lower_bound_step_s * 1e3:.1f} ms"
+            + "".join(f"\nstatic layout {line}" for line in config["static_layouts"].values() if line)
+            + f"\nmodeled: TP per strategy {_tp_sizes(config)}, {config['micro_batches']} micro-batch per step, "
+              f"{config['moe']}")
+
+
+def _tp_sizes(config: dict[str, Any]) -> str:
+    sizes = set(config["tp_sizes"].values())
+    return str(sizes.pop()) if len(sizes) == 1 else ", ".join(f"{n} {t}" for n, t in config["tp_sizes"].items())
 
 
 def _mkdir(path: Path) -> None:

@@ -334,13 +334,13 @@ REPLAYED_LAYERS = 4
 
 
 def replay_step(parts: Sequence[tuple[str, Schedule, Schedule]], num_layers: int, cost: CostModel,
-                world_size: int, *, exact: bool = False) -> StepReplay:
+                world_size: int, *, exact: bool = False, replayed_layers: int = REPLAYED_LAYERS) -> StepReplay:
     """Replay ``num_layers`` layers of ``parts`` forward, then backward in reverse.
 
     ``parts``: ``(name, forward segment, backward segment)`` in forward order.
     Every layer runs the same ops, so after a few layers a step settles into a
     period: unless ``exact``, a deeper model replays steps of ``m`` and ``m - 1``
-    layers (``m`` = :data:`REPLAYED_LAYERS`) and adds the difference -- one
+    layers (``m`` = ``replayed_layers``, at least 2) and adds the difference -- one
     layer's forward and backward in steady state -- for each layer beyond ``m``.
     That is exact once the pattern repeats within ``m - 1`` layers; ``exact``
     replays every layer (what ``sim --plan`` and trace replays do)."""
@@ -357,7 +357,7 @@ def replay_step(parts: Sequence[tuple[str, Schedule, Schedule]], num_layers: int
                 segment_s[seg.name][r] += x
         return StepReplay(result.step_s, result.finish_s, result.busy_s, segment_s)
 
-    m = REPLAYED_LAYERS
+    m = max(replayed_layers, 2)
     if exact or num_layers <= m:
         return run(num_layers)
     big, small = run(m), run(m - 1)

@@ -17,11 +17,13 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.cost.tp import tp_view
 from megatron_zeppelin.errors import ConfigError, InfeasibleError
 from megatron_zeppelin.plan import Plan, TierCounts
 from megatron_zeppelin.planner.base import PLANNERS, PlanContext, Planner, get_planner
 from megatron_zeppelin.sampler.batch_sampler import ZeppelinBatchSampler
 from megatron_zeppelin.sim.progress import Progress
+from megatron_zeppelin.sim.rounds import plan_batch, rounds_timeline
 from megatron_zeppelin.sim.timeline import StepTimeline, step_timeline
 
 #: The baseline every speedup is measured against.
@@ -66,10 +68,18 @@ class Strategy:
     """Cost model the planner plans with and the step is timed with; its
     ``routing`` flag says whether inter-node transfers use the routing layer."""
     cp_size: int | None = None
-    """Static CP size handed to the planner (``te_cp``)."""
+    """Static CP / SP size handed to the planner (``te_cp``, ``ulysses_sp``)."""
     remap_enabled: bool = True
     """``PlanContext.remap_enabled``: only Zeppelin's planner reads it (the
     baselines' linear layout is always their attention layout)."""
+    tp_size: int = 1
+    """GPUs per rank of its plans (``cost`` is then a TP view); the per-GPU
+    token cap becomes ``tp_size`` times larger per rank."""
+    layout: str | None = None
+    """The static layout search's report (``sim/static_layout.py``)."""
+    infeasible: str | None = None
+    """Why the strategy cannot run at all on this configuration (no static
+    layout fits); it is then reported infeasible without planning."""
 
 
 def uses_routing(name: str) -> bool:
@@ -97,9 +107,17 @@ def sample_batches(doc_lengths: np.ndarray, *, max_seq_len: int, tokens_per_batc
     return [batch.seq_lens for batch in sampler]
 
 
-def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | None = None) -> list[Strategy]:
+def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | None = None,
+                     layout_batches: Sequence[Sequence[int]] | None = None, max_seq_len: int | None = None,
+                     tokens_per_gpu: int | None = None, time_limit_s: float = 1.0) -> list[Strategy]:
     """Strategies by name (:func:`uses_routing` says which cost model each gets).
-    Zeppelin's variants (:data:`VARIANTS`) run its planner with their layers."""
+    Zeppelin's variants (:data:`VARIANTS`) run its planner with their layers.
+
+    The static baselines (:data:`STATIC`) get the layout a competent user would
+    launch, and Zeppelin's variants the TP size the full Zeppelin runs fastest
+    with (``sim/static_layout.py``), when ``layout_batches``, ``max_seq_len``
+    and ``tokens_per_gpu`` are given and no ``cp_size`` fixes it; else
+    ``cp_size`` with TP=1."""
     unknown = [n for n in names if n not in STRATEGY_NAMES]
     if unknown or not names:
         what = f"unknown strategy {unknown[0]!r}" if unknown else "no strategy given"
@@ -107,14 +125,45 @@ def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | No
     if len(set(names)) != len(names):
         raise ConfigError(f"strategy list {','.join(names)} names one twice; list each once")
     strategies = []
+    searched = cp_size is None and layout_batches is not None
+    zeppelin_tp = None
+    if searched and any(n in VARIANTS for n in names):
+        zeppelin_tp = _static_strategy("zeppelin", cost.routed(True), layout_batches, max_seq_len,
+                                       tokens_per_gpu, time_limit_s)
     for name in names:
         variant = VARIANTS.get(name)
         routed = cost.routed(uses_routing(name))
-        if variant is None:
-            strategies.append(Strategy(name, get_planner(name), routed, cp_size if name == BASELINE else None))
+        if variant is not None and zeppelin_tp is not None and zeppelin_tp.infeasible is None:
+            tp = zeppelin_tp.tp_size     # the TP size the full Zeppelin runs best with, for every variant
+            strategies.append(Strategy(name, get_planner("zeppelin"), tp_view(routed, tp) if tp > 1 else routed,
+                                       remap_enabled=variant.remap, tp_size=tp, layout=zeppelin_tp.layout))
+        elif variant is not None:
+            why = zeppelin_tp.infeasible if zeppelin_tp is not None else None
+            strategies.append(Strategy(name, get_planner("zeppelin"), routed, remap_enabled=variant.remap,
+                                       layout=why, infeasible=why))
+        elif name in STATIC and searched:
+            strategies.append(_static_strategy(name, routed, layout_batches, max_seq_len, tokens_per_gpu,
+                                               time_limit_s))
         else:
-            strategies.append(Strategy(name, get_planner("zeppelin"), routed, remap_enabled=variant.remap))
+            strategies.append(Strategy(name, get_planner(name), routed, cp_size if name in STATIC else None))
     return strategies
+
+
+#: Baselines whose layout is fixed for the whole run.
+STATIC = ("te_cp", "ulysses_sp")
+
+
+def _static_strategy(name: str, cost: CostModel, batches: Sequence[Sequence[int]], max_seq_len: int | None,
+                     tokens_per_gpu: int | None, time_limit_s: float) -> Strategy:
+    from megatron_zeppelin.sim.static_layout import choose_layout
+    if max_seq_len is None or tokens_per_gpu is None:
+        raise ConfigError("the static layout search needs max_seq_len and tokens_per_gpu")
+    choice = choose_layout(name, cost, batches, max_seq_len=max_seq_len, tokens_per_gpu=tokens_per_gpu,
+                           time_limit_s=time_limit_s)
+    if choice.layout is None:
+        return Strategy(name, get_planner(name), cost, layout=choice.report, infeasible=choice.report)
+    return Strategy(name, get_planner(name), choice.cost, choice.layout.size or None, tp_size=choice.layout.tp,
+                    layout=choice.report)
 
 
 @dataclass
@@ -212,6 +261,8 @@ def simulate(batches: Iterable[Sequence[int]], strategies: Sequence[Strategy], *
         lower.append(strategies[0].cost.lower_bound_s(lens))
         for s in strategies:
             r = results[s.name]
+            if s.infeasible is not None:
+                r.error = s.infeasible
             if r.feasible:
                 _run_one(step, lens, s, r, tokens_per_gpu, time_limit_s, plot_step, on_plan)
             if progress is not None:
@@ -224,13 +275,19 @@ def simulate(batches: Iterable[Sequence[int]], strategies: Sequence[Strategy], *
     return SimResult(seq_lens, lower, results)
 
 
+def plan_context(s: Strategy, tokens_per_gpu: int, time_limit_s: float) -> PlanContext:
+    """The context ``s`` plans every batch with (``tokens_per_gpu`` per GPU)."""
+    return PlanContext(cost=s.cost, tokens_per_gpu=tokens_per_gpu * s.tp_size, cp_size=s.cp_size,
+                       time_limit_s=time_limit_s, remap_enabled=s.remap_enabled, tp_size=s.tp_size,
+                       step_model=lambda plan: step_timeline(plan, s.cost).step_s)
+
+
 def _run_one(step: int, lens: list[int], s: Strategy, r: StrategyResult, tokens_per_gpu: int,
              time_limit_s: float, plot_step: int, on_plan: Callable[[int, str, Plan], None] | None) -> None:
-    ctx = PlanContext(cost=s.cost, tokens_per_gpu=tokens_per_gpu, cp_size=s.cp_size,
-                      time_limit_s=time_limit_s, remap_enabled=s.remap_enabled)
+    ctx = plan_context(s, tokens_per_gpu, time_limit_s)
     try:
         t0 = time.perf_counter()
-        plan = s.planner.plan(lens, ctx)
+        plan, rounds = plan_batch(s.planner, lens, ctx)
         elapsed_ms = (time.perf_counter() - t0) * 1e3
     except InfeasibleError as exc:
         r.error = f"step {step}: {exc}"
@@ -238,7 +295,7 @@ def _run_one(step: int, lens: list[int], s: Strategy, r: StrategyResult, tokens_
     plan.validate()
     if on_plan is not None:
         on_plan(step, s.name, plan)
-    tl = step_timeline(plan, s.cost)
+    tl = rounds_timeline(rounds, s.cost)
     r.planner_ms.append(elapsed_ms)
     r.step_s.append(tl.step_s)
     r.attn_imbalance.append(tl.attn_imbalance)

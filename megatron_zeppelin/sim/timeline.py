@@ -10,7 +10,10 @@ below are read off that replay.
 
 Strategies the engine does not run keep a schedule of their own shape built
 through the same machinery: ``te_cp`` packs all sequences of a CP group into
-one ring (TransformerEngine's THD layout sends all of them each step).
+one ring (TransformerEngine's THD layout sends all of them each step), and
+``flexsp`` / ``ulysses_sp`` pack a Ulysses group's sequences into one
+all-to-all per layer.  The step ends when the slowest rank ends, plus what the
+gradient all-reduce leaves exposed and the optimizer (``cost/step_sync.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from megatron_zeppelin.schedule.attention import AttnShape, Transport, add_atten
 from megatron_zeppelin.schedule.ops import Schedule, ScheduleBuilder
 from megatron_zeppelin.schedule.routing import min_routed_bytes
 from megatron_zeppelin.schedule.step import StepShape, add_linear, add_switch, remap_messages
-from megatron_zeppelin.sim.replay import replay_step
+from megatron_zeppelin.cost.step_sync import StepSync, forward_backward_split, step_sync
+from megatron_zeppelin.sim.replay import REPLAYED_LAYERS, replay_step
 
 #: Segment kinds, in the order a rank runs them (plots use the same order).
 SEGMENT_KINDS = ("attention", "exposed_comm", "remap", "linear")
@@ -83,6 +87,14 @@ class StepTimeline:
     """max / mean of linear-layout tokens per rank (1.0 is perfect)."""
     tiers: TierCounts
     """Sequences per tier (local / intra / inter / ulysses)."""
+    sync: StepSync | None = None
+    """Gradient all-reduce (exposed part) and optimizer after the slowest rank;
+    None for one round of several (the step adds it once)."""
+
+    @property
+    def compute_s(self) -> float:
+        """The slowest rank's total, before the gradient sync."""
+        return max(r.total_s for r in self.ranks)
 
     @property
     def slowest_rank(self) -> int:
@@ -149,7 +161,7 @@ def transport_of(cost: CostModel) -> Transport:
     return Transport(topo, min_routed_bytes(cost) if cost.routing else math.inf)
 
 
-def step_parts(plan: Plan, cost: CostModel, *, pack_rings: bool = False, attn: AttnShape | None = None,
+def step_parts(plan: Plan, cost: CostModel, *, pack: bool = False, attn: AttnShape | None = None,
                transport: Transport | None = None) -> list[tuple[str, Schedule, Schedule]]:
     """The segments of one layer of ``plan`` (forward and backward), as
     :func:`~megatron_zeppelin.sim.replay.replay_step` takes them.  ``attn`` and
@@ -168,7 +180,7 @@ def step_parts(plan: Plan, cost: CostModel, *, pack_rings: bool = False, attn: A
         return b.build()
 
     parts = [("attn", *(segment(lambda b, bw=bw: add_attention(b, (), plan, shape.attn, transport, bw,
-                                                                pack_rings=pack_rings))
+                                                                pack=pack))
                         for bw in (False, True)))]
     if messages:
         parts.append(("to_linear", *(segment(lambda b, bw=bw: add_switch(b, (), messages, transport, row, isz,
@@ -184,17 +196,21 @@ def step_parts(plan: Plan, cost: CostModel, *, pack_rings: bool = False, attn: A
 
 
 #: Strategies whose attention the engine does not run as Zeppelin does: TE packs
-#: a CP group's sequences into one ring.
-PACKED_RING_STRATEGIES = ("te_cp",)
+#: a CP group's sequences into one ring, FlexSP and DeepSpeed-Ulysses a group's
+#: sequences into one all-to-all.
+PACKED_STRATEGIES = ("te_cp", "flexsp", "ulysses_sp")
 
 
 def step_timeline(plan: Plan, cost: CostModel, *, attn: AttnShape | None = None,
-                  transport: Transport | None = None, exact: bool = False) -> StepTimeline:
-    """Per-rank modeled time of one step of ``plan`` (see the module docstring;
-    ``exact`` replays every layer instead of extrapolating the steady state)."""
-    parts = step_parts(plan, cost, pack_rings=plan.strategy in PACKED_RING_STRATEGIES, attn=attn,
-                       transport=transport)
-    replay = replay_step(parts, cost.model.num_layers, cost, plan.world_size, exact=exact)
+                  transport: Transport | None = None, exact: bool = False, sync: bool = True,
+                  replayed_layers: int = REPLAYED_LAYERS) -> StepTimeline:
+    """Per-rank modeled time of one step of ``plan`` (see the module docstring).
+    ``exact`` replays every layer instead of extrapolating the steady state after
+    ``replayed_layers``; ``sync=False`` leaves out the gradient sync (one
+    micro-batch of several)."""
+    parts = step_parts(plan, cost, pack=plan.strategy in PACKED_STRATEGIES, attn=attn, transport=transport)
+    replay = replay_step(parts, cost.model.num_layers, cost, plan.world_size, exact=exact,
+                         replayed_layers=replayed_layers)
     ranks = []
     for rank in range(plan.world_size):
         busy = {tier: s for (r, tier), s in replay.busy_s.items() if r == rank}
@@ -212,7 +228,10 @@ def step_timeline(plan: Plan, cost: CostModel, *, attn: AttnShape | None = None,
                 t += durations[kind]
         ranks.append(RankTimeline(rank=rank, linear_s=linear, attn_compute_s=compute, exposed_comm_s=waiting,
                                   remap_s=remap, total_s=total, segments=tuple(segments)))
-    return StepTimeline(strategy=plan.strategy, ranks=tuple(ranks), step_s=replay.step_s,
+    slowest = max(ranks, key=lambda r: r.total_s)
+    tail = step_sync(cost, *forward_backward_split(slowest.attn_compute_s, slowest.linear_s)) if sync else None
+    return StepTimeline(strategy=plan.strategy, ranks=tuple(ranks),
+                        step_s=replay.step_s + (tail.exposed_s if tail else 0.0), sync=tail,
                         attn_imbalance=imbalance(plan.attn_pairs_per_rank()),
                         linear_imbalance=imbalance(plan.linear_tokens_per_rank()),
                         tiers=plan.tier_counts())

@@ -12,7 +12,7 @@ from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 
-STRATEGIES = ("zeppelin", "reference", "te_cp", "packing_dp", "megatron_hybrid_cp", "flexsp")
+STRATEGIES = ("zeppelin", "reference", "te_cp", "packing_dp", "megatron_hybrid_cp", "flexsp", "ulysses_sp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--routing", type=_on_off, default=True, metavar="on|off",
-                   help="routed inter-node transfers over every NIC (default on)")
+                   help="routed inter-node transfers over every NIC (default on; zeppelin only: the "
+                        "baselines always send through each GPU's own NIC)")
     p.add_argument("--min-routed-bytes", type=float, default=None, metavar="BYTES",
                    help="cross-node messages below this go direct (default: the cost model's break-even "
                         "on GPUs, 0 on a simulated CPU cluster)")

@@ -42,6 +42,8 @@ from megatron_zeppelin.train.trace_dump import rank_record, write_step_trace
 from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.prefetch import Prefetcher
 from megatron_zeppelin.sampler import ZeppelinBatchSampler
+from megatron_zeppelin.sim.static_layout import static_size
+from megatron_zeppelin.sim.timeline import step_timeline
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import (TokenSource, build_rank_batch, make_token_source,
                                            num_label_tokens)
@@ -139,7 +141,7 @@ def make_communicator(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: Model
     communicator gets a group of its own so its transfers never interleave with
     the gradient all-reduce."""
     group = data_parallel_comm_group(cfg.tp, cluster.topology.world_size)
-    if cfg.routing:
+    if routing_on(cfg):
         from megatron_zeppelin.comm.routing import RoutedCommunicator, min_routed_bytes
         threshold = cfg.min_routed_bytes
         if threshold is None:
@@ -147,6 +149,12 @@ def make_communicator(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: Model
         return RoutedCommunicator(group, cluster.topology, counters, threshold, dtype=dtype, device=device)
     from megatron_zeppelin.comm.direct import DirectCommunicator
     return DirectCommunicator(group, topology=cluster.topology, counters=counters)
+
+
+def routing_on(cfg: TrainConfig) -> bool:
+    """``--routing`` applies to Zeppelin only: the baselines send through NCCL
+    p2p, each GPU over its own NIC, as their users run them."""
+    return cfg.routing and cfg.strategy == "zeppelin"
 
 
 def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfig,
@@ -157,8 +165,13 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
         return lambda lens: reference_plan(lens, topo.world_size, topo.gpus_per_node)
     planner = get_planner(cfg.strategy)
     # Without the remapping layer the linear modules see the attention layout.
-    ctx = PlanContext(cost=CostModel(cluster, model_cfg, routing=cfg.routing),
-                      tokens_per_gpu=cfg.tokens_per_gpu, tp_size=cfg.tp, remap_enabled=remap)
+    cost = CostModel(cluster, model_cfg, routing=routing_on(cfg))
+    # --remap on means remap every batch; Zeppelin still picks, by the model, the
+    # plan for routed or direct crossings.
+    ctx = PlanContext(cost=cost, tokens_per_gpu=cfg.tokens_per_gpu, tp_size=cfg.tp, remap_enabled=remap,
+                      remap_decided=False,
+                      cp_size=static_size(cfg.strategy, cost, cfg.max_seq_len, cfg.tokens_per_gpu),
+                      step_model=lambda plan: step_timeline(plan, cost, replayed_layers=2).step_s)
 
     def make_plan(seq_lens: Sequence[int]) -> Plan:
         plan = planner.plan(list(seq_lens), ctx)
@@ -332,7 +345,7 @@ def describe(run: Run) -> str:
     cfg, topo, m = run.cfg, run.cluster.topology, run.model_cfg
     on = {True: "on", False: "off"}
     features = ("plain attention, no communication" if cfg.strategy == REFERENCE else
-                f"{type(run.backend).__name__} kernels, routing {on[cfg.routing]}, remap {on[run.remap]}")
+                f"{type(run.backend).__name__} kernels, routing {on[routing_on(cfg)]}, remap {on[run.remap]}")
     return (f"{cfg.strategy} on {topo.nodes} nodes x {topo.gpus_per_node} GPUs ({topo.nics_per_node} NICs "
             f"per node, {'gloo on CPU' if run.device.type == 'cpu' else 'NCCL'}); model {m.name} "
             f"({m.num_layers} layers, hidden {m.hidden_size}); {features}; {cfg.steps} steps of at most "

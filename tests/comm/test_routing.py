@@ -105,8 +105,10 @@ def test_threshold_from_cost_model():
     tiny = load_model("tiny")
     h100 = CostModel(load_cluster("h100-8x400g"), tiny)
     t = min_routed_bytes(h100)
-    # routed: 10us + 2*5us, 8 NICs (400 GB/s); direct: 10us, 50 GB/s -> pays above 10us/(1/50-1/400 per GB)
-    assert t == pytest.approx(10e-6 / (1 / 50e9 - 1 / 400e9))
+    # routed: 10us + 2*5us; per byte 2 * 7/8 over NVLink (450 GB/s) + 1/8 over 8 NICs (50 GB/s);
+    # direct: 10us, 50 GB/s -> pays above 10us / (1/50 - routed seconds per GB)
+    routed_per_byte = 2 * 7 / 8 / 450e9 + 1 / (8 * 50e9)
+    assert t == pytest.approx(10e-6 / (1 / 50e9 - routed_per_byte))
     one_nic = CostModel(load_cluster("cpu-sim").with_nodes(2), tiny)
     single = dataclasses.replace(one_nic.cluster, topology=Topology(nodes=2, gpus_per_node=2, nics_per_node=1))
     assert min_routed_bytes(dataclasses.replace(one_nic, cluster=single)) == math.inf

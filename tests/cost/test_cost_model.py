@@ -57,7 +57,9 @@ def test_routing_spreads_inter_node_bandwidth(cost):
     ranks = list(range(16))
     routed, direct = cost.link_for(ranks), cost.routed(False).link_for(ranks)
     assert direct == cost.cluster.nic
-    assert routed.bandwidth_GBps == pytest.approx(8 * cost.cluster.nic.bandwidth_GBps)
+    # Store-and-forward hops add up: dispatch and combine 7/8 of the bytes over
+    # NVLink (450 GB/s) each, 1/8 through each of 8 NICs (50 GB/s).
+    assert 1 / routed.bandwidth_GBps == pytest.approx(2 * 7 / 8 / 450 + 1 / (8 * 50))
     assert cost.link_for([0, 3]) == cost.cluster.nvlink
     big = cost.ring_cost([262144], 16, routed).total_s
     assert big < cost.routed(False).ring_cost([262144], 16, direct).total_s
@@ -75,7 +77,7 @@ def test_alltoall_link_gets_no_routing_gain(cost):
 
 def test_ulysses_and_remap_costs(cost):
     nvl = cost.cluster.nvlink
-    u = cost.ulysses_cost(32768, 8, nvl)
+    u = cost.ulysses_cost([32768], 8, nvl)
     assert u.total_s == pytest.approx(u.compute_s + u.transfer_s)
     assert u.compute_s == pytest.approx(cost.attn_s(causal_pairs(0, 32768) / 8, 32768))
     assert cost.remap_s(0, 0, messages=0) == 0
@@ -86,3 +88,37 @@ def test_lower_bound_is_work_over_gpus(cost):
     lens = [1000, 50000, 3000]
     work = sum(cost.local_attn_s(L) for L in lens) + cost.linear_s(sum(lens))
     assert cost.lower_bound_s(lens) == pytest.approx(work / 32)
+
+
+def test_packed_ulysses_pays_latency_once_per_group(cost):
+    """470 short sequences on one group: one all-to-all per layer and pass for all
+    of them (FlexSP/DeepSpeed pack), so latency is paid once, not 470 times."""
+    link = cost.alltoall_link(range(64))
+    many = cost.ulysses_cost([1000] * 470, 64, link)
+    one = cost.ulysses_cost([470 * 1000], 64, link)
+    assert many.transfer_s == pytest.approx(one.transfer_s)
+    n = cost.model.num_layers
+    latency = 4 * n * 63 * link.latency_us * 1e-6
+    bare = cost.ulysses_cost([1000] * 470, 64, link, latency=False)
+    assert many.transfer_s - bare.transfer_s == pytest.approx(latency)
+
+
+def test_crossing_link_routes_only_when_it_pays(cost):
+    small, big = 1e3, 1e8
+    assert cost.crossing_link(small) == cost.direct_link()          # two extra hops of latency
+    assert cost.crossing_link(big) == cost.routed_link()
+    assert cost.routed(False).crossing_link(big) == cost.direct_link()
+    # Two rings leaving one NIC halve it; two routed messages from one node share its NICs.
+    assert cost.direct_link(2).bandwidth_GBps == pytest.approx(25)
+    assert cost.routed_link(2).bandwidth_GBps < cost.routed_link(1).bandwidth_GBps
+
+
+def test_nic_contention_between_concurrent_rings():
+    from megatron_zeppelin.cost.contention import ring_links
+    a800 = CostModel(load_cluster("a800-4x200g", nodes=2), load_model("llama-7b")).routed(False)
+    # Rings over (0, 8) and (1, 9): GPUs 0 and 1 share NIC 0 on node 0, 8 and 9 NIC 0 on node 1.
+    shared = ring_links(a800, [((0, 8), 1e8), ((1, 9), 1e8)])
+    apart = ring_links(a800, [((0, 8), 1e8), ((2, 10), 1e8)])
+    assert shared[0].bandwidth_GBps == pytest.approx(25 / 2)
+    assert apart[0].bandwidth_GBps == pytest.approx(25)
+    assert ring_links(a800, [((0, 1), 1e8)])[0] == a800.cluster.nvlink

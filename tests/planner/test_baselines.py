@@ -343,7 +343,7 @@ def test_flexsp_matches_brute_force_optimum():
                 if max(mem) <= 4096:
                     best = min(best, max(load))
         plan = get_planner("flexsp").plan(lens, ctx)
-        assert best <= _makespan(plan, t) <= best * 1.011
+        assert best * (1 - 1e-12) <= _makespan(plan, t) <= best * 1.011
 
 
 def test_flexsp_milp_is_no_worse_than_its_greedy_start():

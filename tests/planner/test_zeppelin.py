@@ -15,6 +15,7 @@ from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Mode, zigzag_shards
 from megatron_zeppelin.planner.base import PlanContext, get_planner, same_layout_linear
 from megatron_zeppelin.planner import zeppelin
+from megatron_zeppelin.planner.zeppelin_decide import DecidingZeppelinPlanner
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner, min_ring_size, zigzag_shard_tokens
 from megatron_zeppelin.sim.timeline import remap_time, step_timeline
 from megatron_zeppelin.topology import Topology, load_cluster
@@ -190,7 +191,8 @@ def test_remap_off_keeps_the_attention_layout():
 
 # -------------------------------------------------------------- balance
 def _lower_bound_ratio(plan, ctx) -> float:
-    return step_timeline(plan, ctx.cost).step_s / ctx.cost.lower_bound_s(plan.seq_lens)
+    # The lower bound has no gradient sync: compare the ranks' work only.
+    return step_timeline(plan, ctx.cost).compute_s / ctx.cost.lower_bound_s(plan.seq_lens)
 
 
 def test_balance_on_a_synthetic_long_tail_at_64_gpus():
@@ -258,7 +260,7 @@ def test_without_remap_attention_and_linear_time_are_balanced_together():
     balanced = ZeppelinPlanner().plan(lens, ctx).validate()
     assert balanced.remap_schedule()   # remap on: token-balanced linear layout
     attention_only = dataclasses.replace(balanced, linear=same_layout_linear(64, balanced.attention))
-    assert step_timeline(in_place, ctx.cost).step_s < 0.97 * step_timeline(attention_only, ctx.cost).step_s
+    assert step_timeline(in_place, ctx.cost).compute_s < 0.97 * step_timeline(attention_only, ctx.cost).compute_s
 
 
 def test_remap_estimate_tracks_the_simulated_remap():
@@ -282,9 +284,9 @@ def test_small_topologies_plan_and_balance():
         ctx = make_ctx(nodes, gpn, nics, cap=16384)
         for lens in long_tail_batches(nodes * 10 + gpn, 16384 * world, 3, min(MAX_SEQ, 16384 * world)):
             plan = ZeppelinPlanner().plan(lens, ctx).validate()
-            step = step_timeline(plan, ctx.cost).step_s
+            step = step_timeline(plan, ctx.cost).compute_s   # the sync is the same for both
             try:
-                static = step_timeline(te_cp.plan(lens, ctx), ctx.cost).step_s
+                static = step_timeline(te_cp.plan(lens, ctx), ctx.cost).compute_s
             except InfeasibleError:
                 static = float("inf")
             # Within 10 %: with one NIC per node, static CP's packed intra-node
@@ -342,10 +344,15 @@ def test_a_lone_long_sequence_uses_every_rank_when_the_model_says_so():
 def test_routing_turns_inter_node_groups_into_rings_when_the_model_says_so():
     # llama-13b's 40 heads allow Ulysses groups of 10, 20, 40 across nodes,
     # and a cross-node all-to-all only gets each GPU's NIC share; a ring's one
-    # boundary crossing gets all NICs when routed.  So with routing the long
-    # sequences that need inter-node groups run as rings and the step is
-    # faster; without it they stay Ulysses groups.
-    ctx = make_ctx(8, model="llama-13b")
+    # boundary crossing gets all NICs when routed.  On the A800 cluster (2 GPUs
+    # per slow NIC) that gain outweighs the routing hops over NVLink, so with
+    # routing the long sequences that need inter-node groups run as rings and
+    # the planner's own estimate is faster; without it they stay Ulysses groups.
+    # Replayed as the engine runs them, the routed rings are not faster here (the
+    # planner's ring estimate is additive; the replay contends for NVLink and
+    # NICs): the deciding planner, which times its candidates by the replay,
+    # keeps whichever is faster.
+    ctx = make_ctx(8, nics=4, cluster="a800-4x200g", model="llama-13b")
     unrouted = dataclasses.replace(ctx, cost=ctx.cost.routed(False))
     lens = long_tail_batches(7, int(0.95 * 16384 * 64), 3)[2]
 
@@ -354,7 +361,10 @@ def test_routing_turns_inter_node_groups_into_rings_when_the_model_says_so():
 
     routed_plan = ZeppelinPlanner().plan(lens, ctx).validate()
     unrouted_plan = ZeppelinPlanner().plan(lens, unrouted).validate()
-    assert len(inter_node(routed_plan, Mode.RING)) >= 2
-    assert inter_node(unrouted_plan, Mode.RING) == []
+    assert len(inter_node(routed_plan, Mode.RING)) >= len(inter_node(unrouted_plan, Mode.RING)) + 2
     assert len(inter_node(unrouted_plan, Mode.ULYSSES)) > len(inter_node(routed_plan, Mode.ULYSSES))
-    assert step_timeline(routed_plan, ctx.cost).step_s < 0.99 * step_timeline(unrouted_plan, ctx.cost).step_s
+    step = {name: step_timeline(plan, ctx.cost, replayed_layers=2).step_s
+            for name, plan in (("routed", routed_plan), ("unrouted", unrouted_plan))}
+    decided = DecidingZeppelinPlanner().plan(lens, dataclasses.replace(
+        ctx, remap_decided=False, step_model=lambda plan: step_timeline(plan, ctx.cost, replayed_layers=2).step_s))
+    assert step_timeline(decided, ctx.cost, replayed_layers=2).step_s <= min(step.values()) * (1 + 1e-9)

@@ -17,6 +17,9 @@ from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.sim.cli import main
 from megatron_zeppelin.sim.progress import Progress
 from megatron_zeppelin.sim.simulate import STRATEGY_NAMES, uses_routing
+from megatron_zeppelin.cost.tp import tp_view
+from megatron_zeppelin.planner.base import PLANNERS, PlanContext, get_planner
+from megatron_zeppelin.sim.rounds import plan_batch, rounds_timeline
 from megatron_zeppelin.sim.timeline import step_timeline
 from megatron_zeppelin.topology import load_cluster
 
@@ -61,7 +64,11 @@ def test_json_keys_and_table(run):
     _, result, stdout = run
     assert result["steps"] == STEPS
     assert set(result["strategies"]) == set(STRATEGY_NAMES)
-    assert result["config"]["te_cp_cp_size"] == 4 and result["config"]["world_size"] == 8
+    cfg = result["config"]
+    assert cfg["world_size"] == 8
+    # The static layout search keeps the longest sequence within its TP x CP group.
+    assert cfg["te_cp_cp_size"] * cfg["te_cp_tp_size"] * 4096 >= 16384
+    assert "te_cp: TP=" in cfg["static_layouts"]["te_cp"] and "te_cp TP=" in stdout
     for name, r in result["strategies"].items():
         assert {"step_time_s", "planner_ms", "speedup_vs_te_cp", "feasible", "error"} <= set(r)
         assert r["feasible"] is (r["error"] is None)
@@ -75,8 +82,10 @@ def test_json_keys_and_table(run):
 
 
 def test_dumped_plans_reproduce_the_reported_numbers(run):
-    """Every dumped plan reads back, validates, and re-timed gives the JSON's step time."""
+    """Every dumped plan reads back and validates; re-timed (a planner with
+    micro-batches re-planned into its rounds) it gives the JSON's step time."""
     out, result, _ = run
+    cfg = result["config"]
     cost = CostModel(load_cluster("cpu-sim", nodes=4), load_model("tiny"))
     batches = {}
     for name, r in result["strategies"].items():
@@ -84,14 +93,28 @@ def test_dumped_plans_reproduce_the_reported_numbers(run):
         if not r["feasible"]:
             continue
         assert [f.name for f in files] == [f"step{k}_{name}.json" for k in range(STEPS)]
+        tp = cfg["tp_sizes"][name]
+        mine = cost.routed(uses_routing(name))
+        mine = tp_view(mine, tp) if tp > 1 else mine
+        size = {"te_cp": cfg["te_cp_cp_size"]}.get(name)
+        if name == "ulysses_sp":
+            size = int(cfg["static_layouts"][name].split("SP=")[1].split()[0])
+        ctx = PlanContext(cost=mine, tokens_per_gpu=4096 * tp, cp_size=size, time_limit_s=1.0, tp_size=tp)
         times = []
         for k, f in enumerate(files):
             plan = Plan.from_dict(json.loads(f.read_text())).validate()
-            assert plan.world_size == 8 and plan.token_cap in (None, 4096)
+            assert plan.world_size * tp == 8 and plan.token_cap in (None, 4096 * tp)
             batches.setdefault(k, list(plan.seq_lens))
             assert list(plan.seq_lens) == batches[k]          # every strategy saw the same batch
-            times.append(step_timeline(plan, cost.routed(uses_routing(name))).step_s)
-        assert r["step_time_s"] == pytest.approx(sum(times) / STEPS, rel=1e-9)
+            planner = get_planner(name if name in PLANNERS else "zeppelin")
+            if hasattr(planner, "plan_rounds") and name != "flexsp":   # flexsp's MILP is timed
+                merged, rounds = plan_batch(planner, plan.seq_lens, ctx)
+                assert merged == plan
+                times.append(rounds_timeline(rounds, mine).step_s)
+            elif name != "flexsp":
+                times.append(step_timeline(plan, mine).step_s)
+        if name != "flexsp":
+            assert r["step_time_s"] == pytest.approx(sum(times) / STEPS, rel=1e-9), name
     lower = sum(cost.lower_bound_s(batches[k]) for k in range(STEPS)) / STEPS
     assert result["lower_bound_step_s"] == pytest.approx(lower, rel=1e-9)
     assert (out / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

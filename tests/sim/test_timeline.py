@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.cost.contention import ring_links
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Mode, Plan, Span, placement
@@ -56,7 +57,8 @@ def test_local_only_matches_formula_by_hand():
         assert rt.attn_compute_s == pytest.approx(expect_attn[r], rel=1e-12)
         assert rt.linear_s == pytest.approx(expect_lin[r], rel=1e-12)
         assert rt.exposed_comm_s == 0 and rt.remap_s == 0
-    assert tl.step_s == pytest.approx(max(a + b for a, b in zip(expect_attn, expect_lin)), rel=1e-12)
+    assert tl.compute_s == pytest.approx(max(a + b for a, b in zip(expect_attn, expect_lin)), rel=1e-12)
+    assert tl.step_s == pytest.approx(tl.compute_s + tl.sync.grad_exposed_s + tl.sync.optimizer_s, rel=1e-12)
     assert tl.slowest_rank == 0
     assert tl.ranks[2].segments == ()
     assert (tl.tiers.local, tl.tiers.intra, tl.tiers.inter) == (4, 0, 0)
@@ -104,7 +106,7 @@ def test_te_cp_packs_identical_rank_tuples_into_one_ring():
     te = dataclasses.replace(zeppelin, strategy="te_cp")
 
     def kv_messages(plan):
-        (_, fwd, _), *_ = step_parts(plan, cost, pack_rings=plan.strategy == "te_cp")
+        (_, fwd, _), *_ = step_parts(plan, cost, pack=plan.strategy == "te_cp")
         return {op.key[0]: op.nbytes for op in fwd.ops if op.name == "kv.nic"}
 
     # Zeppelin: one ring per sequence (3 rings x 2 positions x 1 step); TE: the
@@ -223,7 +225,7 @@ def test_timeline_identities_on_random_plans(seq_lens, routing):
         assert min(r.linear_s, r.attn_compute_s, r.exposed_comm_s, r.remap_s) >= 0
         assert sum(s.duration_s for s in r.segments) == pytest.approx(r.total_s, rel=1e-12)
         assert all(a.start_s + a.duration_s == pytest.approx(b.start_s) for a, b in zip(r.segments, r.segments[1:]))
-    assert tl.step_s == max(r.total_s for r in tl.ranks)
+    assert tl.step_s == max(r.total_s for r in tl.ranks) + tl.sync.exposed_s
     pairs = plan.attn_pairs_per_rank()
     assert tl.attn_imbalance == pytest.approx(max(pairs) / (sum(pairs) / 8), rel=1e-12)
     # Linear time is exactly linear in tokens, and the layout covers every token once.

@@ -18,7 +18,7 @@ from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Mode, Plan, Span, placement
 from megatron_zeppelin.planner.base import PlanContext, same_layout_linear
 from megatron_zeppelin.sampler import batch_budget
-from megatron_zeppelin.sim.simulate import (BASELINE, STRATEGY_NAMES, VARIANTS, build_strategies,
+from megatron_zeppelin.sim.simulate import (STATIC, BASELINE, STRATEGY_NAMES, VARIANTS, build_strategies,
                                             sample_batches, simulate, te_cp_size, uses_routing)
 from megatron_zeppelin.topology import LinkSpec, Topology, load_cluster
 
@@ -59,15 +59,15 @@ def test_variant_flags_and_names():
     flags = {s.name: (s.cost.routing, s.remap_enabled) for s in strategies}
     for name, expected in EXPECTED.items():
         assert flags[name] == expected, name
-        assert type(next(s for s in strategies if s.name == name).planner).__name__ == "ZeppelinPlanner"
-    # No baseline has the routing layer; only te_cp gets the static CP size.
+        assert type(next(s for s in strategies if s.name == name).planner).__name__ == "DecidingZeppelinPlanner"
+    # No baseline has the routing layer; only the static baselines get the fixed group size.
     for s in strategies:
         assert uses_routing(s.name) is s.cost.routing, s.name
         if s.name not in VARIANTS:
             assert not s.cost.routing, s.name
-        assert s.cp_size == (4 if s.name == BASELINE else None), s.name
+        assert s.cp_size == (4 if s.name in STATIC else None), s.name
     assert STRATEGY_NAMES[0] == BASELINE and STRATEGY_NAMES[-len(EXPECTED):] == tuple(EXPECTED)
-    assert len(set(STRATEGY_NAMES)) == len(STRATEGY_NAMES) == 8
+    assert len(set(STRATEGY_NAMES)) == len(STRATEGY_NAMES) == 9
 
 
 def test_unknown_variant_is_a_config_error():
@@ -140,7 +140,7 @@ def test_attention_bytes_match_the_cost_model(length, k, mode):
         per_rank, other = cost.ring_cost([length], k, link).transfer_s, ablation.ulysses_bytes(plan, cost)
         mine = ablation.ring_bytes(plan, cost)
     else:
-        per_rank, other = cost.ulysses_cost(length, k, link).transfer_s, ablation.ring_bytes(plan, cost)
+        per_rank, other = cost.ulysses_cost([length], k, link).transfer_s, ablation.ring_bytes(plan, cost)
         mine = ablation.ulysses_bytes(plan, cost)
     assert mine == pytest.approx(k * per_rank * 1e9, rel=1e-9) and other == 0
 

@@ -1,0 +1,89 @@
+"""Zeppelin decides per batch, by the cost model, which of its layers pay.
+
+The remapping layer costs two all-to-all-v per layer and pass; when the
+attention layout is already nearly token-balanced it costs more than it saves.
+Routing helps a ring's node crossings but its planner then prefers rings that
+a plan made without routing would not use.  So every batch is planned with
+each choice the run allows -- remap on and off (on only if
+``PlanContext.remap_enabled``, off only if ``remap_decided``), planned for
+routed and for direct crossings (routed only if ``cost.routing``) -- and the
+plan with the smallest modeled
+step (``PlanContext.step_model``) runs.  Every candidate is timed under the
+run's own cost model, where each cross-node message takes the faster of
+routed and direct (``CostModel.crossing_link``, the routing layer's own
+break-even), so Zeppelin is never modeled slower than its variants.
+
+The uniform layouts static CP would run -- every sequence zigzag-split over
+fixed groups of ``c`` ranks, packed into one ring per group -- are plans
+Zeppelin's engine runs as well, and for a batch of a few very long sequences
+on wide TP groups they can beat the hierarchical partitioning.  They join the
+candidates (the two smallest ``c`` that hold the batch in one pass, the sizes
+a static run would pick), so Zeppelin is not modeled slower than TE CP on the
+same ranks either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from megatron_zeppelin.errors import InfeasibleError
+from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.planner.base import PlanContext
+from megatron_zeppelin.planner.te_cp import TeCpPlanner
+from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
+
+
+#: Uniform CP sizes tried per batch (planning a plan whose every sequence is
+#: split over a wide ring is the costly part of the decision).
+UNIFORM_CP_CANDIDATES = 2
+
+
+def candidate_contexts(ctx: PlanContext) -> list[PlanContext]:
+    """The contexts to plan a batch with, the run's own first (ties keep it)."""
+    remaps = ((True, False) if ctx.remap_decided else (True,)) if ctx.remap_enabled else (False,)
+    costs = (ctx.cost, ctx.cost.routed(False)) if ctx.cost.routing else (ctx.cost,)
+    return [dataclasses.replace(ctx, cost=c, remap_enabled=r) for c in costs for r in remaps]
+
+
+class DecidingZeppelinPlanner:
+    """:class:`ZeppelinPlanner` run once per allowed choice; the fastest plan wins."""
+
+    name = "zeppelin"
+
+    def __init__(self) -> None:
+        self.inner = ZeppelinPlanner()
+
+    def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
+        if ctx.step_model is None:
+            return self.inner.plan(seq_lens, ctx)
+        candidates, errors = [], []
+        for option in candidate_contexts(ctx):
+            try:
+                candidates.append(self.inner.plan(seq_lens, option))
+            except InfeasibleError as exc:    # e.g. remap's balanced layout has no room; others may
+                errors.append(exc)
+        if not (ctx.remap_enabled and not ctx.remap_decided):   # uniform CP plans do not remap
+            candidates += uniform_cp_plans(seq_lens, ctx)
+        if not candidates:
+            raise errors[0]
+        return min(candidates, key=ctx.step_model)   # ties: the first (the run's own choice)
+
+
+def uniform_cp_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
+    """Static CP's layouts that hold the batch in one pass, as Zeppelin plans:
+    the smallest such CP size and twice it (a wider ring only adds steps)."""
+    world, cap = ctx.topology.world_size, ctx.tokens_per_gpu
+    longest = max(seq_lens, default=1)
+    out = []
+    c = 2
+    while c <= world and len(out) < UNIFORM_CP_CANDIDATES:
+        if world % c == 0 and -(-longest // c) <= cap:
+            try:
+                rounds = TeCpPlanner().plan_rounds(seq_lens, dataclasses.replace(ctx, cp_size=c))
+            except InfeasibleError:
+                rounds = None
+            if rounds is not None and len(rounds.rounds) == 1:
+                out.append(dataclasses.replace(rounds.merged, strategy=ZeppelinPlanner.name))
+        c *= 2
+    return out

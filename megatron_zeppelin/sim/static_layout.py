@@ -1,0 +1,99 @@
+"""The static layout a competent user launches a static baseline with.
+
+``te_cp`` (Megatron TP x CP) and ``ulysses_sp`` (DeepSpeed SP) fix their
+layout for the whole run; Zeppelin, a Megatron plugin, fixes its TP size
+(its CP is per sequence), so it gets the same search over TP.  A user who knows their model, maximum length and
+cluster tries the layouts that fit and keeps the fastest on their data: here
+every feasible layout (``planner/te_cp.py: te_cp_layouts``,
+``planner/ulysses_sp.py: ulysses_layouts``) plans and times the first few
+global batches, and the fastest mean step wins.  No layout fitting is a
+strategy-level infeasibility with every layout's reason, never a crash.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.cost.tp import tp_view
+from megatron_zeppelin.errors import InfeasibleError
+from megatron_zeppelin.planner.base import PlanContext, get_planner
+from megatron_zeppelin.planner.te_cp import StaticLayout, te_cp_layouts, tp_problems
+from megatron_zeppelin.planner.ulysses_sp import ulysses_layouts
+from megatron_zeppelin.sim.rounds import plan_batch, rounds_timeline
+from megatron_zeppelin.sim.timeline import step_timeline
+
+#: Batches a layout is tried on (a user's short benchmark run).
+TRIAL_BATCHES = 2
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """What the search found."""
+
+    layout: StaticLayout | None
+    """The fastest feasible layout (None: none fits)."""
+    cost: CostModel
+    """The cost model of its ranks (a TP view when ``tp > 1``)."""
+    report: str
+    """One line: the choice and the mean modeled step of each layout tried, or
+    why none fits."""
+
+
+def layouts_for(name: str, cost: CostModel, max_seq_len: int, tokens_per_gpu: int) -> list[StaticLayout]:
+    """The candidate layouts of strategy ``name``: TP x CP for ``te_cp``, SP for
+    ``ulysses_sp``, TP alone for Zeppelin (its CP is decided per sequence)."""
+    if name == "te_cp":
+        return te_cp_layouts(cost, max_seq_len, tokens_per_gpu)
+    if name == "ulysses_sp":
+        return ulysses_layouts(cost, max_seq_len, tokens_per_gpu)
+    return [StaticLayout(tp, 0, problem) for tp, problem in tp_problems(cost, max_seq_len, tokens_per_gpu).items()]
+
+
+def choose_layout(name: str, cost: CostModel, batches: Sequence[Sequence[int]], *, max_seq_len: int,
+                  tokens_per_gpu: int, time_limit_s: float = 1.0) -> LayoutChoice:
+    """Time every feasible layout of ``name`` on the first batches; keep the fastest."""
+    candidates = layouts_for(name, cost, max_seq_len, tokens_per_gpu)
+    feasible = [c for c in candidates if c.problem is None]
+    planner = get_planner(name)
+    tried: list[tuple[float, StaticLayout, CostModel]] = []
+    failures = []
+    for layout in feasible:
+        view = tp_view(cost, layout.tp) if layout.tp > 1 else cost
+        ctx = PlanContext(cost=view, tokens_per_gpu=tokens_per_gpu * layout.tp, cp_size=layout.size or None,
+                          time_limit_s=time_limit_s, tp_size=layout.tp,
+                          step_model=lambda plan, view=view: step_timeline(plan, view).step_s)
+        try:
+            steps = [rounds_timeline(plan_batch(planner, b, ctx)[1], view).step_s
+                     for b in batches[:TRIAL_BATCHES]]
+        except InfeasibleError as exc:
+            failures.append(f"{layout}: {exc}")
+            continue
+        tried.append((statistics.fmean(steps), layout, view))
+    if not tried:
+        # Per TP size, the reason of its widest group (the one likeliest to fit).
+        widest = {c.tp: c for c in candidates}
+        reasons = [f"{_label(name, c)}: {c.problem}" for c in widest.values() if c.problem] + failures
+        return LayoutChoice(None, cost, f"{name}: no static layout fits: " + "; ".join(reasons))
+    best_s, best, view = min(tried, key=lambda t: (t[0], t[1].tp, t[1].size))
+    others = ", ".join(f"{_label(name, lay)} {s * 1e3:.0f} ms" for s, lay, _ in sorted(tried, key=lambda t: t[0]))
+    return LayoutChoice(best, view, f"{name}: {_label(name, best)} (tried: {others})")
+
+
+def _label(name: str, layout: StaticLayout) -> str:
+    if name == "te_cp":
+        return str(layout)
+    return f"SP={layout.size}" if name == "ulysses_sp" else f"TP={layout.tp}"
+
+
+def static_size(name: str, cost: CostModel, max_seq_len: int, tokens_per_gpu: int) -> int | None:
+    """The group size a static baseline runs with at TP=1 for the whole run:
+    the smallest feasible one for ``max_seq_len`` (None: not a static baseline,
+    or nothing fits, which its planner then reports per batch)."""
+    if name not in ("te_cp", "ulysses_sp"):
+        return None
+    feasible = [lay.size for lay in layouts_for(name, cost, max_seq_len, tokens_per_gpu)
+                if lay.tp == 1 and lay.problem is None]
+    return min(feasible, default=None)
