@@ -14,7 +14,7 @@ from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Mode, zigzag_shards
 from megatron_zeppelin.planner.base import PlanContext, get_planner, same_layout_linear
-from megatron_zeppelin.planner import zeppelin
+from megatron_zeppelin.planner.zeppelin import planner as zeppelin, search
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner, min_ring_size, zigzag_shard_tokens
 from megatron_zeppelin.sim.timeline import remap_time, step_timeline
 from megatron_zeppelin.topology import Topology, load_cluster
@@ -314,15 +314,15 @@ def test_a_missed_target_weighs_a_groups_total_work():
     # Once no size fits the target, a candidate is judged by the step it leads
     # to: its own peak, or the level its total work lifts every rank to.
     narrow, wide = (1.00, 8, 0.50), (0.90, 32, 0.70)
-    assert zeppelin._lower(narrow, wide, 0.5) is narrow      # 1.00 vs max(0.90, 1.20)
-    assert zeppelin._lower(wide, narrow, 0.5) is narrow
-    assert zeppelin._lower(None, wide, 0.5) is wide and zeppelin._lower(wide, None, 0.5) is wide
+    assert search._lower(narrow, wide, 0.5) is narrow      # 1.00 vs max(0.90, 1.20)
+    assert search._lower(wide, narrow, 0.5) is narrow
+    assert search._lower(None, wide, 0.5) is wide and search._lower(wide, None, 0.5) is wide
     cheap_wide = (0.90, 32, 0.55)
-    assert zeppelin._lower(narrow, cheap_wide, 0.3) is cheap_wide  # 1.00 vs max(0.90, 0.85)
+    assert search._lower(narrow, cheap_wide, 0.3) is cheap_wide  # 1.00 vs max(0.90, 0.85)
     # Nothing else to run (floor 0): idle ranks cost nothing, so the wider ring
     # with the lower peak wins although it does more work in total.
     six, eight = (1.00, 6, 0.75), (0.94, 8, 0.94)
-    assert zeppelin._lower(six, eight, 0.0) is eight
+    assert search._lower(six, eight, 0.0) is eight
 
 
 def test_a_lone_long_sequence_uses_every_rank_when_the_model_says_so():
