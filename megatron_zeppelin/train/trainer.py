@@ -32,6 +32,7 @@ from megatron_zeppelin.plan.agreement import check_same_plan
 from megatron_zeppelin.remap import RemapContext, RemapCounters, set_remap_context
 from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.sampler import GlobalBatch, ZeppelinBatchSampler
+from megatron_zeppelin.sampler.deferral import DeferringSampler
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import (TokenSource, build_rank_batch, make_token_source,
                                            num_label_tokens)
@@ -65,7 +66,8 @@ class Run:
     model_cfg: ModelConfig
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    sampler: ZeppelinBatchSampler
+    sampler: DeferringSampler
+    """Token-budget batches; a piece no plan holds waits for the next step."""
     make_plan: Callable[[Sequence[int]], Plan]
     comm: Communicator | None
     counters: ByteCounters
@@ -94,8 +96,8 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
     model = build_gpt_model(model_cfg, max_seq_len=cfg.max_seq_len, dtype=dtype, remap=remap).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     source, doc_lengths = make_token_source(cfg.lengths, cfg.data, cfg.seed, model_cfg.vocab_size)
-    sampler = ZeppelinBatchSampler(doc_lengths, max_seq_len=cfg.max_seq_len,
-                                   tokens_per_batch=cfg.tokens_per_batch, seed=cfg.seed)
+    sampler = DeferringSampler(ZeppelinBatchSampler(doc_lengths, max_seq_len=cfg.max_seq_len,
+                                                    tokens_per_batch=cfg.tokens_per_batch, seed=cfg.seed))
     counters = ByteCounters()
     comm = None if cfg.strategy == REFERENCE else make_communicator(cfg, cluster, model_cfg, counters,
                                                                      dtype, device)
@@ -145,10 +147,9 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
     return make_plan
 
 
-def train_step(run: Run, batch: GlobalBatch) -> StepRecord:
-    """Plan, forward, backward, all-reduce and update for one global batch."""
-    t0 = time.perf_counter()
-    plan = run.make_plan(batch.seq_lens)
+def train_step(run: Run, batch: GlobalBatch, plan: Plan, t0: float) -> StepRecord:
+    """Forward, backward, all-reduce and update for one planned global batch
+    (``t0``: when planning began)."""
     check_same_plan(plan, batch.index, torch_all_reduce_max(run.device))
     if run.cfg.dump_plans and run.rank == 0:
         out = Path(run.cfg.dump_plans)
@@ -245,6 +246,10 @@ def load_checkpoint(run: Run, directory: Path) -> None:
     run.step = int(state["step"])
 
 
+def _ignore(_message: str) -> None:
+    """Other ranks defer the same pieces; rank 0 says so."""
+
+
 def describe(run: Run) -> str:
     """One line saying what this run does."""
     cfg, topo, m = run.cfg, run.cluster.topology, run.model_cfg
@@ -267,9 +272,10 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, device: torch.device)
     try:
         run = build_run(cfg, rank, world_size, device)
         logger.header(describe(run))
-        batches = iter(run.sampler)
         while run.step < cfg.steps:
-            record = train_step(run, next(batches))
+            t0 = time.perf_counter()
+            batch, plan = run.sampler.next_planned(run.make_plan, logger.warn if rank == 0 else _ignore)
+            record = train_step(run, batch, plan, t0)
             if rank == 0:
                 logger.log(record)
         if cfg.save:

@@ -358,3 +358,43 @@ def test_routing_turns_inter_node_groups_into_rings_when_the_model_says_so():
     assert inter_node(unrouted_plan, Mode.RING) == []
     assert len(inter_node(unrouted_plan, Mode.ULYSSES)) > len(inter_node(routed_plan, Mode.ULYSSES))
     assert step_timeline(routed_plan, ctx.cost).step_s < 0.99 * step_timeline(unrouted_plan, ctx.cost).step_s
+
+
+# ------------------------------------------------------- full batches
+def test_a_99_percent_full_batch_on_2x2_is_placed():
+    # The second batch of the docs sample with --tokens-per-gpu 512 --max-seq-len
+    # 2048 on 2x2: 2,033 tokens for 2,048 slots; every greedy pass strands a
+    # sequence, the backtracking search places it.
+    for remap in (True, False):
+        ctx = dataclasses.replace(make_ctx(2, 2, 2, 512, model="tiny"), remap_enabled=remap)
+        plan = ZeppelinPlanner().plan([955, 801, 157, 85, 35], ctx).validate()
+        assert max(plan.attention_tokens_per_rank()) <= 512
+
+
+@st.composite
+def full_batches_and_topologies(draw):
+    """A batch built the sampler's way with the budget at 100 % of the
+    capacity: documents (cut at max_seq_len) are added until the next one does
+    not fit."""
+    nodes = draw(st.integers(1, 4))
+    gpn = draw(st.sampled_from([1, 2, 4, 8]))
+    cap = draw(st.integers(64, 2048))
+    capacity = nodes * gpn * cap
+    max_seq = draw(st.integers(cap // 2, capacity))
+    lens = []
+    while True:
+        length = draw(st.one_of(st.integers(1, max(cap // 8, 1)), st.integers(1, min(cap, max_seq)),
+                                st.integers(min(cap, max_seq), max_seq)))
+        if sum(lens) + length > capacity:
+            break
+        lens.append(length)
+    return lens or [1], nodes, gpn, cap, draw(st.booleans())
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(full_batches_and_topologies())
+def test_batches_filled_to_the_whole_capacity_are_placed(case):
+    lens, nodes, gpn, cap, remap = case
+    ctx = dataclasses.replace(make_ctx(nodes, gpn, gpn, cap, model="tiny"), remap_enabled=remap)
+    plan = ZeppelinPlanner().plan(lens, ctx).validate()
+    assert sorted(plan.seq_lens) == sorted(lens)

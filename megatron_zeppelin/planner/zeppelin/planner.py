@@ -13,6 +13,7 @@ from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, placement
 from megatron_zeppelin.planner.base import PlanContext, same_layout_linear
 from megatron_zeppelin.planner.linear_layout import balance_linear
+from megatron_zeppelin.planner.zeppelin.exact import exact_fill
 from megatron_zeppelin.planner.zeppelin.loads import _Assign, _Loads, _TierTimes, min_ring_size
 from megatron_zeppelin.planner.zeppelin.packer import _Packer
 from megatron_zeppelin.planner.zeppelin.settings import LIGHT_TIME, LIGHT_TOKENS, PAIRS_SLACK, PASS_BUDGET, PASSES, _Pass
@@ -58,7 +59,7 @@ class ZeppelinPlanner:
             chosen = _select(results)
             out, remap = chosen.assign, chosen.remap
         else:
-            out, remap = packer.tokens_only(order), ctx.remap_enabled
+            out, remap = _last_resort(packer, order), ctx.remap_enabled
         seq_lens = tuple(lens.tolist())
         # Most sequences are local: build those directly, not via the shard builder.
         local_mode, groups = Mode.LOCAL, out.groups
@@ -70,6 +71,24 @@ class ZeppelinPlanner:
                     seq_lens=seq_lens, attention=attention,
                     linear=(balance_linear(attention, lens, w, g, cap) if remap
                             else same_layout_linear(w, attention)), token_cap=cap)
+
+
+def _last_resort(packer: _Packer, order: np.ndarray) -> _Assign:
+    """Every balanced pass stranded a sequence: place by tokens alone, greedily,
+    else by the backtracking search of :mod:`.exact`."""
+    try:
+        return packer.tokens_only(order)
+    except InfeasibleError as exc:
+        out = exact_fill(packer.lens, packer.cap, packer.w)
+        if out is None:
+            raise InfeasibleError(f"zeppelin: no placement of the batch {_brief(packer.lens)} under "
+                                  f"tokens_per_gpu={packer.cap} on {packer.w} GPUs was found ({exc})") from None
+        return out
+
+
+def _brief(lens: np.ndarray) -> str:
+    shown = ", ".join(str(int(n)) for n in lens[:8])
+    return f"[{shown}{', ...' if len(lens) > 8 else ''}] ({int(lens.sum())} tokens)"
 
 
 @contextmanager
