@@ -10,6 +10,8 @@ from typing import Sequence
 
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
+from megatron_zeppelin.validation import (check_float, check_input_file, check_int, check_output_dir,
+                                          check_output_file)
 
 STRATEGIES = ("zeppelin", "reference", "te_cp", "packing_dp", "megatron_hybrid_cp", "flexsp")
 
@@ -83,18 +85,26 @@ class TrainConfig:
         return batch_budget(self.tokens_per_gpu, self.world_size, self.max_seq_len, self.batch_fill)
 
     def check(self) -> "TrainConfig":
-        """Cheap checks before any process starts (each names the fix)."""
-        for name in ("nodes", "gpus_per_node", "max_seq_len", "tokens_per_gpu"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.steps < 0:
-            raise ConfigError(f"--steps must be >= 0, got {self.steps}")
+        """Checks before any process starts (each names the fix): values, inputs,
+        and that every output can be written, so a run never trains for hours
+        and then fails to save."""
+        for name in ("nodes", "gpus_per_node", "tokens_per_gpu"):
+            check_int(getattr(self, name), f"--{name.replace('_', '-')}", minimum=1)
+        check_int(self.max_seq_len, "--max-seq-len", minimum=2)   # one token has no label
+        if self.nics_per_node is not None:
+            check_int(self.nics_per_node, "--nics-per-node", minimum=1, maximum=self.gpus_per_node)
+        check_int(self.steps, "--steps", minimum=0)
+        check_int(self.seed, "--seed", minimum=0, maximum=2**32 - 1)
+        check_float(self.lr, "--lr", positive=True)
+        check_float(self.timeout_s, "--timeout", positive=True)
+        check_float(self.batch_fill, "--batch-fill", positive=True, maximum=1)
+        if self.min_routed_bytes is not None:
+            check_float(self.min_routed_bytes, "--min-routed-bytes", minimum=0)
         if (self.lengths is None) == (self.data is None):
             raise ConfigError("give exactly one of --lengths FILE (synthetic tokens) or --data PREFIX "
                               "(Megatron indexed dataset)")
-        if self.lengths is not None and not Path(self.lengths).is_file():
-            raise ConfigError(f"lengths file {self.lengths!r} does not exist; pass a .npy or text file "
-                              "with one document length per line")
+        if self.lengths is not None:
+            check_input_file(self.lengths, "--lengths", "a .npy or text file with one document length per line")
         if self.data is not None:
             missing = [self.data + ext for ext in (".bin", ".idx") if not Path(self.data + ext).is_file()]
             if missing:
@@ -108,11 +118,11 @@ class TrainConfig:
         if self.load is not None and not Path(self.load).is_dir():
             raise ConfigError(f"--load {self.load!r} is not a directory; pass the --save directory "
                               "of an earlier run")
-        batch_budget(self.tokens_per_gpu, self.world_size, self.max_seq_len, self.batch_fill)  # checks the fill
-        if self.min_routed_bytes is not None and self.min_routed_bytes < 0:
-            raise ConfigError(f"--min-routed-bytes must be >= 0, got {self.min_routed_bytes}")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
+        for flag, path in (("--save", self.save), ("--dump-plans", self.dump_plans)):
+            if path is not None:
+                check_output_dir(path, flag)
+        if self.json_log is not None:
+            check_output_file(self.json_log, "--json-log")
         return self
 
 

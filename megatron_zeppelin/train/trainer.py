@@ -36,12 +36,10 @@ from megatron_zeppelin.sampler.deferral import DeferringSampler
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import (TokenSource, build_rank_batch, make_token_source,
                                            num_label_tokens)
+from megatron_zeppelin.train.checkpoint import load_state, save_state
 from megatron_zeppelin.train.cli import TrainConfig
 from megatron_zeppelin.train.log import StepLogger, StepRecord
 from megatron_zeppelin.train.reference import STRATEGY as REFERENCE, reference_plan
-
-CHECKPOINT = "checkpoint.pt"
-
 
 def resolve_cluster(cfg: TrainConfig) -> ClusterConfig:
     """The ``--cluster`` preset reshaped to ``--nodes x --gpus-per-node`` (and NICs)."""
@@ -222,28 +220,33 @@ def allreduce_grads(model: torch.nn.Module) -> float:
 
 
 def save_checkpoint(run: Run, directory: Path) -> None:
-    """Model, optimizer, sampler and step: enough for an exact resume (rank 0 writes)."""
+    """Model, optimizer, sampler and step: enough for an exact resume.  Rank 0
+    writes it atomically; nobody waits for it (a barrier would turn a slow but
+    complete save into a timeout), the launcher waits for rank 0 to exit."""
     if run.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        torch.save({"step": run.step, "model": run.model.state_dict(),
-                    "optimizer": run.optimizer.state_dict(), "sampler": run.sampler.state_dict(),
-                    "strategy": run.cfg.strategy, "model_preset": run.model_cfg.name},
-                   directory / CHECKPOINT)
-    dist.barrier()
+        save_state(directory, {"step": run.step, "model": run.model.state_dict(),
+                               "optimizer": run.optimizer.state_dict(), "sampler": run.sampler.state_dict(),
+                               "strategy": run.cfg.strategy, "model_preset": run.model_cfg.name})
 
 
 def load_checkpoint(run: Run, directory: Path) -> None:
-    path = directory / CHECKPOINT
-    if not path.is_file():
-        raise ConfigError(f"--load {str(directory)!r} holds no {CHECKPOINT}; pass a --save directory")
-    state = torch.load(path, map_location=run.device, weights_only=False)
+    path, state = load_state(directory, run.device)
     if state["model_preset"] != run.model_cfg.name:
-        raise ConfigError(f"checkpoint is of model {state['model_preset']!r}, this run builds "
+        raise ConfigError(f"{path} is of model {state['model_preset']!r}, this run builds "
                           f"{run.model_cfg.name!r}; pass the same --model")
-    run.model.load_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
+    step = int(state["step"])
+    if step >= run.cfg.steps:
+        raise ConfigError(f"{path} is at step {step} and --steps {run.cfg.steps} counts from the start: "
+                          f"nothing left to train; pass --steps greater than {step}")
+    try:
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{path} does not fit this model or optimizer ({first}); load a checkpoint "
+                          "of the same --model") from None
     run.sampler.load_state_dict(state["sampler"])
-    run.step = int(state["step"])
+    run.step = step
 
 
 def _ignore(_message: str) -> None:
@@ -278,11 +281,11 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, device: torch.device)
             record = train_step(run, batch, plan, t0)
             if rank == 0:
                 logger.log(record)
-        if cfg.save:
-            save_checkpoint(run, Path(cfg.save))
         close = getattr(run.comm, "close", None)
         if close is not None:
             close()
+        if cfg.save:
+            save_checkpoint(run, Path(cfg.save))
     finally:
         logger.close()
         parallel_state.destroy_model_parallel()
