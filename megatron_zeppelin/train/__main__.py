@@ -17,6 +17,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
     from megatron_zeppelin.train.cli import parse_args
     from megatron_zeppelin.train.launch import ChildFailed, launch
+    from megatron_zeppelin.train.lifetime import Interrupted
 
     def run() -> None:
         cfg = parse_args(argv)
@@ -25,6 +26,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         except ChildFailed as exc:
             print(f"megatron_zeppelin.train: {exc}", file=sys.stderr)
             raise SystemExit(1) from None
+        except Interrupted as exc:
+            print(f"megatron_zeppelin.train: {exc}", file=sys.stderr)
+            raise SystemExit(128 + exc.signum) from None
 
     exit_on_user_error(run)
 

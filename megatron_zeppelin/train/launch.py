@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_zeppelin.errors import ConfigError, ZeppelinError
 from megatron_zeppelin.train.cli import TrainConfig
+from megatron_zeppelin.train.lifetime import die_with_parent, rank_signals, signals_interrupt
 from megatron_zeppelin.train.trainer import resolve_cluster, run_rank
 
 #: Exit status of a child that failed on a user error (the parent re-raises it).
@@ -51,6 +52,7 @@ def run_launched(cfg: TrainConfig) -> None:
         raise ConfigError(f"the launcher started {world} processes but --nodes {cfg.nodes} x "
                           f"--gpus-per-node {cfg.gpus_per_node} = {cfg.world_size}; make them match")
     rank = int(os.environ["RANK"])
+    die_with_parent(os.getppid())   # torchrun's agent / srun's step daemon
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % cfg.gpus_per_node)))
         torch.cuda.set_device(device)
@@ -69,17 +71,20 @@ def spawn_local(cfg: TrainConfig) -> None:
     ctx = mp.get_context("fork")
     errors = ctx.SimpleQueue()
     port = _free_port()
-    children = [ctx.Process(target=_child, args=(cfg, rank, port, errors), name=f"zeppelin-rank{rank}")
-                for rank in range(cfg.world_size)]
-    for child in children:
-        child.start()
+    children = [ctx.Process(target=_child, args=(cfg, rank, port, errors, os.getpid()),
+                            name=f"zeppelin-rank{rank}") for rank in range(cfg.world_size)]
     try:
-        supervise(children, errors)
+        with signals_interrupt():
+            for child in children:
+                child.start()
+            supervise(children, errors)
     finally:
         for child in children:
             if child.is_alive():
                 child.terminate()
         for child in children:
+            if child.pid is None:
+                continue
             child.join(5)
             if child.is_alive():
                 child.kill()
@@ -133,9 +138,11 @@ def _keep_inherited_groups() -> None:
             setattr(parallel_state, name, None)
 
 
-def _child(cfg: TrainConfig, rank: int, port: int, errors) -> None:
+def _child(cfg: TrainConfig, rank: int, port: int, errors, parent_pid: int) -> None:
     status = 0
     try:
+        rank_signals()
+        die_with_parent(parent_pid)
         torch.set_num_threads(1)  # ranks share the machine's cores
         _keep_inherited_groups()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
