@@ -17,33 +17,29 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.comm.base import ByteCounters, Message
+from megatron_zeppelin.comm.deadline import DEFAULT_TIMEOUT_S, CommTimeoutError, Deadline
 from megatron_zeppelin.topology import Topology
 
-
-class CommTimeoutError(RuntimeError):
-    """A round did not complete within the process group's timeout."""
+__all__ = ["CommTimeoutError", "DirectCommunicator", "DirectPending"]
 
 
 class DirectPending:
     """A round in flight on this rank."""
 
-    def __init__(self, works: list, round_index: int, rank: int, waiting_on: list[Message]) -> None:
+    def __init__(self, works: list, round_index: int, rank: int, waiting_on: list[Message],
+                 deadline: Deadline) -> None:
         self._works = works
         self._round = round_index
         self._rank = rank
         self._waiting_on = waiting_on
+        self._deadline = deadline
 
     def wait(self) -> None:
-        try:
-            for work in self._works:
-                work.wait()
-        except RuntimeError as exc:
-            peers = sorted({m.src for m in self._waiting_on})
-            raise CommTimeoutError(
-                f"rank {self._rank}: round {self._round} did not complete ({exc}); it was receiving "
-                f"from ranks {peers}.  A peer crashed or issued a different sequence of rounds "
-                "(every rank must call start_round with the same message lists in the same order); "
-                "raise the process-group timeout if transfers are just slow") from exc
+        for work in self._works:
+            self._deadline.wait(work, lambda: (
+                f"rank {self._rank}: round {self._round}, receiving from ranks "
+                f"{sorted({m.src for m in self._waiting_on})} (every rank must call start_round with the "
+                "same message lists in the same order),"))
         self._works = []
 
 
@@ -51,7 +47,7 @@ class DirectCommunicator:
     """Round-based point-to-point transfers with ``torch.distributed``."""
 
     def __init__(self, group: dist.ProcessGroup | None, topology: Topology,
-                 counters: ByteCounters | None = None) -> None:
+                 counters: ByteCounters | None = None, deadline: Deadline | None = None) -> None:
         self.group = group
         """Process group whose global ranks the messages name (None: the default group)."""
         self.topology = topology
@@ -59,6 +55,8 @@ class DirectCommunicator:
         self.counters = counters if counters is not None else ByteCounters()
         """Bytes this rank sent, by link class."""
         self.rank = dist.get_rank()
+        self.deadline = deadline or Deadline(DEFAULT_TIMEOUT_S)
+        """How long a round's wait may block on a peer."""
         topology.check_world_size(dist.get_world_size(group))
         self._rounds = 0
 
@@ -79,7 +77,7 @@ class DirectCommunicator:
                 waiting_on.append(m)
         works = dist.batch_isend_irecv(ops) if ops else []
         self._rounds += 1
-        return DirectPending(works, self._rounds - 1, self.rank, waiting_on)
+        return DirectPending(works, self._rounds - 1, self.rank, waiting_on, self.deadline)
 
     def _count(self, dst: int, nbytes: int) -> None:
         if self.topology.same_node(self.rank, dst):

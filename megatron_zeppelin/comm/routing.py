@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.comm.base import ByteCounters, Message
+from megatron_zeppelin.comm.deadline import DEFAULT_TIMEOUT_S, CommTimeoutError, Deadline
 from megatron_zeppelin.cost.model import CostModel
 from megatron_zeppelin.plan.shards import chunk_bounds
 from megatron_zeppelin.topology import Topology
@@ -155,21 +156,23 @@ def hop_bytes(hops: Sequence[Hop], rank: int) -> ByteCounters:
     return out
 
 
-class RoutedCommError(RuntimeError):
+class RoutedCommError(CommTimeoutError):
     """A routed transfer did not complete (a peer died, or ranks disagree on a round)."""
 
 
 class _RoutedPending:
     """A round in flight on the worker thread."""
 
-    def __init__(self, future: Future, counters: ByteCounters) -> None:
+    def __init__(self, future: Future, counters: ByteCounters, deadline: Deadline, what: str) -> None:
         self._future, self._counters = future, counters
+        self._deadline, self._what = deadline, what
         self._done = False
 
     def wait(self) -> None:
         if self._done:
             return
-        done_event, sent = self._future.result()  # re-raises the worker's RoutedCommError
+        # Re-raises the worker's RoutedCommError; bounded if the worker itself is stuck.
+        done_event, sent = self._deadline.result(self._future, lambda: self._what)
         if done_event is not None:
             # NCCL: the worker's stream saw the receives land; order the caller's after it.
             torch.cuda.current_stream().wait_event(done_event)
@@ -214,7 +217,8 @@ class RoutedCommunicator:
             # a barrier here (every rank builds the communicator) creates the NCCL comm.
             dist.barrier(group=self.group)
         self.device = device
-        self.timeout = timeout
+        self.deadline = Deadline(timeout.total_seconds() if timeout is not None else DEFAULT_TIMEOUT_S)
+        """How long any wait on a peer may block (worker hops and the caller's wait)."""
         self._rounds = 0
         # The worker posts the NCCL calls and records events: it must be on our GPU.
         init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
@@ -233,7 +237,8 @@ class RoutedCommunicator:
         round_no, self._rounds = self._rounds, self._rounds + 1
         future = self._worker.submit(self._run_round, round_no, list(messages), hops, dict(sends),
                                      dict(recvs), ready)
-        return _RoutedPending(future, self.counters)
+        return _RoutedPending(future, self.counters, self.deadline,
+                              f"rank {self.rank}: routed round {round_no}")
 
     def close(self) -> None:
         """Finish queued rounds and stop the worker thread."""
@@ -303,20 +308,14 @@ class RoutedCommunicator:
     def _wait(self, works: list, mine: list[Hop], round_no: int) -> None:
         # gloo returns one work per op (in op order), NCCL one for the whole batch.
         for i, work in enumerate(works):
+            hops = [mine[i]] if len(works) == len(mine) else mine
             try:
-                if self.timeout is None:
-                    work.wait()
-                else:
-                    work.wait(self.timeout)
-            except RuntimeError as exc:
-                hops = [mine[i]] if len(works) == len(mine) else mine
-                what = "; ".join(
+                self.deadline.wait(work, lambda: f"routed round {round_no}: rank {self.rank} could not " + "; ".join(
                     f"{'receive from' if h.dst == self.rank else 'send to'} rank "
                     f"{h.src if h.dst == self.rank else h.dst} ({h.phase.name.lower()} leg of piece "
-                    f"{h.piece} of message {h.msg})" for h in hops[:4])
-                raise RoutedCommError(
-                    f"routed round {round_no}: rank {self.rank} could not {what}: {exc}. A peer died "
-                    "or the ranks disagree on the round's messages; check the other ranks' logs") from None
+                    f"{h.piece} of message {h.msg})" for h in hops[:4]))
+            except CommTimeoutError as exc:
+                raise RoutedCommError(str(exc)) from None
 
     def _check_tensors(self, messages: Sequence[Message], hops: list[Hop],
                        sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:

@@ -16,6 +16,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # CPU run that is expected, and the backend in use is printed per run anyway.
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
     from megatron_zeppelin.train.cli import parse_args
+    from megatron_zeppelin.comm.deadline import CommTimeoutError
     from megatron_zeppelin.train.launch import ChildFailed, launch
     from megatron_zeppelin.train.lifetime import Interrupted
 
@@ -23,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cfg = parse_args(argv)
         try:
             launch(cfg)
-        except ChildFailed as exc:
+        except (ChildFailed, CommTimeoutError) as exc:   # CommTimeoutError: under torchrun/srun
             print(f"megatron_zeppelin.train: {exc}", file=sys.stderr)
             raise SystemExit(1) from None
         except Interrupted as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -21,6 +22,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
+from megatron_zeppelin.comm.deadline import CommTimeoutError
 from megatron_zeppelin.errors import ConfigError, ZeppelinError
 from megatron_zeppelin.train.cli import TrainConfig
 from megatron_zeppelin.train.lifetime import die_with_parent, rank_signals, signals_interrupt
@@ -82,6 +84,7 @@ def spawn_local(cfg: TrainConfig) -> None:
         for child in children:
             if child.is_alive():
                 child.terminate()
+                os.kill(child.pid, signal.SIGCONT)   # a stopped (SIGSTOP) rank acts on SIGTERM only once continued
         for child in children:
             if child.pid is None:
                 continue
@@ -115,6 +118,8 @@ def _raise_child_error(rank: int, child, errors) -> None:
         raise ZeppelinError(text)
     if kind == "crash":
         raise ChildFailed(f"rank {rank} failed:\n{text}")
+    if kind == "comm":
+        raise ChildFailed(text)   # one line already naming the rank, the operation and the peer
     code = child.exitcode
     how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
     raise ChildFailed(f"{child.name} {how} without reporting an error; the other ranks were stopped")
@@ -152,6 +157,9 @@ def _child(cfg: TrainConfig, rank: int, port: int, errors, parent_pid: int) -> N
     except ZeppelinError as exc:
         errors.put((rank, "user", str(exc)))
         status = USER_ERROR
+    except CommTimeoutError as exc:
+        errors.put((rank, "comm", str(exc)))
+        status = 1
     except BaseException:  # noqa: BLE001 -- everything must reach the parent
         # Bounded: a report larger than the pipe buffer would block until the parent reads.
         errors.put((rank, "crash", traceback.format_exc()[-MAX_REPORT:]))

@@ -23,6 +23,7 @@ from megatron_zeppelin.attention.backends import AttentionBackend, get_backend
 from megatron_zeppelin.attention.engine import AttentionCounter
 from megatron_zeppelin.comm.base import ByteCounters, Communicator
 from megatron_zeppelin.comm.collectives import torch_all_reduce_max
+from megatron_zeppelin.comm.deadline import Deadline
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import ConfigError, PlanError
 from megatron_zeppelin.megatron import build_gpt_model, build_packed_seq_params
@@ -114,15 +115,18 @@ def make_communicator(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: Model
     """Direct point-to-point, or routed over every NIC (``--routing on``).  The
     communicator gets a group of its own so its transfers never interleave with
     the gradient all-reduce on the default group."""
-    group = dist.new_group(list(range(cluster.topology.world_size)))
+    deadline = Deadline(cfg.timeout_s)
+    # new_group's own default timeout is 30 minutes, not the world's.
+    group = dist.new_group(list(range(cluster.topology.world_size)), timeout=deadline.timedelta)
     if cfg.routing:
         from megatron_zeppelin.comm.routing import RoutedCommunicator, min_routed_bytes
         threshold = cfg.min_routed_bytes
         if threshold is None:
             threshold = 0.0 if device.type == "cpu" else min_routed_bytes(CostModel(cluster, model_cfg))
-        return RoutedCommunicator(group, cluster.topology, counters, threshold, dtype=dtype, device=device)
+        return RoutedCommunicator(group, cluster.topology, counters, threshold, dtype=dtype, device=device,
+                                  timeout=deadline.timedelta)
     from megatron_zeppelin.comm.direct import DirectCommunicator
-    return DirectCommunicator(group, topology=cluster.topology, counters=counters)
+    return DirectCommunicator(group, topology=cluster.topology, counters=counters, deadline=deadline)
 
 
 def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfig,
@@ -148,7 +152,8 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
 def train_step(run: Run, batch: GlobalBatch, plan: Plan, t0: float) -> StepRecord:
     """Forward, backward, all-reduce and update for one planned global batch
     (``t0``: when planning began)."""
-    check_same_plan(plan, batch.index, torch_all_reduce_max(run.device))
+    with _collective(run, "plan agreement all-reduce"):
+        check_same_plan(plan, batch.index, torch_all_reduce_max(run.device))
     if run.cfg.dump_plans and run.rank == 0:
         out = Path(run.cfg.dump_plans)
         out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +176,8 @@ def train_step(run: Run, batch: GlobalBatch, plan: Plan, t0: float) -> StepRecor
                            labels=data.labels[None], packed_seq_params=packed)  # [1, t]
     loss_sum = (token_loss[0].float() * data.loss_mask).sum()
     (loss_sum / label_count).backward()
-    grad_norm = allreduce_grads(run.model)
+    with _collective(run, "gradient all-reduce"):
+        grad_norm = allreduce_grads(run.model)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=False)
     stats = torch.tensor([loss_sum.item(), pairs.forward_pairs // run.model_cfg.num_layers,
@@ -181,10 +187,17 @@ def train_step(run: Run, batch: GlobalBatch, plan: Plan, t0: float) -> StepRecor
                           run.remap_counters.remap_intra_node, run.remap_counters.remap_inter_node],
                          dtype=torch.float64, device=run.device)
     gathered = [torch.empty_like(stats) for _ in range(run.world_size)]
-    dist.all_gather(gathered, stats)
+    with _collective(run, "step statistics all-gather"):
+        dist.all_gather(gathered, stats)
     rows = torch.stack(gathered).cpu()
     run.step += 1
     return _record(run, plan, batch, rows, grad_norm, label_count, time.perf_counter() - t0)
+
+
+def _collective(run: Run, what: str):
+    """A collective on the default group (its timeout is ``--timeout``): a dead
+    or stalled peer becomes one line naming this rank and the operation."""
+    return Deadline(run.cfg.timeout_s).collective(f"rank {run.rank}: {what} of step {run.step}")
 
 
 def _record(run: Run, plan: Plan, batch: GlobalBatch, rows: torch.Tensor, grad_norm: float,

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.comm.base import ByteCounters, Message
+from megatron_zeppelin.comm.deadline import Deadline
 from megatron_zeppelin.comm.direct import CommTimeoutError, DirectCommunicator
 from megatron_zeppelin.topology import Topology
 from tests.distributed import world_fixture
@@ -96,8 +97,9 @@ def test_misuse_raises_before_posting(world):
 
 
 def _timeout_case(rank, world_size):
-    group = dist.new_group(timeout=timedelta(seconds=1))
-    comm = DirectCommunicator(group, topology=TOPO)
+    group = dist.new_group(timeout=timedelta(seconds=60))
+    # The communicator's deadline bounds the wait, not the group's timeout.
+    comm = DirectCommunicator(group, topology=TOPO, deadline=Deadline(1))
     # rank 0 expects a message that rank 1 never sends (rank 1 skipped the round)
     if rank == 0:
         pending = comm.start_round([Message(0, 1, 0, 4)], {}, {0: torch.empty(4)})
@@ -111,7 +113,7 @@ def _timeout_case(rank, world_size):
 
 def test_timeout_surfaces_as_clear_error(world):
     message = world.run(_timeout_case)[0]
-    assert "round 0 did not complete" in message and "ranks [1]" in message
+    assert "round 0" in message and "did not complete within" in message and "ranks [1]" in message
     assert "same message lists" in message
 
 
