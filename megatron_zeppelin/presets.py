@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import yaml
 
 from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.validation import check_fields
 
 #: ``configs/`` at the repository root; ``MEGATRON_ZEPPELIN_CONFIGS`` overrides it.
 CONFIG_ROOT = Path(
@@ -76,6 +77,7 @@ def build_dataclass(cls: type, data: Mapping[str, Any], source: str) -> Any:
                and f.default_factory is dataclasses.MISSING]
     if missing:
         raise ConfigError(f"{source}: missing key {missing[0]!r}; add it to the file")
+    check_fields(cls, data, source)   # types and finiteness; ranges are the class's own checks
     try:
         return cls(**data)
     except TypeError as exc:

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import ConfigError, exit_on_user_error
+from megatron_zeppelin.validation import check_float, check_int
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.presets import CONFIG_ROOT
@@ -128,8 +129,8 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
     """Check the flags; build the strategies and sample the batches.  Returns the
     JSON ``config`` record too."""
     _check_positive(args, "nodes", "max_seq_len", "tokens_per_gpu", "tokens_per_batch", "steps", "cp_size")
-    if args.flexsp_time_limit <= 0:
-        raise ConfigError(f"--flexsp-time-limit must be > 0 seconds, got {args.flexsp_time_limit}")
+    check_float(args.flexsp_time_limit, "--flexsp-time-limit", positive=True)
+    check_int(args.seed, "--seed", minimum=0)
     if not 0 <= args.plot_step < args.steps:
         raise ConfigError(f"--plot-step {args.plot_step} is not one of the {args.steps} steps; "
                           f"pick 0..{args.steps - 1}")
