@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.errors import ConfigError, brief
 from megatron_zeppelin.validation import check_fields
 
 #: ``configs/`` at the repository root; ``MEGATRON_ZEPPELIN_CONFIGS`` overrides it.
@@ -44,7 +44,8 @@ def resolve_preset(kind: str, name_or_path: str | os.PathLike) -> Path:
     names = preset_names(kind)
     close = difflib.get_close_matches(str(name_or_path), names, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ConfigError(f"unknown {kind[:-1]} preset {str(name_or_path)!r}{hint}; "
+    label = "launch" if kind == "presets" else kind[:-1]
+    raise ConfigError(f"unknown {label} preset {str(name_or_path)!r}{hint}; "
                       f"choose one of: {', '.join(names)} or pass a YAML file")
 
 
@@ -56,8 +57,8 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
-        raise ConfigError(f"{path}: malformed YAML{line}: {getattr(exc, 'problem', exc)}; fix the file "
-                          "(it must be a mapping of key: value)") from None
+        raise ConfigError(f"{path}: malformed YAML{line}: {brief(getattr(exc, 'problem', None) or exc)}; fix "
+                          "the file (it must be a mapping of key: value)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a YAML mapping of key: value, got {type(data).__name__}")
     return data

@@ -11,6 +11,7 @@ CLIs print it as one line and exit 2.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import numbers
@@ -21,6 +22,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from megatron_zeppelin.errors import ConfigError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line (ConfigError), not usage + error;
+    the CLI's ``exit_on_user_error`` prints it and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (see --help)")
 
 
 def check_int(value: Any, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -48,9 +57,9 @@ def check_float(value: Any, name: str, minimum: float | None = None, maximum: fl
 
 def _check_range(value: float, name: str, minimum: float | None, maximum: float | None) -> None:
     if minimum is not None and value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum:g}, got {value:g}")
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
-        raise ConfigError(f"{name} must be <= {maximum:g}, got {value:g}")
+        raise ConfigError(f"{name} must be <= {maximum}, got {value}")
 
 
 def check_choice(value: Any, name: str, choices: typing.Iterable[str]) -> str:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
+from megatron_zeppelin.errors import brief
+
 #: Seconds a wait on a peer may block when nobody says otherwise (the
 #: trainer's ``--timeout`` default; well under NCCL's 10 minutes).
 DEFAULT_TIMEOUT_S = 90.0
@@ -28,11 +30,6 @@ WORKER_GRACE_S = 2.0
 class CommTimeoutError(RuntimeError):
     """A wait on a peer passed its deadline or the peer's connection failed
     (a peer died, stalled, or the ranks disagree on the communication)."""
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -74,5 +71,5 @@ class Deadline:
             raise CommTimeoutError(self._message(what, exc)) from None
 
     def _message(self, what: str, exc: BaseException) -> str:
-        return (f"{what} did not complete within --timeout {self.seconds:g} s ({_first_line(exc)}): a peer "
+        return (f"{what} did not complete within --timeout {self.seconds:g} s ({brief(exc)}): a peer "
                 "stalled or died, or the ranks disagree on the communication (check the other ranks)")

@@ -24,7 +24,7 @@ import numpy as np
 
 from megatron_zeppelin.data.indexed import megatron_indexed_dataset
 from megatron_zeppelin.errors import ConfigError, exit_on_user_error
-from megatron_zeppelin.validation import check_output_dir
+from megatron_zeppelin.validation import OneLineParser, check_output_dir
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,9 @@ def load_tokenizer(name: str) -> Tokenizer:
 def read_documents(path: str | os.PathLike, json_key: str) -> Iterator[str]:
     """Texts of a JSON-lines file (blank lines skipped); errors name the line."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"input file {str(path)!r} is a directory; pass a JSON-lines file with one "
+                          f'{{"{json_key}": "..."}} object per line')
     if not path.is_file():
         raise ConfigError(f"input file {str(path)!r} does not exist; pass a JSON-lines file with one "
                           f'{{"{json_key}": "..."}} object per line')
@@ -148,16 +151,16 @@ def prepare(input_path: str | os.PathLike, output_prefix: str | os.PathLike, *, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m megatron_zeppelin.data.prepare", description=__doc__,
+    parser = OneLineParser(prog="python -m megatron_zeppelin.data.prepare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="JSON-lines file, one document per line")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--json-key", default="text", help="field holding the text (default: text)")
     parser.add_argument("--tokenizer", default="byte",
                         help="byte (offline, vocab 257) or a local Hugging Face tokenizer name/path")
-    args = parser.parse_args(argv)
 
     def run() -> None:
+        args = parser.parse_args(argv)
         tok = load_tokenizer(args.tokenizer)
         stats = prepare(args.input, args.output_prefix, json_key=args.json_key, tokenizer=tok)
         print(f"wrote {stats.documents} documents, {stats.tokens} tokens ({tok.name} tokenizer, vocab "

@@ -19,7 +19,6 @@ from typing import Any, Sequence
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import ConfigError, exit_on_user_error
-from megatron_zeppelin.validation import check_float, check_int
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.presets import CONFIG_ROOT
@@ -30,17 +29,11 @@ from megatron_zeppelin.sim.simulate import (BASELINE, STRATEGY_NAMES, SimResult,
                                             format_table, infeasible_notes, sample_batches, simulate,
                                             te_cp_size)
 from megatron_zeppelin.topology import load_cluster
+from megatron_zeppelin.validation import OneLineParser as _Parser, check_float, check_int
 
 DEFAULT_LENGTHS = "synthetic-longtail"
 #: Baseline first, then the other baselines, then Zeppelin's ablation variants and Zeppelin.
 DEFAULT_STRATEGIES = ",".join(STRATEGY_NAMES)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line (ConfigError), not usage + error."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} (see --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:

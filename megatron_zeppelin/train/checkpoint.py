@@ -18,7 +18,7 @@ from typing import IO, Any, Callable
 
 import torch
 
-from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.errors import ConfigError, brief
 
 LATEST = "latest"
 """File holding the name of the newest complete checkpoint of a directory."""
@@ -89,13 +89,17 @@ def latest_path(directory: Path) -> Path:
 def load_state(directory: Path, map_location: torch.device) -> tuple[Path, dict[str, Any]]:
     """The newest complete checkpoint of ``directory``: its path and state."""
     path = latest_path(directory)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"PK\x03\x04":   # torch.save writes a zip archive
+        raise ConfigError(f"{path}: not a checkpoint written by torch.save ({path.stat().st_size} bytes, no zip "
+                          "header); it is damaged -- load another --save directory or start without --load")
     try:
         # weights_only: a checkpoint is tensors and plain data; never run a pickle's code.
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 -- zip, pickle and EOF errors all mean a damaged file
-        why = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{path}: not a readable checkpoint ({why}); it is damaged -- load another "
-                          "--save directory or start without --load") from None
+        raise ConfigError(f"{path}: not a readable checkpoint ({brief(exc, 160)}); it is damaged -- load "
+                          "another --save directory or start without --load") from None
     missing = [k for k in KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise ConfigError(f"{path}: not a trainer checkpoint (no {', '.join(missing)}); pass the --save "

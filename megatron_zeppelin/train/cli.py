@@ -10,8 +10,8 @@ from typing import Sequence
 
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
-from megatron_zeppelin.validation import (check_float, check_input_file, check_int, check_output_dir,
-                                          check_output_file)
+from megatron_zeppelin.validation import (OneLineParser, check_float, check_input_file, check_int,
+                                          check_output_dir, check_output_file)
 
 STRATEGIES = ("zeppelin", "reference", "te_cp", "packing_dp", "megatron_hybrid_cp", "flexsp")
 
@@ -133,7 +133,7 @@ def _on_off(value: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m megatron_zeppelin.train",
         description="Train a Megatron-Core GPT with a Zeppelin (or baseline) plan per step. On CPU it "
                     "spawns nodes x GPUs processes (gloo); under torchrun/srun it uses NCCL.")

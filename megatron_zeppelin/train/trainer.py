@@ -25,7 +25,7 @@ from megatron_zeppelin.comm.base import ByteCounters, Communicator
 from megatron_zeppelin.comm.collectives import torch_all_reduce_max
 from megatron_zeppelin.comm.deadline import Deadline
 from megatron_zeppelin.cost import CostModel
-from megatron_zeppelin.errors import ConfigError, PlanError
+from megatron_zeppelin.errors import ConfigError, PlanError, brief
 from megatron_zeppelin.megatron import build_gpt_model, build_packed_seq_params
 from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.plan import Plan
@@ -255,9 +255,8 @@ def load_checkpoint(run: Run, directory: Path) -> None:
         run.model.load_state_dict(state["model"])
         run.optimizer.load_state_dict(state["optimizer"])
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:
-        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{path} does not fit this model or optimizer ({first}); load a checkpoint "
-                          "of the same --model") from None
+        raise ConfigError(f"{path} does not fit this model or optimizer ({brief(exc, 240)}); load a "
+                          "checkpoint of the same --model") from None
     run.sampler.load_state_dict(state["sampler"])
     run.step = step
 

@@ -79,8 +79,8 @@ def test_saving_replaces_the_previous_checkpoint_only_when_complete(tmp_path):
 
 @pytest.mark.parametrize("damage, message", [
     (lambda p: p.write_bytes(p.read_bytes()[:1000]), "not a readable checkpoint"),
-    (lambda p: p.write_bytes(b""), "not a readable checkpoint"),
-    (lambda p: p.write_bytes(os.urandom(5000)), "not a readable checkpoint"),
+    (lambda p: p.write_bytes(b""), r"not a checkpoint written by torch.save \(0 bytes"),
+    (lambda p: p.write_bytes(b"\0" + os.urandom(4999)), r"not a checkpoint written by torch.save \(5000 bytes"),
     (lambda p: torch.save({"weights": torch.zeros(3)}, p), "not a trainer checkpoint"),
     (lambda p: p.unlink(), "which is missing"),
     (lambda p: (p.parent / LATEST).write_text("../../etc/passwd\n"), "not a checkpoint file"),
