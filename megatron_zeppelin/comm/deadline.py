@@ -36,28 +36,30 @@ class CommTimeoutError(RuntimeError):
 class Deadline:
     """How long one wait on a peer may block (``--timeout``)."""
 
-    seconds: float
-    """Seconds before a wait fails; the process group's timeout on the trainer's path."""
+    seconds: float | None
+    """Seconds before a wait fails (the trainer's ``--timeout``).  None on NCCL:
+    there a wait only orders streams, and a wait with a timeout would block the
+    CPU; the process group's timeout and its watchdog bound the transfer."""
 
     @property
-    def timedelta(self) -> timedelta:
-        return timedelta(seconds=self.seconds)
+    def timedelta(self) -> timedelta | None:
+        return None if self.seconds is None else timedelta(seconds=self.seconds)
 
     def wait(self, work: Any, what: Callable[[], str]) -> None:
         """Wait on a ``torch.distributed`` work object; ``what()`` describes the
         operation for the error ("rank 2: receive from rank 3 (round 7)")."""
         try:
-            work.wait(self.timedelta)
+            work.wait() if self.seconds is None else work.wait(self.timedelta)
         except RuntimeError as exc:
             raise CommTimeoutError(self._message(what(), exc)) from None
 
     def result(self, future: concurrent.futures.Future, what: Callable[[], str]) -> Any:
         """The result of a worker thread's ``future``; its own errors pass through."""
         try:
-            return future.result(timeout=self.seconds + WORKER_GRACE_S)
+            return future.result(timeout=None if self.seconds is None else self.seconds + WORKER_GRACE_S)
         except concurrent.futures.TimeoutError:
-            raise CommTimeoutError(f"{what()} did not complete within --timeout {self.seconds:g} s: a peer "
-                                   "stalled or died (check the other ranks)") from None
+            raise CommTimeoutError(f"{what()} did not complete {self._within}: a peer stalled or died (check "
+                                   "the other ranks)") from None
 
     @contextmanager
     def collective(self, what: str) -> Iterator[None]:
@@ -70,6 +72,10 @@ class Deadline:
         except RuntimeError as exc:
             raise CommTimeoutError(self._message(what, exc)) from None
 
+    @property
+    def _within(self) -> str:
+        return "(process group timeout)" if self.seconds is None else f"within --timeout {self.seconds:g} s"
+
     def _message(self, what: str, exc: BaseException) -> str:
-        return (f"{what} did not complete within --timeout {self.seconds:g} s ({brief(exc)}): a peer "
-                "stalled or died, or the ranks disagree on the communication (check the other ranks)")
+        return (f"{what} did not complete {self._within} ({brief(exc)}): a peer stalled or died, or the "
+                "ranks disagree on the communication (check the other ranks)")

@@ -55,7 +55,9 @@ class DirectCommunicator:
         self.counters = counters if counters is not None else ByteCounters()
         """Bytes this rank sent, by link class."""
         self.rank = dist.get_rank()
-        self.deadline = deadline or Deadline(DEFAULT_TIMEOUT_S)
+        # NCCL: the group's timeout and watchdog bound a transfer (see Deadline.seconds).
+        nccl = dist.get_backend(group) == "nccl"
+        self.deadline = Deadline(None) if nccl else deadline or Deadline(DEFAULT_TIMEOUT_S)
         """How long a round's wait may block on a peer."""
         topology.check_world_size(dist.get_world_size(group))
         self._rounds = 0

@@ -199,8 +199,10 @@ class RoutedCommunicator:
         """``min_routed_bytes``: pass :func:`min_routed_bytes` of the run's cost
         model (``math.inf`` turns routing off).  ``dtype``: element type of every
         routed message; a proxy with no tensor of its own in a round allocates its
-        forwarding buffers from it.  ``timeout``: how long a hop may wait before
-        the round fails (default: the process group's timeout).  Collective on NCCL."""
+        forwarding buffers from it.  ``timeout``: how long a hop (and the caller's
+        wait on the worker) may block on gloo before the round fails (default
+        ``DEFAULT_TIMEOUT_S``); on NCCL the group's timeout and watchdog apply.
+        Collective on NCCL."""
         self.group = group or dist.group.WORLD
         self.topology = topology
         self.counters = counters if counters is not None else ByteCounters()
@@ -217,7 +219,8 @@ class RoutedCommunicator:
             # a barrier here (every rank builds the communicator) creates the NCCL comm.
             dist.barrier(group=self.group)
         self.device = device
-        self.deadline = Deadline(timeout.total_seconds() if timeout is not None else DEFAULT_TIMEOUT_S)
+        # NCCL: the group's timeout and watchdog bound a transfer (see Deadline.seconds).
+        self.deadline = Deadline(None if nccl else timeout.total_seconds() if timeout else DEFAULT_TIMEOUT_S)
         """How long any wait on a peer may block (worker hops and the caller's wait)."""
         self._rounds = 0
         # The worker posts the NCCL calls and records events: it must be on our GPU.

@@ -56,3 +56,11 @@ def test_collective_errors_become_one_line():
     with pytest.raises(ValueError):
         with Deadline(5).collective("not a comm error"):
             raise ValueError("passes through")
+
+
+def test_without_seconds_the_wait_is_the_backends_own():
+    # NCCL: a wait with a timeout would block the CPU; the group's watchdog bounds it instead.
+    work = StuckWork()
+    with pytest.raises(CommTimeoutError, match=r"rank 0: round 1 did not complete \(process group timeout\)"):
+        Deadline(None).wait(work, lambda: "rank 0: round 1")
+    assert work.timeouts == [None]
