@@ -21,11 +21,14 @@ import numpy as np
 from megatron_zeppelin.planner.zeppelin.loads import _Assign, min_ring_size, zigzag_shard_tokens
 
 #: Placements tried before the search gives up (each is O(world size)).
-SEARCH_STEPS = 2000
+SEARCH_STEPS = 1500
 
 
-def exact_fill(lens: np.ndarray, cap: int, world: int) -> _Assign | None:
-    """Placement of every sequence under the token cap by tokens alone, or None."""
+def exact_fill(lens: np.ndarray, cap: int, world: int, tight_rings_first: bool = True) -> _Assign | None:
+    """Placement of every sequence under the token cap by tokens alone, or None.
+    ``tight_rings_first``: of a ring's two rank orders, try the best fit first
+    (else the roomiest ranks first); which one finds a placement sooner
+    depends on the batch, so the caller tries both."""
     order = np.argsort(-lens, kind="stable").tolist()
     room = np.full(world, cap, dtype=np.int64)
     chosen: list[tuple[int, ...]] = [()] * len(lens)
@@ -41,7 +44,14 @@ def exact_fill(lens: np.ndarray, cap: int, world: int) -> _Assign | None:
             tight, roomy = int(fits[np.argmin(room[fits])]), int(fits[np.argmax(room[fits])])
             out += [((r,), np.array([length])) for r in dict.fromkeys((tight, roomy))]
         by_room = np.argsort(-room, kind="stable")
-        for k in range(max(2, min_ring_size(length, cap)), min(world, length // 2) + 1):
+        widest = min(world, length // 2)
+        # The smallest ring sizes that fit (up to five placements), then the
+        # widest ring: spreading a sequence thin over every rank is what lets
+        # some nearly full batches close.
+        sizes = list(range(max(2, min_ring_size(length, cap)), widest + 1))
+        for k in sizes:
+            if len(out) >= 5 and k != widest:
+                continue
             shards = zigzag_shard_tokens(length, k)
             big_first = np.argsort(-shards, kind="stable")
             # Roomiest ranks take the largest shards: fits iff it fits sorted.
@@ -49,10 +59,8 @@ def exact_fill(lens: np.ndarray, cap: int, world: int) -> _Assign | None:
                 continue
             roomy = np.empty(k, dtype=np.int64)
             roomy[big_first] = by_room[:k]
-            out += [(ranks, shards) for ranks in dict.fromkeys((_tightest(room, shards, big_first),
-                                                                 tuple(roomy.tolist())))]
-            if len(out) >= 5:
-                break
+            orders = (_tightest(room, shards, big_first), tuple(roomy.tolist()))
+            out += [(ranks, shards) for ranks in dict.fromkeys(orders if tight_rings_first else orders[::-1])]
         return out
 
     # Depth-first, iteratively (a batch can hold thousands of sequences): one
