@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
 
-from megatron_zeppelin.errors import ConfigError, InfeasibleError
+from megatron_zeppelin.errors import ConfigError, InfeasibleError, brief
 from megatron_zeppelin.sampler.batch_sampler import GlobalBatch, Piece, TokenBudgetSampler
 
 P = TypeVar("P")
@@ -63,7 +63,7 @@ class DeferringSampler(Generic[P]):
                 self.carried.insert(0, last)
                 note(f"step {batch.index}: deferred a piece of {last.length} tokens (document {last.doc}, "
                      f"dataset {last.dataset}) to the next step: no plan for {len(lens)} sequences of "
-                     f"{sum(lens)} tokens ({exc})")
+                     f"{sum(lens)} tokens ({brief(exc, 160)})")
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state plus the carried pieces (``[doc, start, end, dataset]`` each)."""

@@ -99,7 +99,8 @@ class StepLogger:
     """Writes JSON lines and console summaries (rank 0 only)."""
 
     def __init__(self, json_path: str | None, total_steps: int, quiet: bool,
-                 console: IO[str] = sys.stderr) -> None:
+                 console: IO[str] | None = None) -> None:
+        console = console or sys.stderr   # looked up now: a default bound at import would miss redirections
         self._json = open(json_path, "a", encoding="utf-8") if json_path else None
         self._total = total_steps
         self._console = None if quiet else console
