@@ -30,6 +30,12 @@ class InfeasibleError(ZeppelinError):
     """A strategy cannot place this batch (e.g. a sequence longer than its token cap)."""
 
 
+def brief(exc: BaseException, limit: int = 200) -> str:
+    """An exception as one short line (for messages that quote a library's error)."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return (text[:limit - 3] + "...") if len(text) > limit else (text or type(exc).__name__)
+
+
 def exit_on_user_error(main: Callable[[], T]) -> T | NoReturn:
     """Run ``main``; turn a :class:`ZeppelinError` into one line on stderr and exit 2."""
     try:

@@ -15,7 +15,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.errors import ConfigError, brief
+from megatron_zeppelin.validation import check_fields
 
 #: ``configs/`` at the repository root; ``MEGATRON_ZEPPELIN_CONFIGS`` overrides it.
 CONFIG_ROOT = Path(
@@ -43,7 +44,8 @@ def resolve_preset(kind: str, name_or_path: str | os.PathLike) -> Path:
     names = preset_names(kind)
     close = difflib.get_close_matches(str(name_or_path), names, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ConfigError(f"unknown {kind[:-1]} preset {str(name_or_path)!r}{hint}; "
+    label = "launch" if kind == "presets" else kind[:-1]
+    raise ConfigError(f"unknown {label} preset {str(name_or_path)!r}{hint}; "
                       f"choose one of: {', '.join(names)} or pass a YAML file")
 
 
@@ -55,8 +57,8 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
-        raise ConfigError(f"{path}: malformed YAML{line}: {getattr(exc, 'problem', exc)}; fix the file "
-                          "(it must be a mapping of key: value)") from None
+        raise ConfigError(f"{path}: malformed YAML{line}: {brief(getattr(exc, 'problem', None) or exc)}; fix "
+                          "the file (it must be a mapping of key: value)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a YAML mapping of key: value, got {type(data).__name__}")
     return data
@@ -76,6 +78,7 @@ def build_dataclass(cls: type, data: Mapping[str, Any], source: str) -> Any:
                and f.default_factory is dataclasses.MISSING]
     if missing:
         raise ConfigError(f"{source}: missing key {missing[0]!r}; add it to the file")
+    check_fields(cls, data, source)   # types and finiteness; ranges are the class's own checks
     try:
         return cls(**data)
     except TypeError as exc:

@@ -25,13 +25,13 @@ patch_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/patches"
 tag=$(git -C "$mlm_dir" describe --tags --exact-match 2>/dev/null || true)
 # 2) Otherwise map the package version to the tag it ships in.
 if [[ -z "$tag" || ! -d "$patch_root/$tag" ]]; then
-  version=$(cd "$mlm_dir" && python3 - <<'PY'
+  version=$(cd "$mlm_dir" && python3 - 2>/dev/null <<'PY'
 import re
 text = open("megatron/core/package_info.py").read()
 get = lambda k: re.search(rf"^{k}\s*=\s*['\"]?([^'\"\n]*)", text, re.M).group(1)
 print(f"{get('MAJOR')}.{get('MINOR')}.{get('PATCH')}{get('PRE_RELEASE')}")
 PY
-  ) || die "cannot read the version from $mlm_dir/megatron/core/package_info.py"
+  ) || die "cannot read the version from $mlm_dir/megatron/core/package_info.py (no MAJOR/MINOR/PATCH/PRE_RELEASE lines); check out a release tag"
   case "$version" in
     0.16.1) tag=core_v0.16.1 ;;
     # The core_v0.19.0 tag's package_info.py already says 0.19.1 (its release

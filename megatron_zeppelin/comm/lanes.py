@@ -37,18 +37,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.comm.base import ByteCounters
-from megatron_zeppelin.errors import ZeppelinError
+from megatron_zeppelin.comm.deadline import CommTimeoutError
+from megatron_zeppelin.errors import brief
 from megatron_zeppelin.schedule.ops import Op, Schedule
 
 #: Calls of one runner that may be in flight at once with distinct tags.
 CALLS_IN_FLIGHT = 64
 #: Default deadline of a wait (the trainer's ``--timeout`` overrides it).
 DEFAULT_TIMEOUT = timedelta(seconds=300)
-
-
-class CommTimeoutError(ZeppelinError, RuntimeError):
-    """A transfer did not complete before its deadline (a peer stalled, died, or
-    runs a different schedule)."""
 
 
 class Binding(Protocol):
@@ -213,13 +209,17 @@ class _Call:
         self.send_works: list = []
         self.ready_events: dict[int, torch.cuda.Event] = {}
 
-    def _what(self, op: Op, doing: str) -> Callable[[], str]:
+    def _what(self, op: Op, doing: str, cause: BaseException | None = None) -> Callable[[], str]:
+        """The one line a missed deadline gives: this rank, the op, the peer (and,
+        for a compute or send op, the ops it still waits for)."""
         def text() -> str:
-            missing = [d for d in op.deps if d not in self.done.ids]
             peer = op.peer if op.rank == self.r.rank else op.rank
-            return (f"rank {self.r.rank}: timed out after {self.r.timeout.total_seconds():g} s {doing} op "
-                    f"{op.id} ({op.name}, {op.tier}) with rank {peer}; still waiting on op(s) {missing[:6]}. "
-                    "A peer stalled or died, or the ranks run different schedules; check that rank's log")
+            missing = [d for d in op.deps if d not in self.done.ids] if doing != "receiving" else []
+            waits = f", waiting on op(s) {missing[:6]}" if missing else ""
+            why = f" ({brief(cause)})" if cause is not None else ""
+            return (f"rank {self.r.rank}: {doing} op {op.id} ({op.name}, {op.tier}) with rank {peer}{waits} "
+                    f"did not complete within --timeout {self.r.timeout.total_seconds():g} s{why}: a peer "
+                    "stalled or died, or the ranks run different schedules (check the other ranks)")
         return text
 
     def _tag(self, op: Op) -> int:
@@ -328,7 +328,7 @@ class _Call:
             if left <= 0 or not work.wait(timedelta(seconds=max(left, 0.001))):
                 raise RuntimeError("deadline passed")
         except RuntimeError as exc:
-            raise CommTimeoutError(self._what(op, doing)() + f" ({exc})") from None
+            raise CommTimeoutError(self._what(op, doing, exc)()) from None
 
     def _comm_lane_cuda(self) -> None:
         """NCCL: one thread posts both lanes in the schedule's global order on the
@@ -403,8 +403,8 @@ class _Call:
         if self.done.error is None and (any(t.is_alive() for t in self.threads)
                                         or any(not f.done() for f in self.futures)):
             self.done.fail(CommTimeoutError(
-                f"rank {self.r.rank}: communication lanes did not finish within "
-                f"{self.r.timeout.total_seconds():g} s; a peer stalled or died"))
+                f"rank {self.r.rank}: communication lanes did not complete within --timeout "
+                f"{self.r.timeout.total_seconds():g} s: a peer stalled or died (check the other ranks)"))
         if self.done.error is not None:
             raise self.done.error
         if self.trace is not None:

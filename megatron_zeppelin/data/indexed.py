@@ -58,11 +58,58 @@ def megatron_indexed_dataset() -> ModuleType:
     return indexed_dataset
 
 
+#: Megatron's ``.idx`` header: magic, version (<Q), dtype code (<B), sequence
+#: count (<Q), document-index count (<Q); then int32 sequence lengths, int64
+#: sequence pointers (bytes into the .bin) and int64 document indices.
+_MAGIC, _HEADER_BYTES = b"MMIDIDX\x00\x00", 34
+#: Megatron's DType codes -> bytes per token.
+_ITEMSIZE = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
+
+
+def check_index(prefix: str) -> None:
+    """Check ``PREFIX.idx`` against itself and ``PREFIX.bin`` by sizes and offsets
+    before Megatron maps it: a corrupt index must be one line, never lengths that
+    are not in the file (negative, past the end of the .bin)."""
+    idx, bin_size = Path(prefix + ".idx"), Path(prefix + ".bin").stat().st_size
+
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"{idx}: {what}; the dataset is corrupt -- rebuild it with "
+                           + PREPARE_HINT.format(prefix=prefix))
+
+    raw = idx.read_bytes()
+    if len(raw) < _HEADER_BYTES or raw[:9] != _MAGIC:
+        raise bad(f"not a Megatron index ({len(raw)} bytes, no MMIDIDX header)")
+    code = raw[17]
+    n_seq, n_doc = (int(v) for v in np.frombuffer(raw, "<u8", 2, 18))
+    if code not in _ITEMSIZE:
+        raise bad(f"unknown token dtype code {code}")
+    body = 4 * n_seq + 8 * n_seq + 8 * n_doc
+    if len(raw) not in (_HEADER_BYTES + body, _HEADER_BYTES + body + n_seq):   # + modes if multimodal
+        raise bad(f"{len(raw)} bytes, but its header declares {n_seq} sequences and {n_doc} document "
+                  f"indices ({_HEADER_BYTES + body} bytes); it is truncated or overwritten")
+    lengths = np.frombuffer(raw, "<i4", n_seq, _HEADER_BYTES).astype(np.int64)
+    pointers = np.frombuffer(raw, "<i8", n_seq, _HEADER_BYTES + 4 * n_seq)
+    docs = np.frombuffer(raw, "<i8", n_doc, _HEADER_BYTES + 12 * n_seq)
+    if (lengths < 0).any():
+        raise bad(f"sequence {int(np.argmax(lengths < 0))} has a negative length")
+    ends = np.cumsum(lengths * _ITEMSIZE[code])
+    if n_seq and (pointers[0] != 0 or (pointers[1:] != ends[:-1]).any()):
+        raise bad("its sequence offsets do not follow its sequence lengths")
+    if n_doc < 1 or docs[0] != 0 or (np.diff(docs) < 0).any() or docs[-1] != n_seq:
+        raise bad("its document indices are not 0 .. sequence count in order")
+    expected = int(ends[-1]) if n_seq else 0
+    if expected != bin_size:
+        raise ConfigError(f"{prefix}.bin: {bin_size} bytes, but {idx} describes {expected}; the .bin is "
+                          "truncated or belongs to another index -- rebuild it with "
+                          + PREPARE_HINT.format(prefix=prefix))
+
+
 class IndexedDocuments:
     """Document lengths and token slices of a Megatron indexed dataset."""
 
     def __init__(self, prefix: str | os.PathLike) -> None:
         self.prefix = check_prefix(prefix)
+        check_index(self.prefix)
         try:
             self._dataset = megatron_indexed_dataset().IndexedDataset(self.prefix, multimodal=False, mmap=True)
         except (AssertionError, ValueError, OSError) as exc:

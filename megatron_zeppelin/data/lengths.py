@@ -25,6 +25,7 @@ import numpy as np
 from megatron_zeppelin.data.indexed import document_lengths, is_indexed_prefix
 from megatron_zeppelin.errors import ConfigError, exit_on_user_error
 from megatron_zeppelin.sampler.lengths import load_lengths
+from megatron_zeppelin.validation import OneLineParser
 
 PERCENTILES = (50, 90, 99, 99.9)
 
@@ -129,8 +130,8 @@ def what_if(lengths: np.ndarray, args: argparse.Namespace) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_zeppelin.data.lengths", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m megatron_zeppelin.data.lengths", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="Megatron dataset prefix (PREFIX.idx/.bin) or a lengths file (.npy/text)")
     p.add_argument("--plot", type=Path, default=None, help="write the histogram here (.png)")
     what = p.add_argument_group("what-if (runs the simulator when --cluster is given)")

@@ -24,6 +24,7 @@ import numpy as np
 
 from megatron_zeppelin.data.indexed import megatron_indexed_dataset
 from megatron_zeppelin.errors import ConfigError, exit_on_user_error
+from megatron_zeppelin.validation import OneLineParser, check_output_dir
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,19 @@ def load_tokenizer(name: str) -> Tokenizer:
 def read_documents(path: str | os.PathLike, json_key: str) -> Iterator[str]:
     """Texts of a JSON-lines file (blank lines skipped); errors name the line."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"input file {str(path)!r} is a directory; pass a JSON-lines file with one "
+                          f'{{"{json_key}": "..."}} object per line')
     if not path.is_file():
         raise ConfigError(f"input file {str(path)!r} does not exist; pass a JSON-lines file with one "
                           f'{{"{json_key}": "..."}} object per line')
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
+            if any("\udc80" <= ch <= "\udcff" for ch in line):   # undecodable bytes
+                raise ConfigError(f"{path}:{lineno}: not UTF-8 text (a binary file?); pass a JSON-lines "
+                                  "file with one JSON object per line")
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -93,6 +100,17 @@ def read_documents(path: str | os.PathLike, json_key: str) -> Iterator[str]:
                 raise ConfigError(f"{path}:{lineno}: {json_key!r} is {type(record[json_key]).__name__}, "
                                   "expected a string")
             yield record[json_key]
+
+
+def check_output_prefix(output_prefix: str | os.PathLike) -> str:
+    """``PREFIX`` whose ``.bin`` and ``.idx`` can be written (its folder is
+    created); a prefix naming a folder would write hidden ``.bin``/``.idx`` files."""
+    prefix = os.fspath(output_prefix)
+    if not Path(prefix).name or prefix.endswith(os.sep) or Path(prefix).is_dir():
+        raise ConfigError(f"--output-prefix {prefix!r} names a folder; add a file name, e.g. "
+                          f"{os.path.join(prefix, 'corpus')!r} (writes corpus.bin and corpus.idx)")
+    check_output_dir(Path(prefix).parent, "--output-prefix's folder")   # probes, writes nothing else
+    return prefix
 
 
 @dataclass(frozen=True)
@@ -109,8 +127,7 @@ def prepare(input_path: str | os.PathLike, output_prefix: str | os.PathLike, *, 
             tokenizer: Tokenizer = BYTE_TOKENIZER) -> PrepareStats:
     """Tokenize every document of ``input_path`` into ``output_prefix.{bin,idx}``."""
     megatron = megatron_indexed_dataset()
-    prefix = os.fspath(output_prefix)
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    prefix = check_output_prefix(output_prefix)
     documents = read_documents(input_path, json_key)  # opened first: a bad input writes nothing
     first = next(documents, None)
     if first is None:
@@ -134,16 +151,16 @@ def prepare(input_path: str | os.PathLike, output_prefix: str | os.PathLike, *, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m megatron_zeppelin.data.prepare", description=__doc__,
+    parser = OneLineParser(prog="python -m megatron_zeppelin.data.prepare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="JSON-lines file, one document per line")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--json-key", default="text", help="field holding the text (default: text)")
     parser.add_argument("--tokenizer", default="byte",
                         help="byte (offline, vocab 257) or a local Hugging Face tokenizer name/path")
-    args = parser.parse_args(argv)
 
     def run() -> None:
+        args = parser.parse_args(argv)
         tok = load_tokenizer(args.tokenizer)
         stats = prepare(args.input, args.output_prefix, json_key=args.json_key, tokenizer=tok)
         print(f"wrote {stats.documents} documents, {stats.tokens} tokens ({tok.name} tokenizer, vocab "

@@ -26,6 +26,7 @@ its own heads, its rings talking over a copy of its data-parallel group.
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
 import functools
 import os
 from dataclasses import dataclass
@@ -313,12 +314,14 @@ def build_plan_fn(planner: str, cost: CostModel, tokens_per_gpu: int, remap: boo
     return lambda seq_lens: impl.plan(list(seq_lens), ctx).validate()
 
 
-def data_parallel_comm_group(tp: int, dp: int) -> dist.ProcessGroup:
+def data_parallel_comm_group(tp: int, dp: int, timeout: timedelta | None = None) -> dist.ProcessGroup:
     """A copy of this rank's data-parallel group for the communicator (its worker
-    thread issues transfers that must not interleave with Megatron's grad reduce)."""
+    thread issues transfers that must not interleave with Megatron's grad reduce).
+    ``timeout``: the group's own (``new_group``'s default is 30 minutes, not the world's)."""
     from megatron.core import parallel_state as mpu
 
-    groups = [dist.new_group([d * tp + t for d in range(dp)]) for t in range(tp)]  # collective: all ranks
+    groups = [dist.new_group([d * tp + t for d in range(dp)], timeout=timeout)   # collective: all ranks
+              for t in range(tp)]
     mine = groups[dist.get_rank() % tp]
     expected = [d * tp + dist.get_rank() % tp for d in range(dp)]
     if dist.get_process_group_ranks(mpu.get_data_parallel_group()) != expected:

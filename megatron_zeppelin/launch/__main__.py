@@ -19,10 +19,11 @@ from megatron_zeppelin.errors import ConfigError, exit_on_user_error
 from megatron_zeppelin.launch.preset import load_launch_preset
 from megatron_zeppelin.launch.render import format_command, pretrain_args, render_command
 from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.validation import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m megatron_zeppelin.launch",
+    ap = OneLineParser(prog="python -m megatron_zeppelin.launch",
                                  description="Render a launch preset into a Megatron-LM pretrain_gpt.py command.")
     ap.add_argument("--preset", required=True, help="preset name (configs/presets/) or YAML file")
     what = ap.add_mutually_exclusive_group(required=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.planner.base import PLANNERS
 from megatron_zeppelin.presets import build_dataclass, load_yaml, resolve_preset
+from megatron_zeppelin.validation import check_float, check_int
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE = ("none", "selective", "full")
@@ -102,8 +103,14 @@ class LaunchPreset:
     """More Megatron flags, appended verbatim (e.g. ``--use-flash-attn``)."""
 
     def __post_init__(self) -> None:
-        if self.nodes < 1 or self.gpus_per_node < 1 or self.tensor_parallel < 1:
-            raise ConfigError(f"preset {self.name}: nodes, gpus_per_node and tensor_parallel must be >= 1")
+        for key in ("nodes", "gpus_per_node", "tensor_parallel", "seq_length", "tokens_per_gpu", "train_iters",
+                    "save_interval", "log_interval", "eval_interval", "zeppelin_log_interval"):
+            check_int(getattr(self, key), f"preset {self.name}: {key}", minimum=1)
+        for key in ("warmup_iters", "eval_iters", "seed"):
+            check_int(getattr(self, key), f"preset {self.name}: {key}", minimum=0)
+        check_int(self.rdzv_port, f"preset {self.name}: rdzv_port", minimum=1, maximum=65535)
+        for key in ("lr", "min_lr", "weight_decay", "clip_grad"):
+            check_float(getattr(self, key), f"preset {self.name}: {key}", minimum=0)
         if self.gpus_per_node % self.tensor_parallel:
             raise ConfigError(f"preset {self.name}: tensor_parallel {self.tensor_parallel} must divide "
                               f"gpus_per_node {self.gpus_per_node} (a TP group stays inside one node)")
@@ -141,4 +148,8 @@ def load_launch_preset(name_or_path: str | os.PathLike) -> LaunchPreset:
         if key in data:
             value = data[key]
             data[key] = tuple(str(v) for v in (value if isinstance(value, list) else [value]))
-    return build_dataclass(LaunchPreset, data, str(path))
+    preset = build_dataclass(LaunchPreset, data, str(path))
+    # The rendered command names these presets: they must exist now, not on the cluster.
+    resolve_preset("clusters", preset.cluster)
+    resolve_preset("models", preset.model)
+    return preset

@@ -18,10 +18,18 @@ import numpy as np
 
 from megatron_zeppelin.errors import ConfigError
 
+#: Longest document a lengths file may declare (2**40 tokens, about a trillion):
+#: anything longer is a corrupt or mis-typed file, and the sampler would try to
+#: allocate piece tables for it.
+MAX_DOCUMENT_TOKENS = 2**40
+
 
 def load_lengths(path: str | os.PathLike) -> np.ndarray:
     """Read a lengths file; returns a 1-D ``int64`` array of positive lengths."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"lengths file {str(path)!r} is a directory; pass a .npy array or a text file "
+                          "with one document length per line")
     if not path.is_file():
         raise ConfigError(f"lengths file {str(path)!r} does not exist; pass a .npy array or a text file "
                           "with one document length per line")
@@ -48,6 +56,11 @@ def _load_npy(path: Path) -> np.ndarray:
     if data.dtype.kind not in "iu":
         raise ConfigError(f"{path}: expected an integer array, got dtype {data.dtype}; save the lengths "
                           "with .astype('int64')")
+    # Checked before the cast: uint64 values past int64 would wrap negative.
+    if data.size and int(data.max()) > MAX_DOCUMENT_TOKENS:
+        i = int(np.argmax(data))
+        raise ConfigError(f"{path}: entry {i} is {int(data[i])} tokens, more than {MAX_DOCUMENT_TOKENS} "
+                          "(2**40); the file is corrupt or not a lengths array")
     return data.astype(np.int64)
 
 
@@ -61,8 +74,11 @@ def _load_text(path: Path) -> np.ndarray:
             try:
                 values.append(int(text))
             except ValueError:
-                raise ConfigError(f"{path}:{lineno}: {text!r} is not an integer; write one document "
+                raise ConfigError(f"{path}:{lineno}: {text[:40]!r} is not an integer; write one document "
                                   "length per line ('#' starts a comment)") from None
             if values[-1] <= 0:
                 raise ConfigError(f"{path}:{lineno}: length {values[-1]} must be a positive token count")
+            if values[-1] > MAX_DOCUMENT_TOKENS:
+                raise ConfigError(f"{path}:{lineno}: length {text[:40]} is more than {MAX_DOCUMENT_TOKENS} "
+                                  "(2**40) tokens; the file is corrupt or not a lengths file")
     return np.asarray(values, dtype=np.int64)

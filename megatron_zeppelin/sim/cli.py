@@ -41,18 +41,12 @@ from megatron_zeppelin.sim.simulate import (BASELINE, STATIC, STRATEGY_NAMES, VA
                                             simulate, uses_routing)
 from megatron_zeppelin.sim.timeline import step_timeline, transport_of
 from megatron_zeppelin.topology import load_cluster
+from megatron_zeppelin.validation import OneLineParser as _Parser, check_float, check_int
 
 DEFAULT_LENGTHS = "synthetic-longtail"
 DEFAULT_NODES = 4
 #: Baseline first, then the other baselines, then Zeppelin's ablation variants and Zeppelin.
 DEFAULT_STRATEGIES = ",".join(STRATEGY_NAMES)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line (ConfigError), not usage + error."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} (see --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,8 +225,8 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
     """Check the flags; build the strategies and sample the batches.  Returns the
     JSON ``config`` record too."""
     _check_positive(args, "nodes", "max_seq_len", "tokens_per_gpu", "tokens_per_batch", "steps", "cp_size")
-    if args.flexsp_time_limit <= 0:
-        raise ConfigError(f"--flexsp-time-limit must be > 0 seconds, got {args.flexsp_time_limit}")
+    check_float(args.flexsp_time_limit, "--flexsp-time-limit", positive=True)
+    check_int(args.seed, "--seed", minimum=0)
     if not 0 <= args.plot_step < args.steps:
         raise ConfigError(f"--plot-step {args.plot_step} is not one of the {args.steps} steps; "
                           f"pick 0..{args.steps - 1}")

@@ -23,7 +23,7 @@ from megatron_zeppelin.schedule.ops import Schedule
 from megatron_zeppelin.schedule.step import StepShape, remap_messages, step_schedule
 from megatron_zeppelin.schedule.trace import write_trace
 from megatron_zeppelin.sim.replay import OpTiming, replay_schedule
-from megatron_zeppelin.sim.timeline import step_shape, transport_of
+from megatron_zeppelin.sim.timeline import step_shape, sync_tail, transport_of
 from megatron_zeppelin.topology import Topology
 
 
@@ -100,10 +100,12 @@ def write_modeled_trace(path, plan: Plan, cost: CostModel, attn: AttnShape, tran
 
 
 def replay_trace(schedule: Schedule, meta: Mapping[str, Any], cost: CostModel, path: str) -> float:
-    """Re-time an executed (or modeled) trace's ops and dependencies with ``cost``."""
+    """Re-time an executed (or modeled) trace's ops and dependencies with ``cost``;
+    the step ends with the gradient sync, as :func:`step_timeline`'s does."""
     check_fits(schedule.world_size, cost, f"trace {path!r}")
     layers = meta.get("num_layers")
     if layers is not None and layers != cost.model.num_layers:
         raise ConfigError(f"trace {path!r} ran a {layers}-layer model but --model {cost.model.name} has "
                           f"{cost.model.num_layers} layers; pass the model it ran")
-    return replay_schedule(schedule, cost).step_s
+    replay = replay_schedule(schedule, cost)
+    return replay.step_s + sync_tail(cost, replay.busy_s, replay.finish_s).exposed_s

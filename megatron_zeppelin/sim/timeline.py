@@ -195,6 +195,15 @@ def step_parts(plan: Plan, cost: CostModel, *, pack: bool = False, attn: AttnSha
     return parts
 
 
+def sync_tail(cost: CostModel, busy_s: dict[tuple[int, str], float], finish_s: Sequence[float]) -> StepSync:
+    """The gradient sync and optimizer after the slowest rank (``cost/step_sync.py``),
+    its reduce-scatter overlapped with that rank's backward work as replayed."""
+    slowest = max(range(len(finish_s)), key=lambda r: finish_s[r])
+    linear = busy_s.get((slowest, "linear"), 0.0)
+    attn = sum(v for (r, tier), v in busy_s.items() if r == slowest and tier != "linear")
+    return step_sync(cost, *forward_backward_split(attn, linear))
+
+
 #: Strategies whose attention the engine does not run as Zeppelin does: TE packs
 #: a CP group's sequences into one ring, FlexSP and DeepSpeed-Ulysses a group's
 #: sequences into one all-to-all.
@@ -228,8 +237,7 @@ def step_timeline(plan: Plan, cost: CostModel, *, attn: AttnShape | None = None,
                 t += durations[kind]
         ranks.append(RankTimeline(rank=rank, linear_s=linear, attn_compute_s=compute, exposed_comm_s=waiting,
                                   remap_s=remap, total_s=total, segments=tuple(segments)))
-    slowest = max(ranks, key=lambda r: r.total_s)
-    tail = step_sync(cost, *forward_backward_split(slowest.attn_compute_s, slowest.linear_s)) if sync else None
+    tail = sync_tail(cost, replay.busy_s, replay.finish_s) if sync else None
     return StepTimeline(strategy=plan.strategy, ranks=tuple(ranks),
                         step_s=replay.step_s + (tail.exposed_s if tail else 0.0), sync=tail,
                         attn_imbalance=imbalance(plan.attn_pairs_per_rank()),

@@ -18,15 +18,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Megatron's TP layers advise a CUDA stream setting (meaningless on CPU; Megatron-LM's launchers set it).
     warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS")
     from megatron_zeppelin.train.cli import parse_args
+    from megatron_zeppelin.comm.deadline import CommTimeoutError
     from megatron_zeppelin.train.launch import ChildFailed, launch
+    from megatron_zeppelin.train.lifetime import Interrupted
 
     def run() -> None:
         cfg = parse_args(argv)
         try:
             launch(cfg)
-        except ChildFailed as exc:
+        except (ChildFailed, CommTimeoutError) as exc:   # CommTimeoutError: under torchrun/srun
             print(f"megatron_zeppelin.train: {exc}", file=sys.stderr)
             raise SystemExit(1) from None
+        except Interrupted as exc:
+            print(f"megatron_zeppelin.train: {exc}", file=sys.stderr)
+            raise SystemExit(128 + exc.signum) from None
 
     exit_on_user_error(run)
 

@@ -11,6 +11,8 @@ from typing import Sequence
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
+from megatron_zeppelin.validation import (OneLineParser, check_float, check_input_file, check_int,
+                                          check_output_dir, check_output_file)
 
 STRATEGIES = ("zeppelin", "reference", "te_cp", "packing_dp", "megatron_hybrid_cp", "flexsp", "ulysses_sp")
 
@@ -102,19 +104,27 @@ class TrainConfig:
                             self.max_seq_len, self.batch_fill)
 
     def check(self) -> "TrainConfig":
-        """Cheap checks before any process starts (each names the fix)."""
-        for name in ("nodes", "gpus_per_node", "max_seq_len", "tokens_per_gpu", "micro_batches", "tp"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        """Checks before any process starts (each names the fix): values, inputs,
+        and that every output can be written, so a run never trains for hours
+        and then fails to save."""
+        for name in ("nodes", "gpus_per_node", "tokens_per_gpu", "micro_batches", "tp"):
+            check_int(getattr(self, name), f"--{name.replace('_', '-')}", minimum=1)
+        check_int(self.max_seq_len, "--max-seq-len", minimum=2)   # one token has no label
+        if self.nics_per_node is not None:
+            check_int(self.nics_per_node, "--nics-per-node", minimum=1, maximum=self.gpus_per_node)
+        check_int(self.steps, "--steps", minimum=0)
+        check_int(self.seed, "--seed", minimum=0, maximum=2**32 - 1)
+        check_float(self.lr, "--lr", positive=True)
+        check_float(self.timeout_s, "--timeout", positive=True)
+        check_float(self.batch_fill, "--batch-fill", positive=True, maximum=1)
+        if self.min_routed_bytes is not None:
+            check_float(self.min_routed_bytes, "--min-routed-bytes", minimum=0)
         check_tensor_parallel(self.tp, self.sequence_parallel, self.gpus_per_node, load_model(self.model))
-        if self.steps < 0:
-            raise ConfigError(f"--steps must be >= 0, got {self.steps}")
         if (self.lengths is None) == (self.data is None):
             raise ConfigError("give exactly one of --lengths FILE (synthetic tokens) or --data PREFIX "
                               "(Megatron indexed dataset)")
-        if self.lengths is not None and not Path(self.lengths).is_file():
-            raise ConfigError(f"lengths file {self.lengths!r} does not exist; pass a .npy or text file "
-                              "with one document length per line")
+        if self.lengths is not None:
+            check_input_file(self.lengths, "--lengths", "a .npy or text file with one document length per line")
         if self.data is not None:
             missing = [self.data + ext for ext in (".bin", ".idx") if not Path(self.data + ext).is_file()]
             if missing:
@@ -128,11 +138,13 @@ class TrainConfig:
         if self.load is not None and not Path(self.load).is_dir():
             raise ConfigError(f"--load {self.load!r} is not a directory; pass the --save directory "
                               "of an earlier run")
+        for flag, path in (("--save", self.save), ("--dump-plans", self.dump_plans),
+                           ("--dump-trace", self.dump_trace)):
+            if path is not None:
+                check_output_dir(path, flag)
+        if self.json_log is not None:
+            check_output_file(self.json_log, "--json-log")
         batch_budget(self.tokens_per_gpu, self.data_parallel_size, self.max_seq_len, self.batch_fill)  # checks the fill
-        if self.min_routed_bytes is not None and self.min_routed_bytes < 0:
-            raise ConfigError(f"--min-routed-bytes must be >= 0, got {self.min_routed_bytes}")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
         if self.dump_trace and self.strategy == "reference":
             raise ConfigError("--dump-trace records the Zeppelin engine's ops; the reference strategy runs plain "
                               "attention with no schedule: pick another --strategy or drop --dump-trace")
@@ -163,7 +175,7 @@ def _on_off(value: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m megatron_zeppelin.train",
         description="Train a Megatron-Core GPT with a Zeppelin (or baseline) plan per step. On CPU it "
                     "spawns nodes x GPUs processes (gloo); under torchrun/srun it uses NCCL.")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -22,12 +23,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_zeppelin.comm.deadline import CommTimeoutError
 from megatron_zeppelin.errors import ConfigError, ZeppelinError
 from megatron_zeppelin.train.cli import TrainConfig
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.train.batch import make_token_source
+from megatron_zeppelin.train.checkpoint import load_state
+from megatron_zeppelin.train.lifetime import die_with_parent, rank_signals, signals_interrupt
 from megatron_zeppelin.train.micro import check_micro_batches
-from megatron_zeppelin.train.trainer import read_checkpoint, resolve_cluster, run_rank
+from megatron_zeppelin.train.trainer import resolve_cluster, run_rank
 
 #: Exit status of a child that failed on a user error (the parent re-raises it).
 USER_ERROR = 2
@@ -54,7 +58,7 @@ def launch(cfg: TrainConfig) -> None:
                               "with --tp 1")
     if cfg.micro_batches > 1:  # every global batch splits, or one line before any process group
         _, doc_lengths = make_token_source(cfg.lengths, cfg.data, cfg.seed, load_model(cfg.model).vocab_size)
-        resume = read_checkpoint(Path(cfg.load), torch.device("cpu"))["sampler"] if cfg.load else None
+        resume = load_state(Path(cfg.load), torch.device("cpu"))[1]["sampler"] if cfg.load else None
         check_micro_batches(cfg, cluster, doc_lengths, resume)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         run_launched(cfg)
@@ -69,6 +73,7 @@ def run_launched(cfg: TrainConfig) -> None:
         raise ConfigError(f"the launcher started {world} processes but --nodes {cfg.nodes} x "
                           f"--gpus-per-node {cfg.gpus_per_node} = {cfg.world_size}; make them match")
     rank = int(os.environ["RANK"])
+    die_with_parent(os.getppid())   # torchrun's agent / srun's step daemon
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % cfg.gpus_per_node)))
         torch.cuda.set_device(device)
@@ -87,17 +92,21 @@ def spawn_local(cfg: TrainConfig) -> None:
     ctx = mp.get_context("fork")
     errors = ctx.SimpleQueue()
     port = _free_port()
-    children = [ctx.Process(target=_child, args=(cfg, rank, port, errors), name=f"zeppelin-rank{rank}")
-                for rank in range(cfg.world_size)]
-    for child in children:
-        child.start()
+    children = [ctx.Process(target=_child, args=(cfg, rank, port, errors, os.getpid()),
+                            name=f"zeppelin-rank{rank}") for rank in range(cfg.world_size)]
     try:
-        supervise(children, errors)
+        with signals_interrupt():
+            for child in children:
+                child.start()
+            supervise(children, errors)
     finally:
         for child in children:
             if child.is_alive():
                 child.terminate()
+                os.kill(child.pid, signal.SIGCONT)   # a stopped (SIGSTOP) rank acts on SIGTERM only once continued
         for child in children:
+            if child.pid is None:
+                continue
             child.join(5)
             if child.is_alive():
                 child.kill()
@@ -128,6 +137,8 @@ def _raise_child_error(rank: int, child, errors) -> None:
         raise ZeppelinError(text)
     if kind == "crash":
         raise ChildFailed(f"rank {rank} failed:\n{text}")
+    if kind == "comm":
+        raise ChildFailed(text)   # one line already naming the rank, the operation and the peer
     code = child.exitcode
     how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
     raise ChildFailed(f"{child.name} {how} without reporting an error; the other ranks were stopped")
@@ -151,9 +162,11 @@ def _keep_inherited_groups() -> None:
             setattr(parallel_state, name, None)
 
 
-def _child(cfg: TrainConfig, rank: int, port: int, errors) -> None:
+def _child(cfg: TrainConfig, rank: int, port: int, errors, parent_pid: int) -> None:
     status = 0
     try:
+        rank_signals()
+        die_with_parent(parent_pid)
         torch.set_num_threads(1)  # ranks share the machine's cores
         _keep_inherited_groups()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -163,6 +176,9 @@ def _child(cfg: TrainConfig, rank: int, port: int, errors) -> None:
     except ZeppelinError as exc:
         errors.put((rank, "user", str(exc)))
         status = USER_ERROR
+    except CommTimeoutError as exc:
+        errors.put((rank, "comm", str(exc)))
+        status = 1
     except BaseException:  # noqa: BLE001 -- everything must reach the parent
         # Bounded: a report larger than the pipe buffer would block until the parent reads.
         errors.put((rank, "crash", traceback.format_exc()[-MAX_REPORT:]))

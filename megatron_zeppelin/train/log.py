@@ -103,10 +103,12 @@ class StepLogger:
     """Writes JSON lines and console summaries (rank 0 only)."""
 
     def __init__(self, json_path: str | None, total_steps: int, quiet: bool,
-                 console: IO[str] = sys.stderr) -> None:
+                 console: IO[str] | None = None) -> None:
+        console = console or sys.stderr   # looked up now: a default bound at import would miss redirections
         self._json = open(json_path, "a", encoding="utf-8") if json_path else None
         self._total = total_steps
         self._console = None if quiet else console
+        self._warnings = console
 
     def log(self, record: StepRecord) -> None:
         if self._json is not None:
@@ -119,6 +121,10 @@ class StepLogger:
         """What the run is about to do (console only)."""
         if self._console is not None:
             print(message, file=self._console, flush=True)
+
+    def warn(self, message: str) -> None:
+        """Something the user should know even with ``--quiet`` (console only)."""
+        print(f"warning: {message}", file=self._warnings, flush=True)
 
     def close(self) -> None:
         if self._json is not None:

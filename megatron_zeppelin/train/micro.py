@@ -23,6 +23,7 @@ from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split, micro_batches_of
 from megatron_zeppelin.sampler import GlobalBatch, Piece, ZeppelinBatchSampler
+from megatron_zeppelin.sampler.deferral import DeferringSampler
 from megatron_zeppelin.topology import ClusterConfig
 from megatron_zeppelin.train.cli import TrainConfig
 
@@ -45,9 +46,10 @@ class MicroBatch:
     """Sampler state right after drawing ``batch`` (what a checkpoint after it holds)."""
 
 
-def make_sampler(cfg: TrainConfig, doc_lengths: Any) -> ZeppelinBatchSampler:
-    return ZeppelinBatchSampler(doc_lengths, max_seq_len=cfg.max_seq_len,
-                                tokens_per_batch=cfg.tokens_per_batch, seed=cfg.seed)
+def make_sampler(cfg: TrainConfig, doc_lengths: Any) -> DeferringSampler:
+    """The run's token-budget sampler; a piece no plan can hold waits for the next step."""
+    return DeferringSampler(ZeppelinBatchSampler(doc_lengths, max_seq_len=cfg.max_seq_len,
+                                                 tokens_per_batch=cfg.tokens_per_batch, seed=cfg.seed))
 
 
 def make_split(cfg: TrainConfig, cost: CostModel) -> Split:
@@ -56,14 +58,20 @@ def make_split(cfg: TrainConfig, cost: CostModel) -> Split:
                              batch_fill=cfg.batch_fill, cost=cost)
 
 
-def iter_micro_batches(sampler: ZeppelinBatchSampler, split: Split,
-                       make_plan: Callable[[Sequence[int]], Plan]) -> Iterator[MicroBatch]:
-    """Every micro-batch of every global batch, in order, planned."""
-    for batch in sampler:
+def iter_micro_batches(sampler: DeferringSampler, split: Split, make_plan: Callable[[Sequence[int]], Plan],
+                       note: Callable[[str], None]) -> Iterator[MicroBatch]:
+    """Every micro-batch of every global batch, in order, planned.  A global
+    batch whose micro-batches cannot all be planned defers a piece to the next
+    step (``note`` hears of it) rather than fail the run."""
+    def plan_all(seq_lens: Sequence[int]) -> tuple[list[list[int]], list[Plan]]:
+        groups = split(seq_lens)
+        return groups, [make_plan([seq_lens[i] for i in g]) for g in groups]
+
+    while True:
+        batch, (groups, plans) = sampler.next_planned(plan_all, note)
         state = sampler.state_dict()
-        parts = micro_batches_of(batch, split)
-        for i, part in enumerate(parts):
-            yield MicroBatch(batch, i, len(parts), part.pieces, make_plan(part.seq_lens), state)
+        for i, (group, plan) in enumerate(zip(groups, plans)):
+            yield MicroBatch(batch, i, len(groups), tuple(batch.pieces[j] for j in group), plan, state)
 
 
 def check_micro_batches(cfg: TrainConfig, cluster: ClusterConfig, doc_lengths: Any,
@@ -72,9 +80,9 @@ def check_micro_batches(cfg: TrainConfig, cluster: ClusterConfig, doc_lengths: A
     a count that leaves a micro-batch empty (or that no split fits) is a
     :class:`ConfigError` naming the batch.  Sampling and splitting are pure and
     cheap; planning is left to the ranks."""
-    sampler = make_sampler(cfg, doc_lengths)
+    sampler = make_sampler(cfg, doc_lengths).sampler
     if sampler_state is not None:
-        sampler.load_state_dict(sampler_state)
+        sampler.load_state_dict({k: v for k, v in sampler_state.items() if k != "carried"})
     split = make_split(cfg, CostModel(cluster, load_model(cfg.model)))
     batches = iter(sampler)
     for _ in range(cfg.steps - int(sampler.state_dict()["index"])):

@@ -28,7 +28,8 @@ from megatron_zeppelin.attention.engine import AttentionCounter
 from megatron_zeppelin.comm.base import ByteCounters, Communicator
 from megatron_zeppelin.comm.collectives import torch_all_reduce_max
 from megatron_zeppelin.cost import CostModel
-from megatron_zeppelin.errors import ConfigError, PlanError
+from megatron_zeppelin.comm.deadline import Deadline
+from megatron_zeppelin.errors import ConfigError, PlanError, brief
 from megatron_zeppelin.integration.hooks import data_parallel_comm_group
 from megatron_zeppelin.megatron import build_gpt_model, build_packed_seq_params
 from megatron_zeppelin.model_config import ModelConfig, load_model
@@ -47,14 +48,13 @@ from megatron_zeppelin.sim.timeline import step_timeline
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import (TokenSource, build_rank_batch, make_token_source,
                                            num_label_tokens)
+from megatron_zeppelin.train.checkpoint import load_state, save_state
 from megatron_zeppelin.train.cli import TrainConfig
 from megatron_zeppelin.train.log import StepLogger, StepRecord
 from megatron_zeppelin.train.micro import MicroBatch, iter_micro_batches, make_sampler, make_split
 from megatron_zeppelin.train.parallel import (allreduce_gradients, data_parallel_view, physical_nics,
                                               sequence_parallel_group)
 from megatron_zeppelin.train.reference import STRATEGY as REFERENCE, reference_plan
-
-CHECKPOINT = "checkpoint.pt"
 
 
 def resolve_cluster(cfg: TrainConfig) -> ClusterConfig:
@@ -140,15 +140,17 @@ def make_communicator(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: Model
     the data-parallel ranks of this TP rank (``cluster`` is their view).  The
     communicator gets a group of its own so its transfers never interleave with
     the gradient all-reduce."""
-    group = data_parallel_comm_group(cfg.tp, cluster.topology.world_size)
+    deadline = Deadline(cfg.timeout_s)
+    group = data_parallel_comm_group(cfg.tp, cluster.topology.world_size, timeout=deadline.timedelta)
     if routing_on(cfg):
         from megatron_zeppelin.comm.routing import RoutedCommunicator, min_routed_bytes
         threshold = cfg.min_routed_bytes
         if threshold is None:
             threshold = 0.0 if device.type == "cpu" else min_routed_bytes(CostModel(cluster, model_cfg))
-        return RoutedCommunicator(group, cluster.topology, counters, threshold, dtype=dtype, device=device)
+        return RoutedCommunicator(group, cluster.topology, counters, threshold, dtype=dtype, device=device,
+                                  timeout=deadline.timedelta)
     from megatron_zeppelin.comm.direct import DirectCommunicator
-    return DirectCommunicator(group, topology=cluster.topology, counters=counters)
+    return DirectCommunicator(group, topology=cluster.topology, counters=counters, timeout=deadline.timedelta)
 
 
 def routing_on(cfg: TrainConfig) -> bool:
@@ -196,7 +198,8 @@ def train_step(run: Run, micro_batches: Iterator[MicroBatch]) -> StepRecord:
         loss_sum += forward_backward(run, micro, pairs)
         if micro.index == micro.count - 1:
             break
-    grad_norm = allreduce_grads(run.model, run.cfg.sequence_parallel)
+    with _collective(run, "gradient all-reduce"):
+        grad_norm = allreduce_grads(run.model, run.cfg.sequence_parallel)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=False)
     # The GPUs of a TP group hold the same tokens: their loss is counted once.
@@ -206,7 +209,8 @@ def train_step(run: Run, micro_batches: Iterator[MicroBatch]) -> StepRecord:
                           run.remap_counters.remap_intra_node, run.remap_counters.remap_inter_node],
                          dtype=torch.float64, device=run.device)
     gathered = [torch.empty_like(stats) for _ in range(run.world_size)]
-    dist.all_gather(gathered, stats)
+    with _collective(run, "step statistics all-gather"):
+        dist.all_gather(gathered, stats)
     rows = torch.stack(gathered).cpu()
     run.step += 1
     run.sampler_state = micro.sampler_state
@@ -240,7 +244,8 @@ def forward_backward(run: Run, micro: MicroBatch, pairs: AttentionCounter) -> fl
     """One micro-batch: gradients of ``sum(token losses) / global label count``
     added to ``.grad``; returns this rank's summed token loss."""
     plan = micro.plan
-    check_same_plan(plan, micro.batch.index, torch_all_reduce_max(run.device))
+    with _collective(run, "plan agreement all-reduce"):
+        check_same_plan(plan, micro.batch.index, torch_all_reduce_max(run.device))
     if run.cfg.dump_plans and run.rank == 0:
         out = Path(run.cfg.dump_plans)
         out.mkdir(parents=True, exist_ok=True)
@@ -309,35 +314,47 @@ def _record(run: Run, plans: list[Plan], last: MicroBatch, rows: torch.Tensor, g
 allreduce_grads = allreduce_gradients  # tests wrap it to capture the summed gradients
 
 
+def _collective(run: Run, what: str):
+    """A collective on the default group (its timeout is ``--timeout``): a dead
+    or stalled peer becomes one line naming this rank and the operation."""
+    return Deadline(run.cfg.timeout_s).collective(f"rank {run.rank}: {what} of step {run.step}")
+
+
 def save_checkpoint(run: Run, directory: Path) -> None:
-    """Model, optimizer, sampler and step: enough for an exact resume (rank 0 writes)."""
+    """Model, optimizer, sampler and step: enough for an exact resume.  Rank 0
+    writes it atomically; nobody waits for it (a barrier would turn a slow but
+    complete save into a timeout), the launcher waits for rank 0 to exit.  The
+    sampler state is the one of the last batch trained, not of the one planned
+    ahead."""
     if run.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        torch.save({"step": run.step, "model": run.model.state_dict(),
-                    "optimizer": run.optimizer.state_dict(),
-                    "sampler": run.sampler_state or run.sampler.state_dict(),
-                    "strategy": run.cfg.strategy, "model_preset": run.model_cfg.name},
-                   directory / CHECKPOINT)
-    dist.barrier()
-
-
-def read_checkpoint(directory: Path, device: torch.device) -> dict:
-    path = directory / CHECKPOINT
-    if not path.is_file():
-        raise ConfigError(f"--load {str(directory)!r} holds no {CHECKPOINT}; pass a --save directory")
-    return torch.load(path, map_location=device, weights_only=False)
+        save_state(directory, {"step": run.step, "model": run.model.state_dict(),
+                               "optimizer": run.optimizer.state_dict(),
+                               "sampler": run.sampler_state or run.sampler.state_dict(),
+                               "strategy": run.cfg.strategy, "model_preset": run.model_cfg.name})
 
 
 def load_checkpoint(run: Run, directory: Path) -> None:
-    state = read_checkpoint(directory, run.device)
+    path, state = load_state(directory, run.device)
     if state["model_preset"] != run.model_cfg.name:
-        raise ConfigError(f"checkpoint is of model {state['model_preset']!r}, this run builds "
+        raise ConfigError(f"{path} is of model {state['model_preset']!r}, this run builds "
                           f"{run.model_cfg.name!r}; pass the same --model")
-    run.model.load_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
+    step = int(state["step"])
+    if step >= run.cfg.steps:
+        raise ConfigError(f"{path} is at step {step} and --steps {run.cfg.steps} counts from the start: "
+                          f"nothing left to train; pass --steps greater than {step}")
+    try:
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path} does not fit this model or optimizer ({brief(exc, 240)}); load a "
+                          "checkpoint of the same --model") from None
     run.sampler.load_state_dict(state["sampler"])
     run.sampler_state = state["sampler"]
-    run.step = int(state["step"])
+    run.step = step
+
+
+def _ignore(_message: str) -> None:
+    """Other ranks defer the same pieces; rank 0 says so."""
 
 
 def describe(run: Run) -> str:
@@ -366,7 +383,8 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, device: torch.device)
         logger.header(describe(run))
         # Plans micro-batch i + 1 (drawing the next global batch when i is the last)
         # on a worker thread while micro-batch i computes.
-        micro_batches = Prefetcher(iter_micro_batches(run.sampler, run.split, run.make_plan),
+        note = logger.warn if rank == 0 else _ignore
+        micro_batches = Prefetcher(iter_micro_batches(run.sampler, run.split, run.make_plan, note),
                                    name="zeppelin-plan")
         try:
             while run.step < cfg.steps:

@@ -96,8 +96,9 @@ def test_misuse_raises_before_posting(world):
 
 
 def _timeout_case(rank, world_size):
-    group = dist.new_group(timeout=timedelta(seconds=1))
-    comm = DirectCommunicator(group, topology=TOPO)
+    group = dist.new_group(timeout=timedelta(seconds=60))
+    # The communicator's deadline bounds the wait, not the group's timeout.
+    comm = DirectCommunicator(group, topology=TOPO, timeout=timedelta(seconds=1))
     # rank 0 expects a message that rank 1 never sends (rank 1 skipped the round)
     if rank == 0:
         pending = comm.start_round([Message(0, 1, 0, 4)], {}, {0: torch.empty(4)})
@@ -111,7 +112,8 @@ def _timeout_case(rank, world_size):
 
 def test_timeout_surfaces_as_clear_error(world):
     message = world.run(_timeout_case)[0]
-    assert message.startswith("rank 0: timed out after 1 s receiving op 0 (remap, remap) with rank 1")
+    assert message.startswith("rank 0: receiving op 0 (remap, remap) with rank 1 did not complete within "
+                              "--timeout 1 s")
     assert "different schedules" in message
 
 
@@ -136,10 +138,12 @@ def test_a_fresh_nccl_group_is_warmed_up_by_every_rank(monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
     monkeypatch.setattr(dist, "barrier", lambda group=None: calls.append(group))
     group = object()
-    DirectCommunicator(group, TOPO)
+    cpu = torch.device("cpu")      # no CUDA here: the warm-up is what is under test
+    DirectCommunicator(group, TOPO, device=cpu)
     assert calls == [group]
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
-    DirectCommunicator(group, TOPO)
+    DirectCommunicator(group, TOPO, device=cpu)
     assert calls == [group]  # gloo needs no warm-up

@@ -68,7 +68,7 @@ def test_missing_files_name_the_fix(tmp_path):
         IndexedDocuments(tmp_path / "ds")
     (tmp_path / "junk.idx").write_bytes(b"garbage!")
     (tmp_path / "junk.bin").write_bytes(b"")
-    with pytest.raises(ConfigError, match="not a readable Megatron indexed dataset"):
+    with pytest.raises(ConfigError, match="not a Megatron index"):
         IndexedDocuments(tmp_path / "junk")
 
 

@@ -14,7 +14,7 @@ from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Mode, zigzag_shards
 from megatron_zeppelin.planner.base import PlanContext, get_planner, same_layout_linear
-from megatron_zeppelin.planner import zeppelin
+from megatron_zeppelin.planner.zeppelin import planner as zeppelin, search
 from megatron_zeppelin.planner.zeppelin_decide import DecidingZeppelinPlanner
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner, min_ring_size, zigzag_shard_tokens
 from megatron_zeppelin.sim.timeline import remap_time, step_timeline
@@ -316,15 +316,15 @@ def test_a_missed_target_weighs_a_groups_total_work():
     # Once no size fits the target, a candidate is judged by the step it leads
     # to: its own peak, or the level its total work lifts every rank to.
     narrow, wide = (1.00, 8, 0.50), (0.90, 32, 0.70)
-    assert zeppelin._lower(narrow, wide, 0.5) is narrow      # 1.00 vs max(0.90, 1.20)
-    assert zeppelin._lower(wide, narrow, 0.5) is narrow
-    assert zeppelin._lower(None, wide, 0.5) is wide and zeppelin._lower(wide, None, 0.5) is wide
+    assert search._lower(narrow, wide, 0.5) is narrow      # 1.00 vs max(0.90, 1.20)
+    assert search._lower(wide, narrow, 0.5) is narrow
+    assert search._lower(None, wide, 0.5) is wide and search._lower(wide, None, 0.5) is wide
     cheap_wide = (0.90, 32, 0.55)
-    assert zeppelin._lower(narrow, cheap_wide, 0.3) is cheap_wide  # 1.00 vs max(0.90, 0.85)
+    assert search._lower(narrow, cheap_wide, 0.3) is cheap_wide  # 1.00 vs max(0.90, 0.85)
     # Nothing else to run (floor 0): idle ranks cost nothing, so the wider ring
     # with the lower peak wins although it does more work in total.
     six, eight = (1.00, 6, 0.75), (0.94, 8, 0.94)
-    assert zeppelin._lower(six, eight, 0.0) is eight
+    assert search._lower(six, eight, 0.0) is eight
 
 
 def test_a_lone_long_sequence_uses_every_rank_when_the_model_says_so():
@@ -368,3 +368,43 @@ def test_routing_turns_inter_node_groups_into_rings_when_the_model_says_so():
     decided = DecidingZeppelinPlanner().plan(lens, dataclasses.replace(
         ctx, remap_decided=False, step_model=lambda plan: step_timeline(plan, ctx.cost, replayed_layers=2).step_s))
     assert step_timeline(decided, ctx.cost, replayed_layers=2).step_s <= min(step.values()) * (1 + 1e-9)
+
+
+# ------------------------------------------------------- full batches
+def test_a_99_percent_full_batch_on_2x2_is_placed():
+    # The second batch of the docs sample with --tokens-per-gpu 512 --max-seq-len
+    # 2048 on 2x2: 2,033 tokens for 2,048 slots; every greedy pass strands a
+    # sequence, the backtracking search places it.
+    for remap in (True, False):
+        ctx = dataclasses.replace(make_ctx(2, 2, 2, 512, model="tiny"), remap_enabled=remap)
+        plan = ZeppelinPlanner().plan([955, 801, 157, 85, 35], ctx).validate()
+        assert max(plan.attention_tokens_per_rank()) <= 512
+
+
+@st.composite
+def full_batches_and_topologies(draw):
+    """A batch built the sampler's way with the budget at 100 % of the
+    capacity: documents (cut at max_seq_len) are added until the next one does
+    not fit."""
+    nodes = draw(st.integers(1, 4))
+    gpn = draw(st.sampled_from([1, 2, 4, 8]))
+    cap = draw(st.integers(64, 2048))
+    capacity = nodes * gpn * cap
+    max_seq = draw(st.integers(cap // 2, capacity))
+    lens = []
+    while True:
+        length = draw(st.one_of(st.integers(1, max(cap // 8, 1)), st.integers(1, min(cap, max_seq)),
+                                st.integers(min(cap, max_seq), max_seq)))
+        if sum(lens) + length > capacity:
+            break
+        lens.append(length)
+    return lens or [1], nodes, gpn, cap, draw(st.booleans())
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(full_batches_and_topologies())
+def test_batches_filled_to_the_whole_capacity_are_placed(case):
+    lens, nodes, gpn, cap, remap = case
+    ctx = dataclasses.replace(make_ctx(nodes, gpn, gpn, cap, model="tiny"), remap_enabled=remap)
+    plan = ZeppelinPlanner().plan(lens, ctx).validate()
+    assert sorted(plan.seq_lens) == sorted(lens)

@@ -304,10 +304,10 @@ def test_dead_peer_stops_the_run(lengths_file, tmp_path, monkeypatch):
     """Rank 1 dies in its second step: the parent stops the others and fails fast."""
     real_step = trainer.train_step
 
-    def dying_step(run, batch):
+    def dying_step(run, *args):
         if run.rank == 1 and run.step == 1:
             os._exit(9)
-        return real_step(run, batch)
+        return real_step(run, *args)
 
     monkeypatch.setattr(trainer, "train_step", dying_step)  # inherited by the forked ranks
     start = time.monotonic()

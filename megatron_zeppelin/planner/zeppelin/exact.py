@@ -1,0 +1,109 @@
+"""The last resort for batches that fill the token cap (nearly) exactly.
+
+The packing passes and the tokens-only fill are greedy: on a batch of, say,
+2,033 tokens for 2,048 slots one early choice (a ring over two ranks instead
+of four) can leave the last sequences no room although a placement exists.
+This search places sequences longest first and backtracks, trying for each a
+few placements that use the free room differently: whole on the
+tightest-fitting rank, or as a ring whose largest zigzag shards go to the
+roomiest ranks (a ring's order is free: rank ``ranks[i]`` holds shard ``i``),
+from the smallest ring size up.  States already seen (same position, same
+multiset of free room) are skipped, and the search stops after a fixed number
+of steps, so it costs milliseconds where the greedy fill already works and
+returns ``None`` rather than run long on a batch that has no placement (the
+sampler then defers a document, see ``sampler/deferral.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_zeppelin.planner.zeppelin.loads import _Assign, min_ring_size, zigzag_shard_tokens
+
+#: Placements tried before the search gives up (each is O(world size)).
+SEARCH_STEPS = 1500
+
+
+def exact_fill(lens: np.ndarray, cap: int, world: int, tight_rings_first: bool = True) -> _Assign | None:
+    """Placement of every sequence under the token cap by tokens alone, or None.
+    ``tight_rings_first``: of a ring's two rank orders, try the best fit first
+    (else the roomiest ranks first); which one finds a placement sooner
+    depends on the batch, so the caller tries both."""
+    order = np.argsort(-lens, kind="stable").tolist()
+    room = np.full(world, cap, dtype=np.int64)
+    chosen: list[tuple[int, ...]] = [()] * len(lens)
+    seen: set[tuple[int, bytes]] = set()
+    steps = 0
+
+    def candidates(length: int) -> list[tuple[tuple[int, ...], np.ndarray]]:
+        """(ranks in ring order, tokens each takes), most promising first."""
+        out = []
+        fits = np.nonzero(room >= length)[0]
+        if len(fits):
+            # Whole on one rank: the tightest fit, then the roomiest (distinct rooms only).
+            tight, roomy = int(fits[np.argmin(room[fits])]), int(fits[np.argmax(room[fits])])
+            out += [((r,), np.array([length])) for r in dict.fromkeys((tight, roomy))]
+        by_room = np.argsort(-room, kind="stable")
+        widest = min(world, length // 2)
+        # The smallest ring sizes that fit (up to five placements), then the
+        # widest ring: spreading a sequence thin over every rank is what lets
+        # some nearly full batches close.
+        sizes = list(range(max(2, min_ring_size(length, cap)), widest + 1))
+        for k in sizes:
+            if len(out) >= 5 and k != widest:
+                continue
+            shards = zigzag_shard_tokens(length, k)
+            big_first = np.argsort(-shards, kind="stable")
+            # Roomiest ranks take the largest shards: fits iff it fits sorted.
+            if (room[by_room[:k]] < shards[big_first]).any():
+                continue
+            roomy = np.empty(k, dtype=np.int64)
+            roomy[big_first] = by_room[:k]
+            orders = (_tightest(room, shards, big_first), tuple(roomy.tolist()))
+            out += [(ranks, shards) for ranks in dict.fromkeys(orders if tight_rings_first else orders[::-1])]
+        return out
+
+    # Depth-first, iteratively (a batch can hold thousands of sequences): one
+    # frame per placed position holds its candidates, the next one to try and
+    # the one applied.
+    frames: list[list] = []
+    pos = 0
+    while pos < len(order):
+        if len(frames) == pos:
+            key = (pos, np.sort(room).tobytes())
+            fresh = key not in seen
+            seen.add(key)
+            frames.append([candidates(int(lens[order[pos]])) if fresh else [], 0, None])
+        frame = frames[-1]
+        if frame[2] is not None:
+            ranks, tokens = frame[2]
+            room[list(ranks)] += tokens
+            frame[2] = None
+        if frame[1] < len(frame[0]) and steps < SEARCH_STEPS:
+            ranks, tokens = frame[2] = frame[0][frame[1]]
+            frame[1] += 1
+            steps += 1
+            room[list(ranks)] -= tokens
+            chosen[order[pos]] = ranks
+            pos += 1
+        else:
+            frames.pop()
+            pos -= 1
+            if pos < 0:
+                return None
+    out = _Assign.empty(len(lens))
+    for seq, ranks in enumerate(chosen):
+        out.set(seq, ranks)
+    return out
+
+
+def _tightest(room: np.ndarray, shards: np.ndarray, big_first: np.ndarray) -> tuple[int, ...]:
+    """Ring order giving each shard, largest first, the rank with the least room
+    that still holds it (best fit: keeps large free room for later sequences)."""
+    free = room.astype(np.float64)
+    ranks = [0] * len(shards)
+    for i in big_first.tolist():
+        r = int(np.argmin(np.where(free >= shards[i], free, np.inf)))
+        ranks[i] = r
+        free[r] = -1.0      # taken: a ring's ranks are distinct
+    return tuple(ranks)
