@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_zeppelin.comm.base import Message
+
 from megatron_zeppelin.attention import plan_attention
 from megatron_zeppelin.attention.backends import TorchBackend
 from megatron_zeppelin.topology import load_cluster
@@ -113,7 +115,8 @@ def test_loopback_failure_stops_every_rank():
         if rank == 1:
             raise ValueError("rank 1 broke")
         comm = loopback.LoopbackCommunicator(hub, rank)
-        comm.start_round([], {}, {}).wait()  # would wait for rank 1 forever without the abort
+        # rank 1 never sends: without the hub's failure rank 0 would wait for its timeout
+        comm.start_round([Message(0, 1, 0, 4)], {}, {0: torch.empty(4)}).wait()
 
     with pytest.raises(ValueError, match="rank 1 broke"):
         loopback.run_ranks(hub, rank_step)

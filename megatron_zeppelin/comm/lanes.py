@@ -131,19 +131,36 @@ def _group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> tim
         return DEFAULT_TIMEOUT
 
 
+class TorchP2P:
+    """Point-to-point transfers of ``torch.distributed`` between ranks of ``group``."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self._global = [dist.get_global_rank(group, r) if group is not None else r
+                        for r in range(dist.get_world_size(group))]
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int):
+        return dist.isend(tensor, self._global[peer], self.group, tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
+        return dist.irecv(tensor, self._global[peer], self.group, tag)
+
+
 class LaneRunner:
     """Runs schedules for one rank of ``group`` (one per communicator)."""
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, counters: ByteCounters, *,
-                 device: torch.device, timeout: timedelta | None = None) -> None:
+                 device: torch.device, timeout: timedelta | None = None, p2p=None) -> None:
+        """``p2p``: what moves a tensor to a peer (``isend/irecv(tensor, peer, tag)``
+        returning works with ``wait(timeout)``); default ``torch.distributed`` over
+        ``group``.  One process running several ranks as threads passes its own."""
         self.group = group
         self.rank = rank
         """This rank's index in the schedules (its rank in ``group``)."""
         self.counters = counters
         self.device = device
         self.timeout = timeout or _group_timeout(group, device)
-        self._global = [dist.get_global_rank(group, r) if group is not None else r
-                        for r in range(dist.get_world_size(group))]
+        self.p2p = p2p if p2p is not None else TorchP2P(group)
         self._calls = 0
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if cuda else None
@@ -307,8 +324,7 @@ class _Call:
             buf = self._send_buffer(op)
             if self.trace is not None:
                 self.trace.start_ns[op.id] = time.monotonic_ns()
-            self.send_works.append((op, dist.isend(buf, self.r._global[op.peer], self.r.group,
-                                                   self._tag(op))))
+            self.send_works.append((op, self.r.p2p.isend(buf, op.peer, self._tag(op))))
             self._count(op)
         for op, work in self.send_works:
             self._wait_work(op, work, "sending")
@@ -316,7 +332,7 @@ class _Call:
     def _recv_lane(self) -> None:
         for op in self.recvs:
             buf = self._recv_buffer(op)
-            work = dist.irecv(buf, self.r._global[op.rank], self.r.group, self._tag(op))
+            work = self.r.p2p.irecv(buf, op.rank, self._tag(op))
             self._wait_work(op, work, "receiving")
             if self.trace is not None:
                 self.trace.end_ns[op.id] = time.monotonic_ns()
@@ -343,13 +359,11 @@ class _Call:
                         event = self.ready_events.get(d)
                         if event is not None:
                             stream.wait_event(event)
-                    work = dist.isend(self._send_buffer(op), self.r._global[op.peer], self.r.group,
-                                      self._tag(op))
+                    work = self.r.p2p.isend(self._send_buffer(op), op.peer, self._tag(op))
                     self.send_works.append((op, work))
                     self._count(op)
                 else:
-                    work = dist.irecv(self._recv_buffer(op), self.r._global[op.rank], self.r.group,
-                                      self._tag(op))
+                    work = self.r.p2p.irecv(self._recv_buffer(op), op.rank, self._tag(op))
                     work.wait()                       # orders the stream after the receive
                     event = torch.cuda.Event()
                     event.record(stream)

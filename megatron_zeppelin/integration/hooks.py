@@ -331,13 +331,13 @@ def data_parallel_comm_group(tp: int, dp: int, timeout: timedelta | None = None)
 
 
 def _build_communicator(group: dist.ProcessGroup, topology: Topology, cost: CostModel, routing: bool,
-                        dtype: torch.dtype, device: torch.device) -> Any:
+                        timeout: timedelta, dtype: torch.dtype, device: torch.device) -> Any:
     if routing:
         from megatron_zeppelin.comm.routing import RoutedCommunicator, min_routed_bytes
         return RoutedCommunicator(group, topology, min_routed_bytes=min_routed_bytes(cost), dtype=dtype,
-                                  device=device)
+                                  device=device, timeout=timeout)
     from megatron_zeppelin.comm.direct import DirectCommunicator
-    return DirectCommunicator(group, topology)
+    return DirectCommunicator(group, topology, timeout=timeout, device=device)
 
 
 def _resolve_cluster(args: Any, world_size: int, tp: int, tp_rank: int) -> ClusterConfig:
@@ -386,7 +386,10 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
     make_plan = build_plan_fn(args.zeppelin_planner, cost, args.zeppelin_tokens_per_gpu,
                               args.zeppelin_remap == "on", args.zeppelin_planner_time_limit, tp)
     broadcast = broadcast_plan_from_rank0(device) if args.zeppelin_planner in PLAN_ON_ONE_RANK else None
-    communicator = _build_communicator(data_parallel_comm_group(tp, dp), own_cluster.topology, cost, routing,
+    # Every wait on a peer has Megatron's own deadline (--distributed-timeout-minutes).
+    timeout = timedelta(minutes=getattr(args, "distributed_timeout_minutes", 10))
+    communicator = _build_communicator(data_parallel_comm_group(tp, dp, timeout), own_cluster.topology, cost,
+                                       routing, timeout,
                                        getattr(args, "params_dtype", torch.float32), device)
     backend = get_backend(args.zeppelin_backend)
     blends = open_blends(args.data_path, args.split, args.zeppelin_data_lengths)

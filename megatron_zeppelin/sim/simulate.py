@@ -279,7 +279,7 @@ def plan_context(s: Strategy, tokens_per_gpu: int, time_limit_s: float) -> PlanC
     """The context ``s`` plans every batch with (``tokens_per_gpu`` per GPU)."""
     return PlanContext(cost=s.cost, tokens_per_gpu=tokens_per_gpu * s.tp_size, cp_size=s.cp_size,
                        time_limit_s=time_limit_s, remap_enabled=s.remap_enabled, tp_size=s.tp_size,
-                       step_model=lambda plan: step_timeline(plan, s.cost).step_s)
+                       step_model=lambda plan: step_timeline(plan, s.cost, replayed_layers=2).step_s)
 
 
 def _run_one(step: int, lens: list[int], s: Strategy, r: StrategyResult, tokens_per_gpu: int,
