@@ -137,7 +137,8 @@ class _Run:
 
 
 class _Binding:
-    """Ops of one rank and one pass bound to tensors (shared by both passes)."""
+    """Ops of one rank and one pass bound to tensors (shared by both passes; each
+    pass's subclass runs its packed local sequences in ``_local``)."""
 
     def __init__(self, run: _Run, backward: bool) -> None:
         self.run, self.backward = run, backward
@@ -148,6 +149,21 @@ class _Binding:
         self.landed: dict[int, torch.Tensor] = {}     # message id -> its receive tensor
         self.rings: dict[int, RingForward | RingBackward] = {}
         self.groups: dict[int, UlyssesForward | UlyssesBackward] = {}
+
+    def compute(self, op: Op) -> None:
+        kind = op.key[0]
+        run = self.run
+        if kind == "local":
+            self._local(list(op.key[1:]))
+        elif kind == "ring":
+            _, index, pos, step = op.key
+            self.rings[index].compute(step, run.backend, run.scale)
+        else:
+            self.groups[op.key[1]].compute(run.backend, run.scale)
+        if self.backward:
+            run.counter.backward_pairs += op.pairs
+        else:
+            run.counter.forward_pairs += op.pairs
 
     def received(self, binding: tuple) -> torch.Tensor:
         return self.landed[self.mids[binding]]
@@ -189,18 +205,6 @@ class _ForwardBinding(_Binding):
             elif p.mode is Mode.ULYSSES:
                 self.groups[index] = UlyssesForward(index, p, piece.pos, self.received, q[rows], k[rows], v[rows])
 
-    def compute(self, op: Op) -> None:
-        kind = op.key[0]
-        run = self.run
-        if kind == "local":
-            self._local(list(op.key[1:]))
-        elif kind == "ring":
-            _, index, pos, step = op.key
-            self.rings[index].compute(step, run.backend, run.scale)
-        else:
-            self.groups[op.key[1]].compute(run.backend, run.scale)
-        run.counter.forward_pairs += op.pairs
-
     def _local(self, indices: list[int]) -> None:
         pieces = [self.pieces[i] for i in indices]
         (pq, pk, pv), cu, longest = _packed(pieces, self.q, self.k, self.v)
@@ -239,18 +243,6 @@ class _BackwardBinding(_Binding):
                                                  dout[rows], out[rows], saved[index])
             elif p.mode is Mode.ULYSSES:
                 self.groups[index] = UlyssesBackward(index, p, piece.pos, self.received, dout[rows], saved[index])
-
-    def compute(self, op: Op) -> None:
-        kind = op.key[0]
-        run = self.run
-        if kind == "local":
-            self._local(list(op.key[1:]))
-        elif kind == "ring":
-            _, index, pos, step = op.key
-            self.rings[index].compute(step, run.backend, run.scale)
-        else:
-            self.groups[op.key[1]].compute(run.backend, run.scale)
-        run.counter.backward_pairs += op.pairs
 
     def _local(self, indices: list[int]) -> None:
         pieces = [self.pieces[i] for i in indices]
