@@ -37,6 +37,8 @@ from megatron_zeppelin.sampler import GlobalBatch
 from megatron_zeppelin.topology import load_cluster
 from megatron_zeppelin.train.batch import num_label_tokens
 from megatron_zeppelin.train.reference import reference_plan
+from megatron_zeppelin.step_context import RemapCounters
+from megatron_zeppelin.train.micro import MicroBatch
 from megatron_zeppelin.train.trainer import Run, allreduce_grads, train_step
 
 
@@ -94,11 +96,14 @@ def main():
     handed_out = []
     log_batch = train_loader.on_batch
     train_loader.on_batch = lambda p, context: (handed_out.append(p), log_batch(p, context))
-    run = Run(cfg=SimpleNamespace(strategy="reference", dump_plans=None), rank=rank, world_size=world,
-              device=torch.device("cpu"), cluster=load_cluster(cluster), model_cfg=model_cfg, model=reference,
+    cfg = SimpleNamespace(strategy="reference", dump_plans=None, dump_trace=None, tp=1, sequence_parallel=False,
+                          timeout_s=300.0)
+    run = Run(cfg=cfg, rank=rank, world_size=world, dp_rank=rank, device=torch.device("cpu"),
+              cluster=load_cluster(cluster), model_cfg=model_cfg, model=reference,
               optimizer=torch.optim.Adam(reference.parameters(), lr=1e-3), sampler=None,
-              make_plan=lambda lens: reference_plan(lens, world, world), comm=None, counters=ByteCounters(),
-              backend=TorchBackend(), source=train_loader.blend, remap=False)
+              make_plan=lambda lens: reference_plan(lens, world, world), split=None, comm=None,
+              counters=ByteCounters(), remap_counters=RemapCounters(), backend=TorchBackend(),
+              source=train_loader.blend, remap=False)
 
     mlp_rows = []  # what the first MLP's first linear layer saw on this rank, step by step
 
@@ -128,13 +133,15 @@ def main():
         prepared = handed_out[-1]
         label_count = num_label_tokens(prepared.batch.seq_lens)
         (loss / label_count).backward()
-        allreduce_grads(model)
+        allreduce_grads(model, False)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         total = loss.detach().clone()
         dist.all_reduce(total)
-        record = train_step(run, GlobalBatch(prepared.batch.index, prepared.batch.epoch,
-                                             tuple(train_loader.blend.blend_pieces(prepared.batch.pieces))))
+        batch = GlobalBatch(prepared.batch.index, prepared.batch.epoch,
+                            tuple(train_loader.blend.blend_pieces(prepared.batch.pieces)))
+        micro = MicroBatch(batch, 0, 1, batch.pieces, run.make_plan(batch.seq_lens), {})
+        record = train_step(run, iter([micro]))
         attention_rows = gather(prepared.data.tokens.numel() - prepared.data.pad_tokens)
         linear_rows = gather(mlp_rows[-1])
         if rank == 0:
