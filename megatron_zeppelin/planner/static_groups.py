@@ -10,6 +10,7 @@ spread over the group.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Sequence
 
 from megatron_zeppelin.plan import Mode, Plan
@@ -18,7 +19,7 @@ from megatron_zeppelin.planner.packing import Bins, Shares, check_lengths, pack_
 from megatron_zeppelin.planner.rounds import RoundsPlan, build_rounds
 
 
-class StaticGroupPlanner:
+class StaticGroupPlanner(ABC):
     """Packed fixed groups; subclasses give ``name``, ``mode``, ``shares``,
     ``group`` (a word for messages) and :meth:`group_size`."""
 
@@ -27,8 +28,9 @@ class StaticGroupPlanner:
     shares: Shares
     group: str
 
+    @abstractmethod
     def group_size(self, lens: tuple[int, ...], ctx: PlanContext) -> int:
-        raise NotImplementedError
+        """GPUs per group for a batch of ``lens`` (fixed for the run)."""
 
     def plan_rounds(self, seq_lens: Sequence[int], ctx: PlanContext) -> RoundsPlan:
         lens = check_lengths(seq_lens)
