@@ -195,3 +195,27 @@ def test_progress_bar_draws_only_when_enabled():
     bar.advance("x")
     bar.close()
     assert quiet.getvalue() == ""
+
+
+def test_modeled_trace_holds_every_rank_and_replays(lengths_file, tmp_path):
+    """--trace writes the modeled Chrome trace of one step: every rank of the plan
+    (a TP view's ranks are TP groups), and ``sim replay`` re-times it, the same
+    twice over."""
+    code, _, stderr = finish(sim(*TINY, "--lengths", str(lengths_file), "--strategies", "zeppelin",
+                                 "--steps", "1", "--trace", str(tmp_path / "t.json"),
+                                 "--dump-plans", str(tmp_path / "plans")))
+    assert code == 0, stderr
+    doc = json.loads((tmp_path / "t.json").read_text())
+    world = json.loads((tmp_path / "plans" / "step0_zeppelin.json").read_text())["world_size"]
+    assert doc["otherData"]["source"] == "model" and doc["otherData"]["world_size"] == world
+    assert {e["pid"] for e in doc["traceEvents"] if e["ph"] == "X"} == set(range(world))
+    values = []
+    for _ in range(2):
+        code, out, stderr = finish(subprocess.Popen(
+            [sys.executable, "-m", "megatron_zeppelin.sim", "replay", str(tmp_path / "t.json"), "--cluster",
+             "cpu-sim", "--model", "tiny"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        assert code == 0, stderr
+        last = out.strip().splitlines()[-1]
+        assert last.startswith("step_time_s=")
+        values.append(float(last.split("=", 1)[1]))
+    assert values[0] > 0 and values[0] == values[1]
