@@ -24,7 +24,7 @@ import torch
 from megatron_zeppelin.attention.backends import AttentionBackend, get_backend
 from megatron_zeppelin.attention.layout import Piece, rank_pieces
 from megatron_zeppelin.attention.ring import RingBackward, RingForward
-from megatron_zeppelin.attention.ulysses import UlyssesBackward, UlyssesForward
+from megatron_zeppelin.attention.ulysses import UlyssesBackward, UlyssesForward, check_heads
 from megatron_zeppelin.comm.lanes import run_without_transfers
 from megatron_zeppelin.comm.rounds import LaneCommunicator
 from megatron_zeppelin.plan.plan import Mode, Plan
@@ -84,9 +84,8 @@ def build_schedule(plan: Plan, shape: AttnShape, comm: LaneCommunicator | None,
     key = ("layer_schedules", shape, transport)
     if cache is not None and key in cache:
         return cache[key]
-    for p in plan.attention:
-        if p.mode is Mode.ULYSSES and (shape.q_heads % p.size or shape.kv_heads % p.size):
-            from megatron_zeppelin.attention.ulysses import check_heads
+    for p in plan.attention:     # before any geometry: a clear PlanError, not a shape error later
+        if p.mode is Mode.ULYSSES:
             check_heads(p, shape.q_heads, shape.kv_heads)
     entry = LayerSchedules(plan, attention_schedule(plan, shape, transport, False),
                            attention_schedule(plan, shape, transport, True))

@@ -225,6 +225,11 @@ class _Call:
         self.threads: list[threading.Thread] = []
         self.send_works: list = []
         self.ready_events: dict[int, torch.cuda.Event] = {}
+        self.send_tensors: dict[int, torch.Tensor] = {}   # message -> the binding's send tensor
+        self.recv_tensors: dict[int, torch.Tensor] = {}   # message -> the binding's receive buffer
+        received = {(o.key[0], o.key[1]) for o in self.recvs}
+        self.forwarded = {(o.key[0], o.key[1]) for o in self.sends} & received
+        """(message, piece) this rank receives and sends on: its proxy or peer legs."""
 
     def _what(self, op: Op, doing: str, cause: BaseException | None = None) -> Callable[[], str]:
         """The one line a missed deadline gives: this rank, the op, the peer (and,
@@ -275,40 +280,19 @@ class _Call:
         mid, piece = op.key[0], op.key[1]
         if (mid, piece) in self.in_transit:          # a proxy or peer forwarding a piece
             return self.in_transit.pop((mid, piece))
-        return self._view(op, self.r_binding_send(mid))
-
-    def r_binding_send(self, mid: int) -> torch.Tensor:
-        cache = self.__dict__.setdefault("_send_cache", {})
-        if mid not in cache:
-            cache[mid] = self.binding.send_tensor(mid)
-        return cache[mid]
+        if mid not in self.send_tensors:             # a routed message sends a piece per NIC
+            self.send_tensors[mid] = self.binding.send_tensor(mid)
+        return self._view(op, self.send_tensors[mid])
 
     def _recv_buffer(self, op: Op) -> torch.Tensor:
         mid, piece = op.key[0], op.key[1]
-        binding = self.schedule.messages.get(mid)
-        if self._is_last_leg(op):
-            cache = self.__dict__.setdefault("_recv_cache", {})
-            if mid not in cache:
-                cache[mid] = self.binding.recv_buffer(mid)
-            return self._view(op, cache[mid])
-        del binding
-        buf = torch.empty(op.nbytes, dtype=torch.uint8, device=self.r.device)
-        self.in_transit[(mid, piece)] = buf
-        return buf
-
-    def _is_last_leg(self, op: Op) -> bool:
-        # The message's final destination is where its last legs land: a hop
-        # whose receiver sends nothing further for that piece.
-        return (op.key[0], op.key[1]) not in self._forwarded
-
-    @property
-    def _forwarded(self) -> set[tuple[int, int]]:
-        f = self.__dict__.get("_fwd")
-        if f is None:
-            f = self.__dict__["_fwd"] = {(o.key[0], o.key[1]) for o in self.sends
-                                         if (o.key[0], o.key[1]) in
-                                         {(p.key[0], p.key[1]) for p in self.recvs}}
-        return f
+        if (mid, piece) in self.forwarded:           # a proxy or peer: the piece moves on
+            buf = self.in_transit[(mid, piece)] = torch.empty(op.nbytes, dtype=torch.uint8,
+                                                              device=self.r.device)
+            return buf
+        if mid not in self.recv_tensors:             # the destination: pieces land in one buffer
+            self.recv_tensors[mid] = self.binding.recv_buffer(mid)
+        return self._view(op, self.recv_tensors[mid])
 
     def _count(self, op: Op) -> None:
         c = self.r.counters
