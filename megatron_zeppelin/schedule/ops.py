@@ -113,12 +113,19 @@ class Schedule:
 
     def lanes(self, rank: int) -> RankOps:
         """``rank``'s compute and communication lanes (computed once per rank)."""
-        lanes = self._lanes.get(rank)
-        if lanes is None:
-            mine = [op for op in self.ops if op.on(rank)]
-            lanes = self._lanes[rank] = RankOps(tuple(o for o in mine if o.kind == COMPUTE),
-                                                tuple(o for o in mine if o.kind == COMM))
-        return lanes
+        if not self._lanes:      # every rank's in one pass over the ops (not one pass per rank)
+            compute: list[list[Op]] = [[] for _ in range(self.world_size)]
+            comm: list[list[Op]] = [[] for _ in range(self.world_size)]
+            for op in self.ops:
+                if op.kind == COMM:
+                    comm[op.rank].append(op)
+                    if op.peer != op.rank:
+                        comm[op.peer].append(op)
+                else:
+                    compute[op.rank].append(op)
+            for r in range(self.world_size):
+                self._lanes[r] = RankOps(tuple(compute[r]), tuple(comm[r]))
+        return self._lanes[rank]
 
     def shifted(self, offset: int) -> tuple[Op, ...]:
         """The ops renumbered by ``offset`` (to concatenate schedules)."""

@@ -126,38 +126,56 @@ class ChainReplay:
 
 
 class _Ports:
-    """Busy intervals of every port; a booking takes the earliest common free window."""
+    """Busy intervals of every port; a booking takes the earliest common free window.
+
+    A port's intervals never overlap (it serves one transfer at a time), so
+    sorted by start they are sorted by end too: the first interval that could
+    collide with a window is found by bisecting the ends."""
 
     def __init__(self) -> None:
-        self.busy: dict[int, list[tuple[float, float]]] = {}
+        self.starts: dict[int, list[float]] = {}
+        self.ends: dict[int, list[float]] = {}
 
     def book(self, a: int, b: int, t: float, dur: float) -> float:
-        ia = self._prune(a, t)
-        ib = self._prune(b, t)
+        ports = [self._prune(a, t), self._prune(b, t)]
         start = t
-        while True:                    # move past any interval of either port that overlaps
-            moved = False
-            for iv in (ia, ib):
-                for s, e in iv:
-                    if s < start + dur and start < e:
-                        start = e
-                        moved = True
-                    elif s >= start + dur:
-                        break
-            if not moved:
-                break
-        for port, iv in ((a, ia), (b, ib)):
-            bisect.insort(iv, (start, start + dur))
+        clear = 0                      # ports in a row found free at ``start``
+        p = 0
+        while clear < 2:               # move past the interval of either port that overlaps
+            starts, ends = ports[p]
+            i = bisect.bisect_right(ends, start)
+            if i < len(ends) and starts[i] < start + dur:
+                start = ends[i]        # this port again from there, then the other
+                clear = 0
+            else:
+                clear += 1
+                p ^= 1
+        end = start + dur
+        for starts, ends in ports:
+            i = bisect.bisect_right(ends, start)    # after every interval that ends by ``start``
+            # Touching intervals merge, so a port busy back to back is one interval
+            # and a later booking jumps it in one step.
+            joins_before = i > 0 and ends[i - 1] == start
+            joins_after = i < len(starts) and starts[i] == end
+            if joins_before and joins_after:
+                ends[i - 1] = ends[i]
+                del starts[i], ends[i]
+            elif joins_before:
+                ends[i - 1] = end
+            elif joins_after:
+                starts[i] = start
+            else:
+                starts.insert(i, start)
+                ends.insert(i, end)
         return start
 
-    def _prune(self, port: int, t: float) -> list[tuple[float, float]]:
-        iv = self.busy.setdefault(port, [])
-        cut = 0
-        while cut < len(iv) and iv[cut][1] <= t:    # nothing can be booked before now
-            cut += 1
+    def _prune(self, port: int, t: float) -> tuple[list[float], list[float]]:
+        starts = self.starts.setdefault(port, [])
+        ends = self.ends.setdefault(port, [])
+        cut = bisect.bisect_right(ends, t)          # nothing can be booked before now
         if cut:
-            del iv[:cut]
-        return iv
+            del starts[:cut], ends[:cut]
+        return starts, ends
 
 
 class _Instance:

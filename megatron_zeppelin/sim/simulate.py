@@ -24,7 +24,7 @@ from megatron_zeppelin.planner.base import PLANNERS, PlanContext, Planner, get_p
 from megatron_zeppelin.sampler.batch_sampler import ZeppelinBatchSampler
 from megatron_zeppelin.sim.progress import Progress
 from megatron_zeppelin.sim.rounds import plan_batch, rounds_timeline
-from megatron_zeppelin.sim.timeline import StepTimeline, step_timeline
+from megatron_zeppelin.sim.timeline import StepTimeline, decision_step_s
 
 #: The baseline every speedup is measured against.
 BASELINE = "te_cp"
@@ -276,10 +276,12 @@ def simulate(batches: Iterable[Sequence[int]], strategies: Sequence[Strategy], *
 
 
 def plan_context(s: Strategy, tokens_per_gpu: int, time_limit_s: float) -> PlanContext:
-    """The context ``s`` plans every batch with (``tokens_per_gpu`` per GPU)."""
+    """The context ``s`` plans every batch with (``tokens_per_gpu`` per GPU).
+    Its decisions replay every candidate, even one a layout search timed: the
+    planner's latency is reported, and a user's planner pays for them."""
     return PlanContext(cost=s.cost, tokens_per_gpu=tokens_per_gpu * s.tp_size, cp_size=s.cp_size,
                        time_limit_s=time_limit_s, remap_enabled=s.remap_enabled, tp_size=s.tp_size,
-                       step_model=lambda plan: step_timeline(plan, s.cost, replayed_layers=2).step_s)
+                       step_model=lambda plan: decision_step_s(plan, s.cost, reuse=False))
 
 
 def _run_one(step: int, lens: list[int], s: Strategy, r: StrategyResult, tokens_per_gpu: int,

@@ -23,7 +23,7 @@ from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.planner.te_cp import StaticLayout, te_cp_layouts, tp_problems
 from megatron_zeppelin.planner.ulysses_sp import ulysses_layouts
 from megatron_zeppelin.sim.rounds import plan_batch, rounds_timeline
-from megatron_zeppelin.sim.timeline import step_timeline
+from megatron_zeppelin.sim.timeline import decision_step_s
 
 #: Batches a layout is tried on (a user's short benchmark run).
 TRIAL_BATCHES = 2
@@ -64,7 +64,7 @@ def choose_layout(name: str, cost: CostModel, batches: Sequence[Sequence[int]], 
         view = tp_view(cost, layout.tp) if layout.tp > 1 else cost
         ctx = PlanContext(cost=view, tokens_per_gpu=tokens_per_gpu * layout.tp, cp_size=layout.size or None,
                           time_limit_s=time_limit_s, tp_size=layout.tp,
-                          step_model=lambda plan, view=view: step_timeline(plan, view).step_s)
+                          step_model=lambda plan, view=view: decision_step_s(plan, view))
         try:
             steps = [rounds_timeline(plan_batch(planner, b, ctx)[1], view).step_s
                      for b in batches[:TRIAL_BATCHES]]

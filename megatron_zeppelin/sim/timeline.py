@@ -212,11 +212,47 @@ PACKED_STRATEGIES = ("te_cp", "flexsp", "ulysses_sp")
 
 def step_timeline(plan: Plan, cost: CostModel, *, attn: AttnShape | None = None,
                   transport: Transport | None = None, exact: bool = False, sync: bool = True,
-                  replayed_layers: int = REPLAYED_LAYERS) -> StepTimeline:
+                  replayed_layers: int = REPLAYED_LAYERS, reuse: bool = True) -> StepTimeline:
     """Per-rank modeled time of one step of ``plan`` (see the module docstring).
     ``exact`` replays every layer instead of extrapolating the steady state after
     ``replayed_layers``; ``sync=False`` leaves out the gradient sync (one
-    micro-batch of several)."""
+    micro-batch of several); ``reuse=False`` replays even if the same plan was
+    timed the same way before."""
+    key = (plan, cost, exact, sync, replayed_layers)
+    memo = attn is None and transport is None
+    if memo and reuse and key in _TIMELINES:
+        return _TIMELINES[key]
+    timeline = _replayed_timeline(plan, cost, attn, transport, exact, sync, replayed_layers)
+    if memo:
+        if len(_TIMELINES) >= TIMELINE_MEMO_SIZE:
+            del _TIMELINES[next(iter(_TIMELINES))]          # the oldest
+        _TIMELINES[key] = timeline
+    return timeline
+
+
+#: Layers a per-batch decision replays before extrapolating (fewer than the
+#: reported step's :data:`REPLAYED_LAYERS`: a decision compares candidates of
+#: one batch, which settle into their period after a layer or two).
+DECISION_LAYERS = 2
+
+
+def decision_step_s(plan: Plan, cost: CostModel, *, reuse: bool = True) -> float:
+    """The modeled step a per-batch decision compares (``PlanContext.step_model``).
+    ``reuse=False`` replays even a plan timed before (a planner whose latency is
+    measured must pay for its decisions)."""
+    return step_timeline(plan, cost, replayed_layers=DECISION_LAYERS, reuse=reuse).step_s
+
+
+#: Timelines kept by :func:`step_timeline`.  The same plan is timed more than
+#: once in one run -- a static layout search times the first batches' decision
+#: candidates, and the simulation then plans and times those batches again --
+#: and a replay costs far more than hashing the plan.
+TIMELINE_MEMO_SIZE = 512
+_TIMELINES: dict[tuple, "StepTimeline"] = {}
+
+
+def _replayed_timeline(plan: Plan, cost: CostModel, attn: AttnShape | None, transport: Transport | None,
+                       exact: bool, sync: bool, replayed_layers: int) -> StepTimeline:
     parts = step_parts(plan, cost, pack=plan.strategy in PACKED_STRATEGIES, attn=attn, transport=transport)
     replay = replay_step(parts, cost.model.num_layers, cost, plan.world_size, exact=exact,
                          replayed_layers=replayed_layers)

@@ -44,7 +44,7 @@ from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.prefetch import Prefetcher
 from megatron_zeppelin.sampler import ZeppelinBatchSampler
 from megatron_zeppelin.sim.static_layout import static_size
-from megatron_zeppelin.sim.timeline import step_timeline
+from megatron_zeppelin.sim.timeline import decision_step_s
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import (TokenSource, build_rank_batch, make_token_source,
                                            num_label_tokens)
@@ -173,7 +173,7 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
     ctx = PlanContext(cost=cost, tokens_per_gpu=cfg.tokens_per_gpu, tp_size=cfg.tp, remap_enabled=remap,
                       remap_decided=False,
                       cp_size=static_size(cfg.strategy, cost, cfg.max_seq_len, cfg.tokens_per_gpu),
-                      step_model=lambda plan: step_timeline(plan, cost, replayed_layers=2).step_s)
+                      step_model=lambda plan: decision_step_s(plan, cost))
 
     def make_plan(seq_lens: Sequence[int]) -> Plan:
         plan = planner.plan(list(seq_lens), ctx)

@@ -20,8 +20,12 @@ import numpy as np
 
 from megatron_zeppelin.planner.zeppelin.loads import _Assign, min_ring_size, zigzag_shard_tokens
 
-#: Placements tried before the search gives up (each is O(world size)).
-SEARCH_STEPS = 1500
+#: Placements tried before the search gives up (each is O(world size): about
+#: 60 us at 32 ranks, so a batch without a placement costs well under a second
+#: per rank order, while the planner plans the next batch during this one's
+#: compute).  1,500 missed a placement of a 100 %-full 32-rank batch that
+#: 10,000 find (tests/planner/test_zeppelin.py's explicit example).
+SEARCH_STEPS = 10_000
 
 
 def exact_fill(lens: np.ndarray, cap: int, world: int, tight_rings_first: bool = True) -> _Assign | None:
