@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from megatron_zeppelin.cost import CostModel
-from megatron_zeppelin.errors import ConfigError, exit_on_user_error
+from megatron_zeppelin.errors import ConfigError, InfeasibleError, exit_on_user_error
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split
 from megatron_zeppelin.presets import CONFIG_ROOT
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 from megatron_zeppelin.sampler.lengths import load_lengths
@@ -62,7 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longer documents are cut into pieces of this many tokens")
     p.add_argument("--tokens-per-gpu", type=int, default=16384, help="per-GPU token cap (memory budget)")
     p.add_argument("--tokens-per-batch", type=int, default=None,
-                   help="global batch token budget (default: --batch-fill x tokens per GPU x GPUs)")
+                   help="global batch token budget (default: --micro-batches x --batch-fill x tokens per GPU "
+                        "x GPUs)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="gradient accumulation: each global batch runs as this many micro-batches of equal "
+                        "modeled work, each planned under the per-GPU cap, one gradient sync per step "
+                        "(the trainer's --micro-batches)")
     p.add_argument("--batch-fill", type=float, default=DEFAULT_BATCH_FILL,
                    help="fraction of the cluster's token capacity a batch fills (default %(default)s: "
                         "slack for whole-sequence packers)")
@@ -129,7 +135,7 @@ def run(argv: Sequence[str]) -> SimResult | float:
     args = build_parser().parse_args(argv)
     if args.plan is not None:
         return run_plan(args)
-    config, strategies, batches = _setup(args)
+    config, strategies, batches, split = _setup(args)
     names = [s.name for s in strategies]
     traced = args.trace_strategy or ("zeppelin" if "zeppelin" in names else names[0])
     if args.trace is not None and traced not in names:
@@ -151,7 +157,7 @@ def run(argv: Sequence[str]) -> SimResult | float:
     progress = Progress(len(batches) * len(strategies), enabled=False if args.no_progress else None)
     result = simulate(batches, strategies, tokens_per_gpu=args.tokens_per_gpu,
                       time_limit_s=args.flexsp_time_limit, plot_step=args.plot_step,
-                      on_plan=on_plan, progress=progress)
+                      on_plan=on_plan, progress=progress, split=split)
     print(_summary(config, result))
     print(format_table(result))
     for line in infeasible_notes(result):
@@ -221,10 +227,11 @@ def _read_json(path: Path, what: str, expected: str) -> dict:
     return doc
 
 
-def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], list[list[int]]]:
-    """Check the flags; build the strategies and sample the batches.  Returns the
-    JSON ``config`` record too."""
-    _check_positive(args, "nodes", "max_seq_len", "tokens_per_gpu", "tokens_per_batch", "steps", "cp_size")
+def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], list[list[int]], Split]:
+    """Check the flags; build the strategies, sample the batches and fix their
+    micro-batch split.  Returns the JSON ``config`` record too."""
+    _check_positive(args, "nodes", "max_seq_len", "tokens_per_gpu", "tokens_per_batch", "steps", "cp_size",
+                    "micro_batches")
     check_float(args.flexsp_time_limit, "--flexsp-time-limit", positive=True)
     check_int(args.seed, "--seed", minimum=0)
     if not 0 <= args.plot_step < args.steps:
@@ -243,11 +250,18 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
         raise ConfigError(f"--cp-size {args.cp_size} does not divide {world} GPUs; pick a divisor or leave "
                           "it out to let the static baselines search their layouts")
     lengths_path = resolve_lengths(args.lengths)
-    tokens_per_batch = args.tokens_per_batch or batch_budget(args.tokens_per_gpu, world, args.max_seq_len,
-                                                             args.batch_fill)
+    tokens_per_batch = args.tokens_per_batch or args.micro_batches * batch_budget(
+        args.tokens_per_gpu, world, args.max_seq_len, args.batch_fill)
     batches = sample_batches(load_lengths(lengths_path), max_seq_len=args.max_seq_len,
                              tokens_per_batch=tokens_per_batch, steps=args.steps, seed=args.seed)
-    strategies = build_strategies(names, cost, cp_size=args.cp_size, layout_batches=batches,
+    split = micro_batch_split(args.micro_batches, tokens_per_gpu=args.tokens_per_gpu, data_parallel_size=world,
+                              max_seq_len=args.max_seq_len, batch_fill=args.batch_fill, cost=cost)
+    # A static layout is tried on what one pass of it runs: the first micro-batches.
+    try:
+        trial = [[lens[i] for i in g] for lens in batches[:2] for g in split(lens)]
+    except InfeasibleError as exc:
+        raise ConfigError(str(exc)) from None
+    strategies = build_strategies(names, cost, cp_size=args.cp_size, layout_batches=trial,
                                   max_seq_len=args.max_seq_len, tokens_per_gpu=args.tokens_per_gpu,
                                   time_limit_s=args.flexsp_time_limit)
     static = {s.name: s for s in strategies if s.name in STATIC}
@@ -264,8 +278,8 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
               "te_cp_cp_size": cp_size, "te_cp_tp_size": te.tp_size if te is not None else None,
               "static_layouts": layouts, "tp_sizes": {s.name: s.tp_size for s in strategies},
               "flexsp_time_limit_s": args.flexsp_time_limit,
-              "micro_batches": 1, "moe": cost.model.moe_summary}  # what the simulator models
-    return config, strategies, batches
+              "micro_batches": args.micro_batches, "moe": cost.model.moe_summary}  # what the simulator models
+    return config, strategies, batches, split
 
 
 def _summary(config: dict[str, Any], result: SimResult) -> str:
@@ -278,7 +292,8 @@ def _summary(config: dict[str, Any], result: SimResult) -> str:
             + (f"TP={config['te_cp_tp_size'] or 1} x CP={config['te_cp_cp_size']}" if config["te_cp_cp_size"]
                else "has no layout") + f"; lower bound {result.lower_bound_step_s * 1e3:.1f} ms"
             + "".join(f"\nstatic layout {line}" for line in config["static_layouts"].values() if line)
-            + f"\nmodeled: TP per strategy {_tp_sizes(config)}, {config['micro_batches']} micro-batch per step, "
+            + f"\nmodeled: TP per strategy {_tp_sizes(config)}, {config['micro_batches']} micro-batch"
+              f"{'es' if config['micro_batches'] > 1 else ''} per step, "
               f"{config['moe']}")
 
 

@@ -21,6 +21,7 @@ from megatron_zeppelin.cost.tp import tp_view
 from megatron_zeppelin.errors import ConfigError, InfeasibleError
 from megatron_zeppelin.plan import Plan, TierCounts
 from megatron_zeppelin.planner.base import PLANNERS, PlanContext, Planner, get_planner
+from megatron_zeppelin.planner.micro_batches import Split
 from megatron_zeppelin.sampler.batch_sampler import ZeppelinBatchSampler
 from megatron_zeppelin.sim.progress import Progress
 from megatron_zeppelin.sim.rounds import plan_batch, rounds_timeline
@@ -245,8 +246,12 @@ class SimResult:
 def simulate(batches: Iterable[Sequence[int]], strategies: Sequence[Strategy], *, tokens_per_gpu: int,
              time_limit_s: float = 10.0, plot_step: int = 0,
              on_plan: Callable[[int, str, Plan], None] | None = None,
-             progress: Progress | None = None) -> SimResult:
+             progress: Progress | None = None, split: Split | None = None) -> SimResult:
     """Plan and model every batch with every strategy.
+
+    ``split`` cuts each global batch into micro-batches (gradient accumulation,
+    ``planner/micro_batches.py``), the same ones for every strategy; each is
+    planned on its own and the step is their sum plus one gradient sync.
 
     ``on_plan(step, strategy_name, plan)`` sees each valid plan (``--dump-plans``); the timeline
     of step ``plot_step`` is kept in full for plotting."""
@@ -259,12 +264,16 @@ def simulate(batches: Iterable[Sequence[int]], strategies: Sequence[Strategy], *
         lens = [int(x) for x in batch]
         seq_lens.append(lens)
         lower.append(strategies[0].cost.lower_bound_s(lens))
+        try:
+            groups = split(lens) if split is not None else [list(range(len(lens)))]
+        except InfeasibleError as exc:
+            raise ConfigError(f"step {step}: {exc}") from None
         for s in strategies:
             r = results[s.name]
             if s.infeasible is not None:
                 r.error = s.infeasible
             if r.feasible:
-                _run_one(step, lens, s, r, tokens_per_gpu, time_limit_s, plot_step, on_plan)
+                _run_one(step, lens, s, r, tokens_per_gpu, time_limit_s, plot_step, on_plan, groups)
             if progress is not None:
                 progress.advance(f"step {step} {s.name}")
     if progress is not None:
@@ -285,19 +294,22 @@ def plan_context(s: Strategy, tokens_per_gpu: int, time_limit_s: float) -> PlanC
 
 
 def _run_one(step: int, lens: list[int], s: Strategy, r: StrategyResult, tokens_per_gpu: int,
-             time_limit_s: float, plot_step: int, on_plan: Callable[[int, str, Plan], None] | None) -> None:
+             time_limit_s: float, plot_step: int, on_plan: Callable[[int, str, Plan], None] | None,
+             groups: list[list[int]]) -> None:
     ctx = plan_context(s, tokens_per_gpu, time_limit_s)
     try:
         t0 = time.perf_counter()
-        plan, rounds = plan_batch(s.planner, lens, ctx)
+        planned = [plan_batch(s.planner, [lens[i] for i in g], ctx) for g in groups]
         elapsed_ms = (time.perf_counter() - t0) * 1e3
     except InfeasibleError as exc:
         r.error = f"step {step}: {exc}"
         return
-    plan.validate()
-    if on_plan is not None:
-        on_plan(step, s.name, plan)
-    tl = rounds_timeline(rounds, s.cost)
+    for i, (plan, _) in enumerate(planned):
+        plan.validate()
+        if on_plan is not None:
+            on_plan(step, s.name if len(planned) == 1 else f"{s.name}_mb{i}", plan)
+    # Micro-batches run one after another and share one gradient sync, like rounds.
+    tl = rounds_timeline([p for _, rounds in planned for p in rounds], s.cost)
     r.planner_ms.append(elapsed_ms)
     r.step_s.append(tl.step_s)
     r.attn_imbalance.append(tl.attn_imbalance)
