@@ -121,6 +121,17 @@ def print_help_if_asked(extra_args_provider: ArgsProvider, argv: Sequence[str] |
         parse_args(chain_args_providers(extra_args_provider, escape_help_percent))
 
 
+def check_args_before_launch(extra_args_provider: ArgsProvider) -> None:
+    """Parse ``sys.argv`` as Megatron-LM will and run :func:`check_args` on it, before
+    Megatron builds any process group (core_v0.16.1's ``pretrain()`` parses,
+    validates and initialises in one call).  Megatron's ``validate_args`` has not run
+    yet, so flags it would quietly change are seen as given (``--sequence-parallel``
+    with TP 1, which it turns off)."""
+    from megatron.training.arguments import parse_args
+
+    check_args(parse_args(extra_args_provider))
+
+
 def escape_help_percent(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Double every bare ``%`` in help strings: argparse %-formats them, and one
     bare ``%`` (Megatron-LM core_v0.19.0 has ``"(e.g. 1.10 = 10%)"``) makes ``--help``
@@ -192,6 +203,9 @@ def _check_megatron_conflicts(args: argparse.Namespace) -> None:
     if pp > 1:
         raise ConfigError(f"--zeppelin does not support pipeline parallelism (--pipeline-model-parallel-size "
                           f"{pp}): per-rank token counts differ every step; use tensor and data parallelism")
+    if _flag(args, "sequence_parallel", False) and _flag(args, "tensor_model_parallel_size", 1) == 1:
+        raise ConfigError("--sequence-parallel splits tokens over tensor-parallel ranks; it needs "
+                          "--tensor-model-parallel-size > 1 (or drop it)")
     cp = _flag(args, "context_parallel_size", 1)
     if cp > 1:
         raise ConfigError(f"--zeppelin conflicts with --context-parallel-size {cp}: Zeppelin places long "

@@ -94,6 +94,8 @@ def test_valid_namespace_passes():
     ({"num_experts": 8, "moe_router_load_balancing_type": ["seq_aux_loss"], "moe_aux_loss_coeff": [0.1]},
      ["--moe-router-load-balancing-type none", "seq_aux_loss"]),
     ({"num_experts": 8, "moe_z_loss_coeff": 0.001}, ["--moe-z-loss-coeff 0.001"]),
+    ({"tensor_model_parallel_size": 1, "sequence_parallel": True},
+     ["--sequence-parallel", "--tensor-model-parallel-size > 1"]),
     ({"tensor_model_parallel_size": 4, "zeppelin_cluster": "cpu-sim"},
      ["--tensor-model-parallel-size 4 does not divide the 2 GPUs per node", "cpu-sim"]),
     ({"mock_data": True}, ["--mock-data", "--data-path"]),
