@@ -13,6 +13,7 @@ from megatron_zeppelin.integration.args import (
     add_zeppelin_args,
     chain_args_providers,
     check_args,
+    check_args_before_launch,
     print_help_if_asked,
     validate_zeppelin_args,
 )
@@ -21,7 +22,8 @@ from megatron_zeppelin.integration.args import (
 _HOOKS = ("build_train_valid_test_loaders", "get_batch", "get_batch_by_keys", "gpt_builder",
           "gpt_model_config_cls", "zeppelin_layer_spec")
 
-__all__ = ["SPEC", "add_zeppelin_args", "chain_args_providers", "check_args", "print_help_if_asked",
+__all__ = ["SPEC", "add_zeppelin_args", "chain_args_providers", "check_args", "check_args_before_launch",
+           "print_help_if_asked",
            "validate_zeppelin_args",
            *_HOOKS]
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 
 from megatron_zeppelin.errors import ConfigError, ZeppelinError
 from megatron_zeppelin.planner.base import PLANNERS
-from megatron_zeppelin.presets import resolve_preset
+from megatron_zeppelin.topology import load_cluster
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -121,6 +121,17 @@ def print_help_if_asked(extra_args_provider: ArgsProvider, argv: Sequence[str] |
         parse_args(chain_args_providers(extra_args_provider, escape_help_percent))
 
 
+def check_args_before_launch(extra_args_provider: ArgsProvider) -> None:
+    """Parse ``sys.argv`` as Megatron-LM will and run :func:`check_args` on it, before
+    Megatron builds any process group (core_v0.16.1's ``pretrain()`` parses,
+    validates and initialises in one call).  Megatron's ``validate_args`` has not run
+    yet, so flags it would quietly change are seen as given (``--sequence-parallel``
+    with TP 1, which it turns off)."""
+    from megatron.training.arguments import parse_args
+
+    check_args(parse_args(extra_args_provider))
+
+
 def escape_help_percent(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Double every bare ``%`` in help strings: argparse %-formats them, and one
     bare ``%`` (Megatron-LM core_v0.19.0 has ``"(e.g. 1.10 = 10%)"``) makes ``--help``
@@ -192,6 +203,9 @@ def _check_megatron_conflicts(args: argparse.Namespace) -> None:
     if pp > 1:
         raise ConfigError(f"--zeppelin does not support pipeline parallelism (--pipeline-model-parallel-size "
                           f"{pp}): per-rank token counts differ every step; use tensor and data parallelism")
+    if _flag(args, "sequence_parallel", False) and _flag(args, "tensor_model_parallel_size", 1) == 1:
+        raise ConfigError("--sequence-parallel splits tokens over tensor-parallel ranks; it needs "
+                          "--tensor-model-parallel-size > 1 (or drop it)")
     cp = _flag(args, "context_parallel_size", 1)
     if cp > 1:
         raise ConfigError(f"--zeppelin conflicts with --context-parallel-size {cp}: Zeppelin places long "
@@ -201,10 +215,7 @@ def _check_megatron_conflicts(args: argparse.Namespace) -> None:
         raise ConfigError("--zeppelin conflicts with --hybrid-context-parallel: both decide per-sequence "
                           "context parallelism; use --zeppelin-planner megatron_hybrid_cp to run that "
                           "baseline under Zeppelin instead")
-    if _flag(args, "num_experts", None) and _flag(args, "moe_expert_capacity_factor", None) is not None:
-        raise ConfigError("--zeppelin with MoE conflicts with --moe-expert-capacity-factor: which tokens an "
-                          "expert drops would depend on which tokens the plan puts on a rank; drop the flag "
-                          "(no token dropping)")
+    _check_moe(args)
     spec = getattr(args, "spec", None)
     if spec is None or tuple(spec) != SPEC:
         got = f"--spec {' '.join(spec)}" if spec else "no --spec"
@@ -232,6 +243,28 @@ def _check_megatron_conflicts(args: argparse.Namespace) -> None:
         if _flag(args, name, False):
             raise ConfigError(f"--zeppelin conflicts with --{name.replace('_', '-')} ({why}); drop it"
                               + (" and pass --data-path PREFIX" if name == "mock_data" else ""))
+
+
+def _check_moe(args: argparse.Namespace) -> None:
+    """MoE options whose result would depend on which tokens the plan puts on a rank."""
+    if not _flag(args, "num_experts", None):
+        return
+    if _flag(args, "moe_expert_capacity_factor", None) is not None:
+        raise ConfigError("--zeppelin with MoE conflicts with --moe-expert-capacity-factor: which tokens an "
+                          "expert drops would depend on which tokens the plan puts on a rank; drop the flag "
+                          "(no token dropping)")
+    balancing = _flag(args, "moe_router_load_balancing_type", "none")
+    balancing = balancing if isinstance(balancing, list) else [balancing]
+    coeffs = _flag(args, "moe_aux_loss_coeff", 0.0)
+    coeffs = coeffs if isinstance(coeffs, list) else [coeffs]
+    if any(t != "none" and c for t, c in zip(balancing, coeffs * len(balancing))):
+        raise ConfigError(f"--zeppelin with MoE needs --moe-aux-loss-coeff 0 or --moe-router-load-balancing-type "
+                          f"none (got {' '.join(balancing)} with coefficient {' '.join(map(str, coeffs))}): the "
+                          "balancing loss is taken over the tokens on a rank, which the plan decides, so "
+                          "gradients would differ from data parallelism's")
+    if _flag(args, "moe_z_loss_coeff", None):
+        raise ConfigError(f"--zeppelin with MoE conflicts with --moe-z-loss-coeff {args.moe_z_loss_coeff}: the "
+                          "z-loss is averaged over the tokens on a rank, which the plan decides; drop the flag")
 
 
 def _check_batch_shape(args: argparse.Namespace) -> None:
@@ -278,7 +311,11 @@ def _check_zeppelin_values(args: argparse.Namespace) -> None:
     if args.zeppelin_data_lengths is not None and not Path(args.zeppelin_data_lengths).is_file():
         raise ConfigError(f"--zeppelin-data-lengths {args.zeppelin_data_lengths!r} does not exist; pass a "
                           ".npy or text file of document lengths, or drop the flag")
-    resolve_preset("clusters", args.zeppelin_cluster)
+    gpus_per_node = load_cluster(args.zeppelin_cluster).topology.gpus_per_node
+    tp = _flag(args, "tensor_model_parallel_size", 1)
+    if gpus_per_node % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the {gpus_per_node} GPUs per node "
+                          f"of --zeppelin-cluster {args.zeppelin_cluster}; a TP group must stay inside one node")
     if not getattr(args, "data_path", None):
         raise ConfigError("--zeppelin needs --data-path: Megatron indexed datasets (PREFIX with "
                           "PREFIX.bin and PREFIX.idx) of whole documents, split by --split "

@@ -73,9 +73,14 @@ def layer_spec_for(args: Any, transformer_config: Any) -> Any:
     """The Zeppelin layer spec for Megatron's flags and transformer config."""
     from megatron_zeppelin.megatron.spec import get_zeppelin_layer_spec
 
-    return get_zeppelin_layer_spec(qk_layernorm=bool(transformer_config.qk_layernorm), remap=args.zeppelin_remap == "on",
+    from megatron_zeppelin.megatron.norm import sequence_parallel_block_spec
+
+    spec = get_zeppelin_layer_spec(qk_layernorm=bool(transformer_config.qk_layernorm), remap=args.zeppelin_remap == "on",
                                    use_te=transformer_config.transformer_impl == "transformer_engine",
                                    num_experts=getattr(transformer_config, "num_moe_experts", None))
+    # Megatron's local norm refuses sequence parallelism: the block gets norms that accept it.
+    return (sequence_parallel_block_spec(spec, transformer_config.num_layers)
+            if transformer_config.sequence_parallel else spec)
 
 
 # ------------------------------------------------------------------- model
@@ -103,9 +108,21 @@ def gpt_builder(base: Callable[..., Any]) -> Callable[..., Any]:
     """Megatron-LM 0.16.1 ``model_provider`` builder: ``base`` (``gpt_builders.gpt_builder``),
     then :func:`as_zeppelin_model` under ``--zeppelin``."""
     def build(args: Any, *rest: Any, **kwargs: Any) -> Any:
-        model = base(args, *rest, **kwargs)
-        return as_zeppelin_model(model) if args.zeppelin else model
+        if not args.zeppelin:
+            return base(args, *rest, **kwargs)
+        prepare_cpu_rank(args.seed)
+        return as_zeppelin_model(base(args, *rest, **kwargs))
     return build
+
+
+def prepare_cpu_rank(seed: int) -> None:
+    """On a rank without CUDA (gloo), let Megatron-Core's tensor/sequence-parallel and
+    MoE code run with its buffers and RNG tracker on the CPU
+    (:mod:`megatron_zeppelin.megatron.cpu_compat`); on GPUs nothing changes.  Called
+    after Megatron's parallel state exists, before the model is built."""
+    if not torch.cuda.is_available():
+        from megatron_zeppelin.megatron.cpu_compat import apply_cpu_compat
+        apply_cpu_compat(seed)
 
 
 @functools.cache
@@ -114,6 +131,9 @@ def _zeppelin_gpt_classes() -> tuple[type, type]:
 
     class ZeppelinGPTModelBuilder(GPTModelBuilder):
         def build_model(self, *args: Any, **kwargs: Any) -> Any:
+            from megatron.training import get_args
+
+            prepare_cpu_rank(get_args().seed)
             return as_zeppelin_model(super().build_model(*args, **kwargs))
 
     @dataclass(kw_only=True)
@@ -185,7 +205,7 @@ class ZeppelinLoader:
                  on_batch: Callable[[PreparedBatch, StepContext], None] | None = None,
                  broadcast_plan: Callable[[Plan | None], Plan] | None = None,
                  tp_size: int = 1, tp_rank: int = 0, split: Split | None = None,
-                 pad_multiple: int = 1) -> None:
+                 pad_multiple: int = 1, sequence_parallel_group: Any = None) -> None:
         """``rank``: data-parallel rank (the Plan's rank).  ``all_reduce_max``: the
         plan check (None: off).  ``on_batch``: called on the main thread with every
         batch handed out and its step context (checkpoint state, plan dumps, the
@@ -194,11 +214,14 @@ class ZeppelinLoader:
         and None elsewhere); None: every rank plans.  ``split``: each global batch
         runs as these micro-batches (None: one).  ``pad_multiple``: each buffer is
         padded (rows without loss) to a multiple of it, at least one row (the TP
-        size under ``--sequence-parallel``, which splits rows evenly)."""
+        size under ``--sequence-parallel``, which splits rows evenly).
+        ``sequence_parallel_group``: Megatron's TP group under ``--sequence-parallel``
+        (the remapped MLP gathers its rows over it), else None."""
         self.sampler, self.blend, self.make_plan = sampler, blend, make_plan
         self.rank, self.device, self.communicator, self.backend = rank, device, communicator, backend
         self.all_reduce_max, self.on_batch, self.broadcast_plan = all_reduce_max, on_batch, broadcast_plan
         self.tp_size, self.tp_rank, self.pad_multiple = tp_size, tp_rank, pad_multiple
+        self.sequence_parallel_group = sequence_parallel_group
         self.plans_here = broadcast_plan is None or dist.get_rank() == 0
         """This rank computes Plans (all ranks, or the one that broadcasts)."""
         self._batches = iter(sampler) if split is None else \
@@ -242,7 +265,8 @@ class ZeppelinLoader:
         from megatron_zeppelin.megatron.packed import build_packed_seq_params
 
         context = StepContext(plan=p.plan, rank=self.rank, communicator=self.communicator, backend=self.backend,
-                              tp_size=self.tp_size, tp_rank=self.tp_rank)
+                              tp_size=self.tp_size, tp_rank=self.tp_rank,
+                              sequence_parallel_group=self.sequence_parallel_group)
         packed = build_packed_seq_params(p.plan.attention_spans(self.rank), context=context, device=self.device,
                                          pad_tokens=p.data.pad_tokens)
         move = lambda t: t.to(self.device, non_blocking=True)[None]  # noqa: E731  [t] -> [1, t]
@@ -376,6 +400,7 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
 
     check_args(args)
     tp, dp = args.tensor_model_parallel_size, mpu.get_data_parallel_world_size()
+    sequence_parallel = bool(getattr(args, "sequence_parallel", False))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     plan_cluster = _resolve_cluster(args, dist.get_world_size(), tp, tp_rank=0)
     own_cluster = _resolve_cluster(args, dist.get_world_size(), tp, tp_rank=dist.get_rank() % tp)
@@ -418,7 +443,8 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
             sampler=sampler, blend=blend, make_plan=make_plan, rank=mpu.get_data_parallel_rank(),
             device=device, communicator=communicator, backend=backend, all_reduce_max=check,
             prefetch=args.zeppelin_prefetch == "on", split=into_micro,
-            pad_multiple=tp if getattr(args, "sequence_parallel", False) else 1,
+            pad_multiple=tp if sequence_parallel else 1,
+            sequence_parallel_group=mpu.get_tensor_model_parallel_group() if sequence_parallel else None,
             on_batch=on_batch, broadcast_plan=broadcast, tp_size=tp, tp_rank=dist.get_rank() % tp))
     return tuple(loaders)
 

@@ -47,15 +47,6 @@ def launch(cfg: TrainConfig) -> None:
     """Run ``cfg`` under torchrun/srun when their environment is set, else spawn locally."""
     cluster = resolve_cluster(cfg)
     cluster.topology.check_world_size(cfg.world_size)  # preset errors before any fork
-    if not torch.cuda.is_available():
-        if cfg.sequence_parallel:
-            raise ConfigError("--sequence-parallel needs GPUs: Megatron-Core's sequence-parallel layers allocate "
-                              "on CUDA and fork its CUDA RNG tracker (tensor_parallel/mappings.py, the "
-                              "embedding); on CPU run --tp without it")
-        if cfg.tp > 1 and load_model(cfg.model).moe_enabled:
-            raise ConfigError(f"model {cfg.model} is an MoE: with --tp > 1 Megatron-Core's token dispatcher "
-                              "gathers over the TP ranks on CUDA (moe/token_dispatcher.py); on CPU run it "
-                              "with --tp 1")
     if cfg.micro_batches > 1:  # every global batch splits, or one line before any process group
         _, doc_lengths = make_token_source(cfg.lengths, cfg.data, cfg.seed, load_model(cfg.model).vocab_size)
         resume = load_state(Path(cfg.load), torch.device("cpu"))[1]["sampler"] if cfg.load else None

@@ -32,6 +32,7 @@ from megatron_zeppelin.comm.deadline import Deadline
 from megatron_zeppelin.errors import ConfigError, PlanError, brief
 from megatron_zeppelin.integration.hooks import data_parallel_comm_group
 from megatron_zeppelin.megatron import build_gpt_model, build_packed_seq_params
+from megatron_zeppelin.megatron.cpu_compat import apply_cpu_compat
 from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.plan import Plan, TierCounts
 from megatron_zeppelin.plan.agreement import check_same_plan
@@ -363,6 +364,8 @@ def describe(run: Run) -> str:
     on = {True: "on", False: "off"}
     features = ("plain attention, no communication" if cfg.strategy == REFERENCE else
                 f"{type(run.backend).__name__} kernels, routing {on[routing_on(cfg)]}, remap {on[run.remap]}")
+    if cfg.tp > 1:
+        features += f", TP {cfg.tp}" + (" with sequence parallelism" if cfg.sequence_parallel else "")
     return (f"{cfg.strategy} on {topo.nodes} nodes x {topo.gpus_per_node} GPUs ({topo.nics_per_node} NICs "
             f"per node, {'gloo on CPU' if run.device.type == 'cpu' else 'NCCL'}); model {m.name} "
             f"({m.num_layers} layers, hidden {m.hidden_size}); {features}; {cfg.steps} steps of at most "
@@ -377,6 +380,8 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, device: torch.device)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tp)  # PP = CP = 1
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)  # Megatron's CUDA RNG tracker
+    else:
+        apply_cpu_compat(cfg.seed)  # Megatron's TP/SP code on gloo: buffers and RNG tracker on the CPU
     logger = StepLogger(cfg.json_log if rank == 0 else None, cfg.steps, quiet=cfg.quiet or rank != 0)
     try:
         run = build_run(cfg, rank, world_size, device)

@@ -1,25 +1,34 @@
 """One rank of the end-to-end Megatron-LM test (run by test_megatron_lm_e2e.py, one process per
 rank, inside a patched Megatron-LM core_v0.16.1 tree):
 
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python megatron_lm_e2e.py DATA CLUSTER CKPT STEPS
+    RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... \
+        python megatron_lm_e2e.py DATA CLUSTER CKPT STEPS MODEL [MEGATRON-LM FLAGS...]
 
 Megatron-LM's own parser, ``gpt_builder``/``model_provider`` and the patched
 ``pretrain_gpt.py`` (dataset provider, ``forward_step``, ``loss_func``) train ``STEPS``
-global batches with ``--zeppelin-remap on`` on 2 gloo ranks (Megatron-LM's loop itself
-needs CUDA; its per-step calls run here).  Beside it, the project's trainer
-(``train.trainer.train_step``, ``--strategy reference``: plain data parallelism) trains a
-copy of the same weights on the same global batches.  Half way, the Megatron model is
+global batches with ``--zeppelin-remap on`` on gloo ranks (Megatron-LM's loop itself
+needs CUDA; its per-step calls run here), the ``tiny-cpu`` preset's flags plus the
+extra flags given (e.g. ``--tensor-model-parallel-size 2 --sequence-parallel``, or
+``--num-experts 4 ...``).  Beside it, the project's trainer
+(``train.trainer.train_step``, ``--strategy reference``: plain data parallelism at the
+same TP/SP) trains a copy of the same weights (``MODEL``: the project's preset of the
+same shape) on the same global batches.  Half way, the Megatron model is
 saved with Megatron-Core's ``torch_dist`` format (what ``--ckpt-format torch_dist``
 writes), loaded into a freshly built model, and training continues from there.
 
 Prints per step on rank 0:  STEP k megatron_loss trainer_loss attention_max/mean linear_max/mean
+(linear: the rows the first layer's MLP or router saw on each rank; under
+``--sequence-parallel`` each TP rank's share of its data-parallel rank's rows)
 """
 
+import contextlib
 import dataclasses
+import os
 import subprocess
 import sys
 from functools import partial
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -50,8 +59,24 @@ def build_megatron_model(seed):
     return partial(model_provider, zeppelin.gpt_builder(gpt_builder))(pre_process=True, post_process=True)
 
 
+@contextlib.contextmanager
+def cuda_means_cpu():
+    """Megatron-Core's torch_dist writer and reader call torch.cuda.synchronize() and
+    torch.cuda.current_device() unconditionally; on a CPU-only torch they mean "the CPU"."""
+    saved = torch.cuda.synchronize, torch.cuda.current_device
+    torch.cuda.synchronize, torch.cuda.current_device = (lambda *a, **k: None), (lambda: "cpu")
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = saved
+
+
 def ratio(values):
     return max(values) / (sum(values) / len(values))
+
+
+def csv(values):
+    return ",".join(map(str, values))
 
 
 def gather(value):
@@ -61,54 +86,59 @@ def gather(value):
 
 
 def main():
-    prefix, cluster, ckpt_dir, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    prefix, cluster, ckpt_dir, steps, model_name = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+    extra = sys.argv[6:]
     argv = subprocess.run([sys.executable, "-m", "megatron_zeppelin.launch", "--preset", "tiny-cpu", "--print-args",
                            "--only", "megatron"], capture_output=True, text=True, check=True).stdout.split()
     sys.argv = ["pretrain_gpt.py", *argv, "--use-cpu-initialization", "--global-batch-size", "2",
                 "--data-path", prefix, "--split", "100,0,0", "--zeppelin-cluster", cluster,
                 "--zeppelin-tokens-per-gpu", "1000", "--zeppelin-batch-fill", "0.7", "--zeppelin-backend", "torch",
                 "--zeppelin-remap", "on",
-                "--zeppelin-log-interval", "1"]
+                "--zeppelin-log-interval", "1", *extra]
     torch.set_num_threads(1)
-    # Megatron-Core's torch_dist writer calls torch.cuda.synchronize() and
-    # torch.cuda.current_device() unconditionally; on a CPU-only torch they mean "the CPU".
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
     args = parse_args(zeppelin.chain_args_providers(None, zeppelin.add_zeppelin_args))
-    validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    # With TP > 1 validate_args asks the GPU's architecture (Hopper and older need
+    # CUDA_DEVICE_MAX_CONNECTIONS=1); a CPU has none: answer as a Hopper with that set.
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    with mock.patch("megatron.training.arguments.get_device_arch_version", lambda: 9):
+        validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
     args.padded_vocab_size = 384  # what Megatron pads NullTokenizer's 257 to (tokenizer building skipped)
     args.iteration, args.consumed_valid_samples = 0, 0
     set_args(args)
     _set_timers(args)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    parallel_state.initialize_model_parallel()
+    tp, sp = args.tensor_model_parallel_size, args.sequence_parallel
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    dp, dp_group = world // tp, parallel_state.get_data_parallel_group()
 
     import pretrain_gpt  # the patched script, as a module
 
     model = build_megatron_model(args.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     # The project's trainer on the same weights: plain data parallelism (the oracle).
-    model_cfg = dataclasses.replace(load_model("tiny"), vocab_size=args.padded_vocab_size)
-    reference = build_gpt_model(model_cfg, max_seq_len=args.seq_length)
+    model_cfg = dataclasses.replace(load_model(model_name), vocab_size=args.padded_vocab_size)
+    reference = build_gpt_model(model_cfg, max_seq_len=args.seq_length, tp=tp, sequence_parallel=sp)
     reference.load_state_dict(model.state_dict())  # strict: the same parameters, name by name
     train_loader, _, _ = pretrain_gpt.train_valid_test_datasets_provider([1, 1, 1])
     handed_out = []
     log_batch = train_loader.on_batch
     train_loader.on_batch = lambda p, context: (handed_out.append(p), log_batch(p, context))
-    cfg = SimpleNamespace(strategy="reference", dump_plans=None, dump_trace=None, tp=1, sequence_parallel=False,
+    cfg = SimpleNamespace(strategy="reference", dump_plans=None, dump_trace=None, tp=tp, sequence_parallel=sp,
                           timeout_s=300.0)
-    run = Run(cfg=cfg, rank=rank, world_size=world, dp_rank=rank, device=torch.device("cpu"),
+    run = Run(cfg=cfg, rank=rank, world_size=world, dp_rank=rank // tp, device=torch.device("cpu"),
               cluster=load_cluster(cluster), model_cfg=model_cfg, model=reference,
               optimizer=torch.optim.Adam(reference.parameters(), lr=1e-3), sampler=None,
-              make_plan=lambda lens: reference_plan(lens, world, world), split=None, comm=None,
+              make_plan=lambda lens: reference_plan(lens, dp, dp), split=None, comm=None,
               counters=ByteCounters(), remap_counters=RemapCounters(), backend=TorchBackend(),
               source=train_loader.blend, remap=False)
 
-    mlp_rows = []  # what the first MLP's first linear layer saw on this rank, step by step
+    mlp_rows = []  # what the first MLP's first linear layer (MoE: its router) saw on this rank, step by step
 
     def watch_mlp(m):
-        m.decoder.layers[0].mlp.linear_fc1.register_forward_pre_hook(lambda mod, inp: mlp_rows.append(inp[0].shape[0]))
+        mlp = m.decoder.layers[0].mlp
+        first = mlp.router if args.num_experts else mlp.linear_fc1
+        first.register_forward_pre_hook(lambda mod, inp: mlp_rows.append(inp[0].shape[0]))
 
     watch_mlp(model)
     data = RerunDataIterator(train_loader)
@@ -117,9 +147,11 @@ def main():
             # --ckpt-format torch_dist: Megatron-Core's distributed checkpoint of the model's
             # sharded state dict (the call that raised on ZeppelinRemap before), then a fresh
             # model built the same way loads it and training continues from it.
-            dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
+            with cuda_means_cpu():
+                dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
             loaded = build_megatron_model(args.seed + 1)
-            loaded.load_state_dict(dist_checkpointing.load(loaded.sharded_state_dict(), ckpt_dir))
+            with cuda_means_cpu():
+                loaded.load_state_dict(dist_checkpointing.load(loaded.sharded_state_dict(), ckpt_dir))
             for (name, want), got in zip(model.state_dict().items(), loaded.state_dict().values()):
                 assert not isinstance(want, torch.Tensor) or torch.equal(got, want), name
             state = optimizer.state_dict()
@@ -133,11 +165,11 @@ def main():
         prepared = handed_out[-1]
         label_count = num_label_tokens(prepared.batch.seq_lens)
         (loss / label_count).backward()
-        allreduce_grads(model, False)
+        allreduce_grads(model, sp)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         total = loss.detach().clone()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=dp_group)  # the TP ranks of a group hold the same loss
         batch = GlobalBatch(prepared.batch.index, prepared.batch.epoch,
                             tuple(train_loader.blend.blend_pieces(prepared.batch.pieces)))
         micro = MicroBatch(batch, 0, 1, batch.pieces, run.make_plan(batch.seq_lens), {})
@@ -146,7 +178,7 @@ def main():
         linear_rows = gather(mlp_rows[-1])
         if rank == 0:
             print(f"STEP {step} {float(total) / label_count:.8f} {record.loss:.8f} {ratio(attention_rows):.4f} "
-                  f"{ratio(linear_rows):.4f} linear={linear_rows} plan_linear={prepared.plan.linear_tokens_per_rank()}",
+                  f"{ratio(linear_rows):.4f} linear={csv(linear_rows)} plan_linear={csv(prepared.plan.linear_tokens_per_rank())}",
                   flush=True)
     next(data)  # hands out one more batch: the last step's zeppelin log line (with remap_bytes) prints now
     train_loader.close()

@@ -89,6 +89,15 @@ def test_valid_namespace_passes():
     ({"context_parallel_size": 2}, ["--context-parallel-size 2", "drop --context-parallel-size"]),
     ({"hybrid_context_parallel": True}, ["--hybrid-context-parallel", "megatron_hybrid_cp"]),
     ({"num_experts": 8, "moe_expert_capacity_factor": 1.0}, ["--moe-expert-capacity-factor", "no token dropping"]),
+    ({"num_experts": 8, "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01},
+     ["--moe-aux-loss-coeff 0", "aux_loss with coefficient 0.01"]),
+    ({"num_experts": 8, "moe_router_load_balancing_type": ["seq_aux_loss"], "moe_aux_loss_coeff": [0.1]},
+     ["--moe-router-load-balancing-type none", "seq_aux_loss"]),
+    ({"num_experts": 8, "moe_z_loss_coeff": 0.001}, ["--moe-z-loss-coeff 0.001"]),
+    ({"tensor_model_parallel_size": 1, "sequence_parallel": True},
+     ["--sequence-parallel", "--tensor-model-parallel-size > 1"]),
+    ({"tensor_model_parallel_size": 4, "zeppelin_cluster": "cpu-sim"},
+     ["--tensor-model-parallel-size 4 does not divide the 2 GPUs per node", "cpu-sim"]),
     ({"mock_data": True}, ["--mock-data", "--data-path"]),
     ({"sft": True}, ["--sft"]),
     ({"micro_batch_size": 2}, ["--micro-batch-size 1", "token budget"]),
@@ -120,6 +129,9 @@ def test_conflicts_name_the_flag_and_fix(overrides, words):
 
 def test_moe_without_token_dropping_is_accepted():
     validate_zeppelin_args(megatron_args(num_experts=8))
+    # Megatron-LM's defaults: the aux_loss balancing type with coefficient 0 adds nothing.
+    validate_zeppelin_args(megatron_args(num_experts=8, moe_router_load_balancing_type="aux_loss",
+                                         moe_aux_loss_coeff=0.0))
 
 
 def test_sequence_parallel_is_accepted():

@@ -196,22 +196,35 @@ def test_layer_spec_uses_zeppelin_attention():
     from megatron_zeppelin.integration.hooks import layer_spec_for
     from megatron_zeppelin.megatron.attention import ZeppelinAttention
 
+    from megatron_zeppelin.megatron.norm import SequenceParallelRMSNorm
+
     args = add_zeppelin_args(argparse.ArgumentParser()).parse_args(["--zeppelin", "--zeppelin-remap", "off"])
-    spec = layer_spec_for(args, SimpleNamespace(qk_layernorm=False, transformer_impl="local"))
+    config = SimpleNamespace(qk_layernorm=False, transformer_impl="local", sequence_parallel=False, num_layers=2)
+    spec = layer_spec_for(args, config)
     assert spec.submodules.self_attention.submodules.core_attention is ZeppelinAttention
+    # Under --sequence-parallel the block's norms accept SP (Megatron's local norm refuses it).
+    block = layer_spec_for(args, SimpleNamespace(**{**vars(config), "sequence_parallel": True}))
+    assert len(block.layer_specs) == 2 and block.layer_norm is SequenceParallelRMSNorm
+    assert block.layer_specs[0].submodules.self_attention.submodules.core_attention is ZeppelinAttention
+    assert block.layer_specs[0].submodules.input_layernorm is SequenceParallelRMSNorm
 
 
-def test_built_gpt_model_is_retyped_for_per_token_rope():
+def test_built_gpt_model_is_retyped_for_per_token_rope(monkeypatch):
     from megatron.core.models.gpt import GPTModel
 
+    from megatron_zeppelin.integration import hooks
     from megatron_zeppelin.integration.hooks import gpt_builder
     from megatron_zeppelin.megatron.model import ZeppelinGPTModel
 
+    prepared = []  # the CPU layer is prepared (before the build) under --zeppelin only
+    monkeypatch.setattr(hooks, "prepare_cpu_rank", prepared.append)
     built = GPTModel.__new__(GPTModel)  # the instance a builder returns (construction is Megatron's)
-    on, off = argparse.Namespace(zeppelin=True), argparse.Namespace(zeppelin=False)
+    on, off = argparse.Namespace(zeppelin=True, seed=7), argparse.Namespace(zeppelin=False, seed=7)
     assert type(gpt_builder(lambda args, *a, **k: built)(on, True, True, None, config=None)) is ZeppelinGPTModel
+    assert prepared == [7]
     plain = GPTModel.__new__(GPTModel)
     assert type(gpt_builder(lambda args, *a, **k: plain)(off, True, True)) is GPTModel
+    assert prepared == [7]
     with pytest.raises(ConfigError, match="legacy"):
         gpt_builder(lambda args, *a, **k: object())(on)
 

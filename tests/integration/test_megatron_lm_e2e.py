@@ -55,28 +55,39 @@ def patched(tmp_path_factory):
     return root
 
 
-def test_megatron_lm_path_matches_the_trainer_with_remap_and_torch_dist(patched, tmp_path):
+def _dataset(tmp_path) -> str:
     # Long documents beside many short ones: the attention layout balances quadratic
     # work, so the ranks' token counts differ; the remap must even them out.
     rng = np.random.default_rng(7)
     lengths = np.concatenate([[500, 480, 460, 440], rng.integers(8, 40, 120)])
     rng.shuffle(lengths)
-    prefix = write_dataset(str(tmp_path / "docs"), lengths.astype(np.int64))
+    return write_dataset(str(tmp_path / "docs"), lengths.astype(np.int64))
+
+
+def _one_node_cluster(tmp_path, gpus: int) -> Path:
     cluster = tmp_path / "one-node.yaml"
     text = (ROOT / "configs" / "clusters" / "cpu-sim.yaml").read_text()
-    # One node of 2 "GPUs" whose link is so slow that no ring pays off: every document
+    # One node of "GPUs" whose link is so slow that no ring pays off: every document
     # stays on one rank, so balancing attention work leaves token counts uneven.
     text = re.sub(r"(?m)^nodes: 2", "nodes: 1", text)
+    text = re.sub(r"(?m)^gpus_per_node: \d+", f"gpus_per_node: {gpus}", text)
     cluster.write_text(re.sub(r"(?m)^(\s+)latency_us: 200", r"\g<1>latency_us: 1000000", text))
+    return cluster
+
+
+def _run_driver(patched, tmp_path, world: int, model: str, *flags: str) -> tuple[str, list[list[str]]]:
+    """Run ``megatron_lm_e2e.py`` on ``world`` gloo ranks with Megatron-LM ``flags``;
+    rank 0's output and its STEP lines (split)."""
+    prefix, cluster = _dataset(tmp_path), _one_node_cluster(tmp_path, world)
     # The patched scripts first; the package `megatron` comes from the checkout itself.
     path = [str(patched), MLM, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "WORLD_SIZE": str(world),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     (tmp_path / "ckpt").mkdir()  # Megatron's save_checkpoint makes the iteration directory first
     procs = [subprocess.Popen([sys.executable, "megatron_lm_e2e.py", prefix, str(cluster), str(tmp_path / "ckpt"),
-                               str(STEPS)], cwd=patched, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
+                               str(STEPS), model, *flags], cwd=patched, env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    outs = [p.communicate(timeout=900) for p in procs]
     for p, (_, err) in zip(procs, outs):
         missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", err)
         if p.returncode and missing:
@@ -86,10 +97,52 @@ def test_megatron_lm_path_matches_the_trainer_with_remap_and_torch_dist(patched,
     print("\n".join(line for line in out.splitlines() if line.startswith(("STEP", "zeppelin batch", "RESUMED"))))
     steps = [line.split() for line in out.splitlines() if line.startswith("STEP ")]
     assert [int(s[1]) for s in steps] == list(range(STEPS)), out
-    for _, _, megatron_loss, trainer_loss, attention, linear, *_ in steps:
+    for _, _, megatron_loss, trainer_loss, *_ in steps:
         assert float(megatron_loss) == pytest.approx(float(trainer_loss), rel=1e-5, abs=1e-6)
+    assert "RESUMED torch_dist" in out
+    return out, steps
+
+
+def test_megatron_lm_path_matches_the_trainer_with_remap_and_torch_dist(patched, tmp_path):
+    out, steps = _run_driver(patched, tmp_path, 2, "tiny")
+    for _, _, _, _, attention, linear, *_ in steps:
         assert float(linear) <= 1.05  # what the MLP saw: the token-balanced layout
     assert max(float(s[4]) for s in steps) > 1.1  # ...where the attention layout was not
-    assert "RESUMED torch_dist" in out
+    remap = [int(m) for m in re.findall(r"remap_bytes=(\d+)", out)]
+    assert len(remap) == STEPS and all(b > 0 for b in remap), out
+
+
+def _mlp_rows(step: list[str]) -> tuple[list[int], list[int]]:
+    """The rows each rank's first MLP saw and the Plan's linear tokens per data-parallel rank."""
+    fields = dict(f.split("=", 1) for f in step if "=" in f)
+    parse = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    return parse(fields["linear"]), parse(fields["plan_linear"])
+
+
+def test_tensor_and_sequence_parallel(patched, tmp_path):
+    """``--tensor-model-parallel-size 2 --sequence-parallel`` on 4 gloo ranks (2
+    data-parallel ranks): Megatron-Core's sequence-parallel layers on CPU
+    (``megatron/cpu_compat.py``), the remapped MLP under SP; every step's loss equals
+    the trainer's reference at TP 2 with SP, and each TP rank's MLP saw half of its
+    data-parallel rank's linear-layout rows (padded to a multiple of 2)."""
+    out, steps = _run_driver(patched, tmp_path, 4, "tiny", "--tensor-model-parallel-size", "2",
+                             "--sequence-parallel")
+    for step in steps:
+        rows, plan_linear = _mlp_rows(step)
+        assert rows == [-(-plan_linear[rank // 2] // 2) for rank in range(4)], (rows, plan_linear)
+    assert "remap_bytes=" in out
+
+
+def test_moe(patched, tmp_path):
+    """An MoE model through Megatron-LM's own flags (4 experts, top-2, all-gather token
+    dispatcher, no load-balancing loss, no token dropping) with remap on: the router
+    runs on the token-balanced layout and every step's loss equals the trainer's
+    reference on the tiny-moe preset (the same shapes)."""
+    out, steps = _run_driver(patched, tmp_path, 2, "tiny-moe", "--num-experts", "4", "--moe-router-topk", "2",
+                             "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "none",
+                             "--moe-token-dispatcher-type", "allgather")
+    for step in steps:
+        rows, plan_linear = _mlp_rows(step)
+        assert rows == plan_linear  # the router saw the linear layout
     remap = [int(m) for m in re.findall(r"remap_bytes=(\d+)", out)]
     assert len(remap) == STEPS and all(b > 0 for b in remap), out

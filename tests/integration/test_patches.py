@@ -164,3 +164,26 @@ def test_patched_pretrain_gpt_steps_on_cpu(mlm_copy, tmp_path):
     for _, _, mean_loss, tokens, _ in steps:
         # An untrained model's per-token loss is near ln(padded vocab 384) = 5.95.
         assert abs(float(mean_loss) - 5.95) < 0.5 and int(tokens) > 0
+
+
+@needs_mlm
+@pytest.mark.parametrize("flags, message", [
+    (["--sequence-parallel"], "--sequence-parallel splits tokens over tensor-parallel ranks"),
+    (["--tensor-model-parallel-size", "4"], "--tensor-model-parallel-size 4 does not divide the 2 GPUs per node"),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"],
+     "--moe-aux-loss-coeff 0"),
+], ids=["sp-without-tp", "tp-over-node", "moe-aux-loss"])
+def test_patched_pretrain_gpt_refuses_before_any_process_group(mlm_copy, flags, message):
+    """core_v0.16.1's ``pretrain()`` builds its process groups right after parsing: the
+    patched script checks the ``--zeppelin`` flags before calling it.  No
+    MASTER_ADDR is set, so reaching ``init_process_group`` would fail otherwise."""
+    assert apply(mlm_copy).returncode == 0
+    if "core_v0.16.1" not in apply(mlm_copy).stdout:
+        pytest.skip("the early check is patched into core_v0.16.1 (0.19 checks right after its own parse)")
+    argv = subprocess.run([sys.executable, "-m", "megatron_zeppelin.launch", "--preset", "tiny-cpu", "--print-args",
+                           "--only", "megatron"], capture_output=True, text=True, check=True).stdout.split()
+    env = {"WORLD_SIZE": "4", "RANK": "0", "MASTER_ADDR": "", "MASTER_PORT": ""}
+    r = run_megatron(mlm_copy, "pretrain_gpt.py", *argv, "--zeppelin-cluster", "cpu-sim", *flags, env=env)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and message in errors[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr

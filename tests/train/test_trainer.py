@@ -220,26 +220,33 @@ def test_tensor_parallel_and_moe_bad_inputs_exit_2_before_spawning(lengths_file,
     assert "--tp 4 does not divide model tiny's KV heads (2)" in _one_error_line(capsys, one_node)
     assert "needs --tp > 1" in _one_error_line(capsys, [*argv, "--sequence-parallel"])
     assert "expert_parallel_size" in _one_error_line(capsys, [*argv, "--model", "llama-moe-8x7b"])
-    assert "tiny-moe is an MoE: with --tp > 1" in _one_error_line(
-        capsys, [*argv, "--model", "tiny-moe", "--tp", "2", "--tokens-per-gpu", "384"])
-    assert "--sequence-parallel needs GPUs" in _one_error_line(
-        capsys, [*argv, "--tp", "2", "--tokens-per-gpu", "384", "--sequence-parallel"])
 
 
-def test_moe_with_remap_equals_reference(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tokens_per_gpu, parallel, steps", [(192, (), 3), (384, ("--tp", "2", "--sequence-parallel"), 2)],
+                         ids=["dp", "tp2-sp"])
+def test_moe_with_remap_equals_reference(tmp_path, monkeypatch, tokens_per_gpu, parallel, steps):
     """--model tiny-moe (Megatron-Core's MoE layer, 4 experts, top-2) with remap on: the
     router and experts run on the linear layout; losses and every parameter's gradient
-    (router and expert weights included) equal the reference's."""
-    zep = _train_saving_grads(_micro_argv("zeppelin", tmp_path / "z.jsonl", 192, "--model", "tiny-moe"),
+    (router and expert weights included) equal the reference's at the same TP/SP.
+    ``tp2-sp``: Megatron-Core's all-gather token dispatcher over the TP ranks, experts
+    split over them (CPU ranks: ``megatron/cpu_compat.py``); its reference's losses
+    also equal plain data parallelism's."""
+    moe = ("--model", "tiny-moe", *parallel)
+    zep = _train_saving_grads(_micro_argv("zeppelin", tmp_path / "z.jsonl", tokens_per_gpu, *moe, steps=steps),
                               tmp_path / "gz", monkeypatch)
-    ref = _train_saving_grads(_micro_argv("reference", tmp_path / "r.jsonl", 192, "--model", "tiny-moe"),
+    ref = _train_saving_grads(_micro_argv("reference", tmp_path / "r.jsonl", tokens_per_gpu, *moe, steps=steps),
                               tmp_path / "gr", monkeypatch)
     for z, r in zip(zep, ref):
         assert z["num_tokens"] == r["num_tokens"] and z["loss"] == pytest.approx(r["loss"], rel=1e-5)
     assert any(z["bytes"]["remap_intra_node"] + z["bytes"]["remap_inter_node"] for z in zep)
     names = torch.load(sorted((tmp_path / "gz").glob("*.pt"))[0]).keys()
     assert any("mlp.router" in n for n in names) and any("mlp.experts" in n for n in names)
-    _assert_same_grads(tmp_path / "gz", tmp_path / "gr", steps=3, rel=1e-5)
+    _assert_same_grads(tmp_path / "gz", tmp_path / "gr", steps=steps, rel=1e-5)
+    if parallel:
+        launch(parse_args(_micro_argv("reference", tmp_path / "p.jsonl", 192, "--model", "tiny-moe", steps=steps)))
+        plain = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()]
+        for p, r in zip(plain, ref):
+            assert p["loss"] == pytest.approx(r["loss"], rel=1e-5)
 
 
 def test_micro_batch_count_leaving_one_empty_exits_2_before_spawning(lengths_file, tmp_path, capsys,

@@ -1,0 +1,142 @@
+"""Megatron-Core's tensor/sequence-parallel code on CPU ranks (gloo), unchanged.
+
+Why this exists: the project tests tensor parallelism, sequence parallelism and
+MoE on machines without a GPU, one gloo process per simulated GPU.  gloo has the
+collectives sequence parallelism needs (``all_gather_into_tensor``,
+``reduce_scatter_tensor``), but Megatron-Core 0.16.1 cannot reach them on CPU
+for two reasons only:
+
+1. **Allocation device.**  Its gather/scatter buffers are allocated with
+   ``device=torch.cuda.current_device()``: ``tensor_parallel/mappings.py``
+   (``_gather_along_first_dim``, ``_reduce_scatter_along_first_dim``,
+   ``_gather_along_last_dim``, ``_AllToAll``), ``tensor_parallel/layers.py`` (the
+   sequence-parallel reduce-scatter of the input gradient in
+   ``LinearWithGradAccumulationAndAsyncCommunication.backward``) and
+   ``utils.py`` (``GlobalMemoryBuffer.get_tensor``, the all-gathered input of a
+   sequence-parallel column-parallel linear).  Without CUDA the call raises.
+2. **RNG tracker.**  Under ``sequence_parallel`` the embedding and the
+   transformer block run inside ``get_cuda_rng_tracker().fork()``, whose states
+   are CUDA generator states seeded by ``model_parallel_cuda_manual_seed``
+   (which Megatron-LM skips when no GPU is present).
+
+What it redirects, and nothing else:
+
+- In exactly the modules of :data:`ALLOCATING_MODULES`, the module-global name
+  ``torch`` is replaced by a view of torch whose ``cuda.current_device()``
+  answers ``torch.device("cpu")``; every other attribute is torch's own.  So
+  Megatron's own functions run -- the same collectives, splits, autograd
+  functions and buffers -- with their buffers on the CPU.
+- Megatron's RNG tracker is replaced by :class:`CpuRNGStatesTracker`, a
+  ``CudaRNGStatesTracker`` whose named states are states of torch's CPU
+  generator (the one CPU dropout draws from), seeded like
+  ``model_parallel_cuda_manual_seed`` seeds the CUDA ones (model-parallel:
+  ``seed + 2718 + tp_rank``; expert-parallel: ``seed + 1024 + 100 * ep_rank +
+  etp_rank``), without reseeding the default generator.
+
+:func:`apply_cpu_compat` refuses to run where CUDA is available: on GPUs
+Megatron-Core runs untouched.  Callers apply it in CPU (gloo) ranks only, after
+the model-parallel state exists and before the model is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+import warnings
+
+import torch
+
+#: Megatron-Core modules whose buffers are allocated on ``torch.cuda.current_device()``
+#: on the sequence-parallel and MoE paths this project runs (see the module docstring).
+ALLOCATING_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers",
+                      "megatron.core.utils")
+
+
+class _CudaOnCpu:
+    """``torch.cuda`` as seen from an allocating module: the current device is the CPU."""
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` with :class:`_CudaOnCpu` as its ``cuda``; everything else is torch's."""
+
+    cuda = _CudaOnCpu()
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+_TORCH_ON_CPU = _TorchOnCpu("torch")
+
+
+def _cpu_tracker_class():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Megatron's RNG tracker with torch's CPU generator in place of the GPU's:
+        ``fork(name)`` runs its body on the named CPU generator state and restores the
+        caller's state after it, the way the CUDA tracker swaps CUDA states."""
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            caller_state = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(caller_state)
+
+    return CpuRNGStatesTracker
+
+
+def _seed_cpu_tracker(seed: int) -> None:
+    """Install a :class:`CpuRNGStatesTracker` seeded like ``model_parallel_cuda_manual_seed``."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = _cpu_tracker_class()()
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + mpu.get_tensor_model_parallel_rank())
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME,
+                seed + 1024 + 100 * mpu.get_expert_model_parallel_rank() + mpu.get_expert_tensor_parallel_rank())
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def apply_cpu_compat(seed: int) -> None:
+    """Let Megatron-Core's tensor/sequence-parallel code run in this CPU (gloo) rank;
+    call after ``initialize_model_parallel``.  Idempotent for the allocation sites;
+    the RNG tracker is re-seeded on every call.  Raises where CUDA is available."""
+    if torch.cuda.is_available():
+        raise RuntimeError("apply_cpu_compat is for CPU ranks only; on GPUs Megatron-Core runs unchanged")
+    for name in ALLOCATING_MODULES:
+        importlib.import_module(name).torch = _TORCH_ON_CPU
+    _seed_cpu_tracker(seed)
+    # Megatron-Core 0.16.1 calls the collectives by names torch 2.13 deprecates; every
+    # call would print the same warning once per rank.
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+
+
+def cpu_compat_applied() -> bool:
+    """Whether :func:`apply_cpu_compat` redirected this process's allocation sites."""
+    return all(importlib.import_module(name).torch is _TORCH_ON_CPU for name in ALLOCATING_MODULES)

@@ -1,0 +1,76 @@
+"""megatron/cpu_compat.py: what it redirects on a CPU rank, and nothing on a GPU one.
+
+The distributed checks (Megatron-Core's sequence-parallel layers on gloo equal the
+reference) are in tests/train/test_sequence_parallel.py; here the two redirections
+are checked one by one in this process, and undone after each test.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.tensor_parallel import random as mrandom
+
+from megatron_zeppelin.megatron import cpu_compat
+
+
+@pytest.fixture
+def undone(monkeypatch):
+    """Everything apply_cpu_compat changes is restored after the test; TP rank 1."""
+    for name in cpu_compat.ALLOCATING_MODULES:
+        monkeypatch.setattr(importlib.import_module(name), "torch", torch)
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER", mrandom._CUDA_RNG_STATE_TRACKER)
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(parallel_state, "get_expert_tensor_parallel_rank", lambda: 0)
+    return monkeypatch
+
+
+def test_refuses_where_cuda_is_available(undone):
+    undone.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="CPU ranks only"):
+        cpu_compat.apply_cpu_compat(seed=5)
+    assert not cpu_compat.cpu_compat_applied()
+
+
+def test_allocation_sites_see_the_cpu_and_nothing_else_changes(undone):
+    cpu_compat.apply_cpu_compat(seed=5)
+    assert cpu_compat.cpu_compat_applied()
+    from megatron.core import utils
+    from megatron.core.tensor_parallel import layers, mappings
+
+    for module in (mappings, layers, utils):
+        assert module.torch.cuda.current_device() == torch.device("cpu")
+        assert module.torch.cuda.is_available is torch.cuda.is_available  # the rest is torch's own
+        assert module.torch.empty is torch.empty and module.torch.distributed is torch.distributed
+    # Megatron-Core's own global buffer now hands out CPU tensors.
+    buffer = utils.GlobalMemoryBuffer().get_tensor([2, 3], torch.float32, "mpu")
+    assert buffer.device.type == "cpu" and buffer.shape == (2, 3)
+    assert torch.cuda.current_device is not mappings.torch.cuda.current_device  # torch itself untouched
+
+
+def test_rng_tracker_forks_the_cpu_generator_per_tp_rank(undone):
+    cpu_compat.apply_cpu_compat(seed=5)
+    tracker = get_cuda_rng_tracker()
+    torch.manual_seed(0)
+    caller = torch.get_rng_state()
+    with tracker.fork():
+        first = torch.rand(4)
+    with tracker.fork():
+        second = torch.rand(4)
+    # The model-parallel stream, seeded as model_parallel_cuda_manual_seed seeds TP rank 1's.
+    stream = torch.Generator().manual_seed(5 + 2718 + 1)
+    assert torch.equal(first, torch.rand(4, generator=stream))
+    assert torch.equal(second, torch.rand(4, generator=stream))  # continues, never repeats
+    assert torch.equal(torch.get_rng_state(), caller)  # the caller's generator is as it was
+    with tracker.fork(mrandom.get_expert_parallel_rng_tracker_name()):
+        expert = torch.rand(4)
+    assert torch.equal(expert, torch.rand(4, generator=torch.Generator().manual_seed(5 + 1024)))
+    with pytest.raises(Exception, match="not added"):
+        with tracker.fork("no-such-state"):
+            pass
