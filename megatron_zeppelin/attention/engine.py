@@ -79,7 +79,7 @@ def build_schedule(plan: Plan, shape: AttnShape, comm: LaneCommunicator | None,
     dict that lives as long as ``plan`` (the step context's), so a model's layers
     derive them once.  Without a communicator the transport is direct (the plan
     must then move nothing)."""
-    transport = comm.transport if isinstance(comm, LaneCommunicator) else Transport(
+    transport = comm.transport_for(plan.routed) if isinstance(comm, LaneCommunicator) else Transport(
         Topology(nodes=1, gpus_per_node=plan.world_size, nics_per_node=1))
     key = ("layer_schedules", shape, transport)
     if cache is not None and key in cache:

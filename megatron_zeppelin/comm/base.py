@@ -62,7 +62,8 @@ class Communicator(Protocol):
     counters: ByteCounters
 
     def start_round(self, messages: Sequence[Message], sends: Mapping[int, torch.Tensor],
-                    recvs: Mapping[int, torch.Tensor]) -> Pending:
+                    recvs: Mapping[int, torch.Tensor], *, routed: bool = True) -> Pending:
         """Start a round; ``sends``/``recvs`` map message ids to this rank's
-        contiguous tensors.  Returns immediately; call ``wait()`` before reading
+        contiguous tensors; ``routed=False`` sends every message direct (a plan
+        whose ``Plan.routed`` is off).  Returns immediately; call ``wait()`` before reading
         any receive buffer or writing any send buffer."""

@@ -9,6 +9,7 @@ cross-node message of at least ``min_routed_bytes``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from datetime import timedelta
 from typing import Mapping, Sequence
@@ -85,9 +86,16 @@ class LaneCommunicator:
         """The communication stream on CUDA (None on CPU)."""
         return self.runner.stream
 
+    def transport_for(self, routed: bool) -> Transport:
+        """The transport of a plan whose ``routed`` flag is given: this
+        communicator's, or direct for every message (``Plan.routed``)."""
+        return self.transport if routed else dataclasses.replace(self.transport, min_routed_bytes=math.inf)
+
     def start_round(self, messages: Sequence[Message], sends: Mapping[int, torch.Tensor],
-                    recvs: Mapping[int, torch.Tensor]) -> RoundPending:
-        """Start a round (collective: every rank passes the same messages); returns at once."""
+                    recvs: Mapping[int, torch.Tensor], *, routed: bool = True) -> RoundPending:
+        """Start a round (collective: every rank passes the same messages and
+        ``routed``, the step plan's ``Plan.routed``); returns at once."""
+        transport = self.transport_for(routed)
         b = ScheduleBuilder(self.topology.world_size)
         ids = {}
         for index, m in enumerate(messages):
@@ -95,10 +103,10 @@ class LaneCommunicator:
                 if m.src == self.rank:
                     recvs[m.id].copy_(sends[m.id])
                 continue
-            itemsize = m.itemsize or self._local_itemsize(m, sends, recvs)
+            itemsize = m.itemsize or self._local_itemsize(m, sends, recvs, transport)
             mid = len(b.messages)
             ids[mid] = m.id
-            add_transfer(b, (index,), self.transport, ("round", m.id), m.src, m.dst, m.numel, itemsize, [],
+            add_transfer(b, (index,), transport, ("round", m.id), m.src, m.dst, m.numel, itemsize, [],
                          tier="remap", name="remap", backward=False, route_id=m.id)
         schedule = b.build()
         _check(messages, sends, recvs, self.rank)
@@ -106,10 +114,10 @@ class LaneCommunicator:
         # collectively (their tags must agree).
         return RoundPending(self.runner.start(schedule, _RoundBinding(ids, sends, recvs), self.recorder))
 
-    def _local_itemsize(self, m: Message, sends, recvs) -> int:
+    def _local_itemsize(self, m: Message, sends, recvs, transport: Transport) -> int:
         # Direct transfers have no proxy to size: the tensor's own element size
         # serves.  A routed message needs the same itemsize on every rank.
-        if self.min_routed_bytes == math.inf:
+        if transport.min_routed_bytes == math.inf:
             t = sends.get(m.id) if m.src == self.rank else recvs.get(m.id) if m.dst == self.rank else None
             if t is not None:
                 return t.element_size()

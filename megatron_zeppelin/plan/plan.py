@@ -106,6 +106,11 @@ class Plan:
     """``linear[r]``: token spans rank ``r`` holds for projections and MLP, in order."""
     token_cap: int | None = None
     """Per-rank token cap both layouts must respect (None: unchecked)."""
+    routed: bool = True
+    """Whether the run's routing layer may route this plan's cross-node messages
+    (Zeppelin decides per batch: routing's dispatch and combine legs share
+    NVLink with the other traffic and may cost more than they save).  False:
+    every message goes direct, whatever the run's routing threshold."""
 
     # ------------------------------------------------------------------ views
     def attention_spans(self, rank: int) -> list[Span]:
@@ -265,6 +270,7 @@ class Plan:
                           for p in self.attention],
             "linear": [[[sp.seq, sp.start, sp.end] for sp in spans] for spans in self.linear],
             "remap": [[t.src, t.dst, t.seq, t.start, t.end] for t in self.remap_schedule()],
+            "routed": self.routed,
         }
 
     @classmethod
@@ -279,9 +285,10 @@ class Plan:
                                                    for ranges in a["shards"]))
                                 for a in d["attention"]),
                 linear=tuple(tuple(Span(int(q), int(s), int(e)) for q, s, e in spans)
-                             for spans in d["linear"]))
+                             for spans in d["linear"]),
+                routed=_flag(d.get("routed", True), "routed"))
         except (KeyError, TypeError, ValueError) as exc:
-            raise PlanError(f"plan JSON is malformed ({exc!r}); see docs/plan-format.md") from None
+            raise PlanError(f"plan JSON is malformed ({exc!r}); see 'The Plan' in docs/architecture.md") from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
@@ -294,6 +301,12 @@ class Plan:
         """63-bit hash of the layouts; ranks all-reduce it to prove they agree."""
         digest = hashlib.blake2b(self.to_json().encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") >> 1
+
+
+def _flag(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{key!r} must be true or false, got {value!r}")
+    return value
 
 
 def attention_buffers(world_size: int, attention: Sequence[SeqPlacement]) -> list[list[Span]]:

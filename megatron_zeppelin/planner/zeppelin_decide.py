@@ -3,15 +3,16 @@
 The remapping layer costs two all-to-all-v per layer and pass; when the
 attention layout is already nearly token-balanced it costs more than it saves.
 Routing helps a ring's node crossings but its planner then prefers rings that
-a plan made without routing would not use.  So every batch is planned with
+a plan made without routing would not use, and its dispatch and combine legs
+compete with the other NVLink traffic.  So every batch is planned with
 each choice the run allows -- remap on and off (on only if
-``PlanContext.remap_enabled``, off only if ``remap_decided``), planned for
-routed and for direct crossings (routed only if ``cost.routing``) -- and the
-plan with the smallest modeled
+``PlanContext.remap_enabled``, off only if ``remap_decided``), planned and run
+with routed or with direct crossings (routed only if ``cost.routing``; a plan
+for direct crossings carries ``Plan.routed = False``, which the engine and the
+replay honor) -- and the plan with the smallest modeled
 step (``PlanContext.step_model``) runs.  Every candidate is timed under the
-run's own cost model, where each cross-node message takes the faster of
-routed and direct (``CostModel.crossing_link``, the routing layer's own
-break-even), so Zeppelin is never modeled slower than its variants.
+run's own cost model, so Zeppelin is never modeled slower than its variants
+at the decision's replay depth.
 
 The uniform layouts static CP would run -- every sequence zigzag-split over
 fixed groups of ``c`` ranks, packed into one ring per group -- are plans
@@ -60,9 +61,15 @@ class DecidingZeppelinPlanner:
         candidates, errors = [], []
         for option in candidate_contexts(ctx):
             try:
-                candidates.append(self.inner.plan(seq_lens, option))
+                plan = self.inner.plan(seq_lens, option)
             except InfeasibleError as exc:    # e.g. remap's balanced layout has no room; others may
                 errors.append(exc)
+                continue
+            # A plan made for direct crossings also runs them direct: routing's
+            # dispatch and combine legs share NVLink with the other traffic, and
+            # on some batches they cost more than they save.
+            candidates.append(plan if option.cost.routing == ctx.cost.routing
+                              else dataclasses.replace(plan, routed=False))
         if not (ctx.remap_enabled and not ctx.remap_decided):   # uniform CP plans do not remap
             candidates += uniform_cp_plans(seq_lens, ctx)
         if not candidates:

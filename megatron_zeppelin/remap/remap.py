@@ -54,7 +54,7 @@ def remap_tokens(x: torch.Tensor, *, plan: Plan, rank: int, comm: Communicator,
         ex = build_exchange(plan, rank).to(x.device)
         if cache is not None:
             cache[key] = ex
-    move = _Move(ex, comm, rank, direction == "to_linear", counters, max_buffer_bytes)
+    move = _Move(ex, comm, rank, direction == "to_linear", counters, max_buffer_bytes, plan.routed)
     return _RemapFunction.apply(x, move)
 
 
@@ -62,12 +62,14 @@ class _Move:
     """One direction of a switch; ``reversed()`` is the gradient's way."""
 
     def __init__(self, ex: RemapExchange, comm: Communicator, rank: int, to_linear: bool,
-                 counters: RemapCounters | None, limit: int | None) -> None:
+                 counters: RemapCounters | None, limit: int | None, routed: bool) -> None:
         self.ex, self.comm, self.rank = ex, comm, rank
         self.to_linear, self.counters, self.limit = to_linear, counters, limit
+        self.routed = routed
+        """The plan's ``Plan.routed``: whether the round may route its messages."""
 
     def reversed(self) -> "_Move":
-        return _Move(self.ex, self.comm, self.rank, not self.to_linear, self.counters, self.limit)
+        return _Move(self.ex, self.comm, self.rank, not self.to_linear, self.counters, self.limit, self.routed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ex = self.ex
@@ -96,7 +98,7 @@ class _Move:
         recvs = {i: x.new_empty(rows.numel() * row) for i, rows in scatter.items()}
         before = _sent(self.comm.counters)
         # Every rank holds the same message list, so all skip an empty round together.
-        pending = self.comm.start_round(messages, sends, recvs) if messages else None
+        pending = self.comm.start_round(messages, sends, recvs, routed=self.routed) if messages else None
         out = x.new_zeros((n_out + pad_rows(n_out), *trailing))
         out.index_copy_(0, keep_out, x.index_select(0, keep_in))  # overlaps the round
         if pending is not None:

@@ -172,6 +172,8 @@ def step_parts(plan: Plan, cost: CostModel, *, pack: bool = False, attn: AttnSha
     if attn is not None:
         shape = dataclasses.replace(shape, attn=attn)
     transport = transport or transport_of(cost)
+    if not plan.routed:          # the plan runs every crossing direct (Plan.routed), as the engine does
+        transport = dataclasses.replace(transport, min_routed_bytes=math.inf)
     isz, row = shape.attn.itemsize, shape.hidden_size
 
     def segment(add) -> Schedule:

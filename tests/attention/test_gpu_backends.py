@@ -115,7 +115,7 @@ class _NoComm:
 
     counters = None
 
-    def start_round(self, messages, sends, recvs):
+    def start_round(self, messages, sends, recvs, *, routed=True):
         raise AssertionError("a local-only plan must not communicate")
 
 

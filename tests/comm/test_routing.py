@@ -151,14 +151,14 @@ def test_routed_rounds_deliver_exact_bytes(world, shape):
         assert counters == hop_bytes(hops, rank)
 
 
-def _ring_counters(rank, world_size, numel, threshold):
+def _ring_counters(rank, world_size, numel, threshold, routed=True):
     topo = Topology(nodes=2, gpus_per_node=4, nics_per_node=4)
     comm = RoutedCommunicator(None, topo, ByteCounters(), threshold, dtype=torch.bfloat16)
     msgs = ring_messages(topo, numel)
     me = comm.rank
     x = torch.arange(numel, dtype=torch.bfloat16) + me
     out = torch.zeros(numel, dtype=torch.bfloat16)
-    comm.start_round(msgs, {me: x}, {(me - 1) % WORLD: out}).wait()
+    comm.start_round(msgs, {me: x}, {(me - 1) % WORLD: out}, routed=routed).wait()
     comm.close()
     assert torch.equal(out, torch.arange(numel, dtype=torch.bfloat16) + (me - 1) % WORLD)
     return comm.counters
@@ -167,8 +167,9 @@ def _ring_counters(rank, world_size, numel, threshold):
 def test_measured_nic_bytes_balanced_with_routing(world):
     topo = Topology(nodes=2, gpus_per_node=4, nics_per_node=4)
     loads = {}
-    for name, threshold in (("on", 0), ("off", math.inf)):
-        counters = world.run(_ring_counters, 1001, threshold)
+    # "plan off": a routing communicator running a plan with Plan.routed = False.
+    for name, threshold, routed in (("on", 0, True), ("off", math.inf, True), ("plan off", 0, False)):
+        counters = world.run(_ring_counters, 1001, threshold, routed)
         load = [0] * 8
         for r, c in enumerate(counters):
             for nic, n in c.inter_node_per_nic.items():
@@ -177,6 +178,7 @@ def test_measured_nic_bytes_balanced_with_routing(world):
     assert sum(loads["on"]) == sum(loads["off"]) == 2 * 1001 * 2
     assert max(loads["on"]) / (sum(loads["on"]) / 8) <= 1.2
     assert max(loads["on"]) <= 0.35 * max(loads["off"])
+    assert loads["plan off"] == loads["off"]
 
 
 def _start_returns_at_once(rank, world_size):

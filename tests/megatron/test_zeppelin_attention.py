@@ -229,7 +229,7 @@ class _LoopbackComm:
         from megatron_zeppelin.comm.base import ByteCounters
         self.counters = ByteCounters()
 
-    def start_round(self, messages, sends, recvs):
+    def start_round(self, messages, sends, recvs, *, routed=True):
         for m in messages:
             recvs[m.id].copy_(sends[m.id])
         return self
