@@ -36,9 +36,8 @@ from megatron_zeppelin.planner.base import get_planner
 from megatron_zeppelin.presets import CONFIG_ROOT
 from megatron_zeppelin.sampler import batch_budget
 from megatron_zeppelin.sampler.lengths import load_lengths
-from megatron_zeppelin.sim.rounds import plan_batch, rounds_timeline
+from megatron_zeppelin.sim.rounds import timed_batch
 from megatron_zeppelin.sim.simulate import Strategy, build_strategies, plan_context, sample_batches, te_cp_size
-from megatron_zeppelin.sim.timeline import step_timeline
 from megatron_zeppelin.topology import load_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -117,15 +116,13 @@ def measure(strategies: list[Strategy], batches: list[list[int]], tokens_per_gpu
         ctx = plan_context(s, tokens_per_gpu, time_limit_s)
         for lens in batches:
             try:
-                _, rounds = plan_batch(s.planner, lens, ctx)
+                timed = timed_batch(s.planner, lens, ctx)    # the layout search's own, when it timed it
             except InfeasibleError as exc:
                 m.error = str(exc)
                 break
-            tl = rounds_timeline(rounds, s.cost)
-            m.step_s.append(tl.step_s)
-            m.terms["grad_sync"] += tl.sync.exposed_s
-            for r in rounds:
-                part = step_timeline(r, s.cost, sync=False)
+            m.step_s.append(timed.step.step_s)
+            m.terms["grad_sync"] += timed.step.sync.exposed_s
+            for part in timed.parts:
                 slow = part.ranks[part.slowest_rank]
                 for term, v in zip(TERMS, (slow.attn_compute_s, slow.exposed_comm_s, slow.remap_s,
                                            slow.linear_s)):

@@ -19,11 +19,11 @@ from typing import Sequence
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.cost.tp import tp_view
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.planner.base import PlanContext, get_planner
+from megatron_zeppelin.planner.base import get_planner
 from megatron_zeppelin.planner.te_cp import StaticLayout, te_cp_layouts, tp_problems
 from megatron_zeppelin.planner.ulysses_sp import ulysses_layouts
-from megatron_zeppelin.sim.rounds import plan_batch, rounds_timeline
-from megatron_zeppelin.sim.timeline import step_timeline
+from megatron_zeppelin.sim.rounds import timed_batch
+from megatron_zeppelin.sim.simulate import Strategy, plan_context
 
 #: Batches a layout is tried on (a user's short benchmark run).
 TRIAL_BATCHES = 2
@@ -62,12 +62,12 @@ def choose_layout(name: str, cost: CostModel, batches: Sequence[Sequence[int]], 
     failures = []
     for layout in feasible:
         view = tp_view(cost, layout.tp) if layout.tp > 1 else cost
-        ctx = PlanContext(cost=view, tokens_per_gpu=tokens_per_gpu * layout.tp, cp_size=layout.size or None,
-                          time_limit_s=time_limit_s, tp_size=layout.tp,
-                          step_model=lambda plan, view=view: step_timeline(plan, view).step_s)
+        # The context the simulator runs the strategy with, so that its
+        # measurement of these batches afterwards is remembered (timed_batch).
+        ctx = plan_context(Strategy(name, planner, view, layout.size or None, tp_size=layout.tp),
+                           tokens_per_gpu, time_limit_s)
         try:
-            steps = [rounds_timeline(plan_batch(planner, b, ctx)[1], view).step_s
-                     for b in batches[:TRIAL_BATCHES]]
+            steps = [timed_batch(planner, b, ctx).step.step_s for b in batches[:TRIAL_BATCHES]]
         except InfeasibleError as exc:
             failures.append(f"{layout}: {exc}")
             continue
