@@ -1,7 +1,7 @@
 """Both papers' evaluation settings in the simulator: published figure, modeled figure, ratio.
 
-    python benchmarks/published_settings.py            # every setting (a few minutes on one core)
-    python benchmarks/published_settings.py --quick    # one setting of each paper
+    python benchmarks/published_settings.py            # every FlexSP setting, 6 Zeppelin ones (~8 CPU-min)
+    python benchmarks/published_settings.py --quick    # one setting of each paper (~1 CPU-min)
 
 FlexSP (arXiv 2412.01523): 8 nodes x 8 A100-40GB (``a100-40g-4x100g``), GPT-7B/13B/30B
 with 64 heads (``gpt-*``), 192K and 384K maximum length, global batches of 512
@@ -30,8 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.cost.model import RING_BWD_BYTES_RATIO
+from megatron_zeppelin.cost.tp import tp_view
 from megatron_zeppelin.errors import InfeasibleError, exit_on_user_error
 from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.plan import Mode, Plan
 from megatron_zeppelin.planner.base import get_planner
 from megatron_zeppelin.presets import CONFIG_ROOT
 from megatron_zeppelin.sampler import batch_budget
@@ -61,6 +64,12 @@ ZEPPELIN_TOKENS_PER_GPU = {"llama-3b": 32768, "llama-7b": 16384, "llama-13b": 16
 ZEPPELIN_MAX_LENS = (128 * K, 512 * K)
 ZEPPELIN_NODES = 8
 ZEPPELIN_CLUSTERS = ("a800-4x200g", "h800-8x400g", "h200-8x400g")
+#: The Zeppelin settings run by default: per cluster a mid-size model at the
+#: shorter and a larger one at the longer maximum length (one setting takes
+#: ~1 CPU-minute: the TE CP layout search and Zeppelin's TP search plan every
+#: batch up to a dozen times); ``--all-zeppelin-settings`` runs every cluster
+#: x model x length.
+ZEPPELIN_DEFAULT = (("llama-7b", 128 * K), ("llama-13b", 512 * K))
 #: Step-time components, as the timeline splits a rank's step.
 TERMS = ("attention", "exposed_comm", "remap", "linear", "grad_sync")
 
@@ -72,6 +81,12 @@ class Measured:
     step_s: list[float] = field(default_factory=list)
     terms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TERMS, 0.0))
     """Seconds of each component on the slowest rank of each round, summed over batches."""
+    comm_gpu_s: float = 0.0
+    """Exposed communication averaged over the ranks of each round, summed over
+    rounds and batches: all-to-all (or ring) time per GPU."""
+    ring_floor_s: float = 0.0
+    """The ring's transfers alone, back to back on each rank's NICs, summed over
+    batches (:func:`ring_floor`; 0 without inter-node rings)."""
     layout: str = ""
     error: str | None = None
 
@@ -79,8 +94,11 @@ class Measured:
     def mean_s(self) -> float:
         return statistics.fmean(self.step_s)
 
-    def share(self, term: str) -> float:
-        return self.terms[term] / sum(self.step_s)
+    def comm_share(self) -> float:
+        """Share of the GPUs' step time spent waiting for communication: every
+        rank's, not only the slowest one's (FlexSP's groups differ; on an SP=1
+        group a rank waits for none)."""
+        return self.comm_gpu_s / sum(self.step_s)
 
 
 @dataclass(frozen=True)
@@ -122,12 +140,30 @@ def measure(strategies: list[Strategy], batches: list[list[int]], tokens_per_gpu
                 break
             m.step_s.append(timed.step.step_s)
             m.terms["grad_sync"] += timed.step.sync.exposed_s
-            for part in timed.parts:
+            for part, plan in zip(timed.parts, timed.rounds):
                 slow = part.ranks[part.slowest_rank]
                 for term, v in zip(TERMS, (slow.attn_compute_s, slow.exposed_comm_s, slow.remap_s,
                                            slow.linear_s)):
                     m.terms[term] += v
+                m.comm_gpu_s += statistics.fmean(r.exposed_comm_s for r in part.ranks)
+                m.ring_floor_s += ring_floor(plan, s.cost) if s.name == "te_cp" else 0.0
     return out
+
+
+def ring_floor(plan: Plan, cost: CostModel) -> float:
+    """Seconds TE's packed ring needs for its transfers alone on the busiest CP
+    rank: every layer, ``c - 1`` forward steps each sending the rank's K/V and
+    ``c - 1`` backward steps each sending K/V and dK/dV (both in bf16), all
+    through the NICs of its GPUs (a TP group's, at TP > 1) when the ring spans
+    nodes.  A lower bound of the ring's time: no overlap can make it shorter."""
+    rings = [p for p in plan.attention if p.mode is Mode.RING]
+    topo = cost.cluster.topology
+    if not rings or all(len({topo.node_of(r) for r in p.ranks}) == 1 for p in rings):
+        return 0.0
+    k = rings[0].size
+    tokens = max(plan.linear_tokens_per_rank())
+    sent = (k - 1) * (1 + RING_BWD_BYTES_RATIO) * tokens * cost.model.kv_bytes_per_token
+    return cost.model.num_layers * sent / (cost.cluster.nic.bandwidth_GBps * 1e9)
 
 
 def gap_term(base: Measured, mine: Measured, too_high: bool) -> str:
@@ -165,7 +201,33 @@ def flexsp_setting(model: str, max_len: int, args: argparse.Namespace) -> tuple[
     rows = [speedup_row("FlexSP", setting, "flexsp / DeepSpeed SP=64", ds, got["ulysses_sp"], got["flexsp"]),
             speedup_row("FlexSP", setting, f"flexsp / Megatron ({_layout(got['te_cp'])})", mega, got["te_cp"],
                         got["flexsp"])]
+    args.megatron_notes.append(megatron_note(setting, cost, batches, got, mega, args))
     return rows, got
+
+
+#: The layout of the sensitivity check: TP=8 x CP=4, the widest TP and the
+#: narrowest CP that holds 384K when a GPU holds 12K tokens (full recomputation).
+WHAT_IF_TP, WHAT_IF_CP = 8, 4
+
+
+def megatron_note(setting: str, cost: CostModel, batches: list[list[int]], got: dict[str, Measured],
+                  published: float, args: argparse.Namespace) -> tuple:
+    """(setting, te_cp's layout, its mean step, its ring floor per step
+    (:func:`ring_floor`), flexsp's mean step, and -- when the search's layout
+    needs more CP than TP=8 x CP=4 at the common token cap -- (the per-GPU
+    tokens TP=8 x CP=4 needs, flexsp's modeled speedup over te_cp run so))."""
+    mega, flex = got["te_cp"], got["flexsp"]
+    if mega.error or flex.error:
+        return (setting, _layout(mega), None, None, None, None)
+    max_len = max(max(b) for b in batches) if batches else 0
+    cap = -(-max(max_len, 1) // (WHAT_IF_TP * WHAT_IF_CP))
+    what_if = None
+    if cap > FLEXSP_TOKENS_PER_GPU:
+        view = tp_view(cost.routed(False), WHAT_IF_TP)
+        alt = Strategy("te_cp", get_planner("te_cp"), view, WHAT_IF_CP, tp_size=WHAT_IF_TP)
+        alt_m = measure([alt], batches, cap, args.time_limit)["te_cp"]
+        what_if = None if alt_m.error else (cap, alt_m.mean_s / flex.mean_s)
+    return (setting, _layout(mega), mega.mean_s, mega.ring_floor_s / len(mega.step_s), flex.mean_s, what_if)
 
 
 def zeppelin_setting(cluster: str, model: str, max_len: int, doc_lengths: np.ndarray,
@@ -208,6 +270,7 @@ def zeppelin_lengths(path: Path | None) -> tuple[str, np.ndarray]:
 def run(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
     shares: list[tuple[float, float, str]] = []
+    args.megatron_notes = []
     settings = [(m, L) for m in ("gpt-7b", "gpt-13b", "gpt-30b") for L in (192 * K, 384 * K)]
     if args.quick:
         settings = settings[:1]
@@ -215,7 +278,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         new, got = flexsp_setting(model, max_len, args)
         rows += new
         if got["ulysses_sp"].step_s and got["flexsp"].step_s:
-            shares.append((got["ulysses_sp"].share("exposed_comm"), got["flexsp"].share("exposed_comm"),
+            shares.append((got["ulysses_sp"].comm_share(), got["flexsp"].comm_share(),
                            f"{model} {max_len // K}K Wikipedia"))
         _progress(rows[-2:])
     if shares:
@@ -225,23 +288,18 @@ def run(args: argparse.Namespace) -> list[Row]:
         rows.append(_share_row(where, "FlexSP all-to-all share", FLEXSP_ALLTOALL_SHARE["flexsp"], flex_share))
         _progress(rows[-2:])
     name, docs = zeppelin_lengths(args.zeppelin_lengths)
-    clusters = ZEPPELIN_CLUSTERS[:1] if args.quick else ZEPPELIN_CLUSTERS
-    models = ["llama-7b"] if args.quick else list(ZEPPELIN_TOKENS_PER_GPU)
-    lengths = ZEPPELIN_MAX_LENS[:1] if args.quick else ZEPPELIN_MAX_LENS
     tuned: dict[str, list[float]] = {}
     args.zeppelin_rows = []
     cp_only: dict[str, list[float]] = {}
-    for cluster in clusters:
-        for model in models:
-            for max_len in lengths:
-                got = zeppelin_setting(cluster, model, max_len, docs, args)
-                if got is None:
-                    continue
-                args.zeppelin_rows.append((cluster, model, max_len, *got))
-                tuned.setdefault(cluster, []).append(got[0])
-                cp_only.setdefault(cluster, []).append(got[1])
-                print(f"  zeppelin {cluster} {model} {max_len // K}K: {got[0]:.2f}x over te_cp {got[2]}, "
-                      f"{got[1]:.2f}x over TP=1 CP-only", file=sys.stderr)
+    for cluster, model, max_len in zeppelin_settings(args):
+        got = zeppelin_setting(cluster, model, max_len, docs, args)
+        if got is None:
+            continue
+        args.zeppelin_rows.append((cluster, model, max_len, *got))
+        tuned.setdefault(cluster, []).append(got[0])
+        cp_only.setdefault(cluster, []).append(got[1])
+        print(f"  zeppelin {cluster} {model} {max_len // K}K: {got[0]:.2f}x over te_cp {got[2]}, "
+              f"{got[1]:.2f}x over TP=1 CP-only", file=sys.stderr)
     where = f"{sum(map(len, tuned.values()))} settings, {name} lengths"
     for label, speedups in (("TE CP (TP x CP tuned)", tuned), ("TE CP (TP=1, CP only)", cp_only)):
         every = [s for v in speedups.values() for s in v]
@@ -253,6 +311,15 @@ def run(args: argparse.Namespace) -> list[Row]:
     rows = [_zeppelin_term(r) for r in rows]
     _progress(rows[-4:])
     return rows
+
+
+def zeppelin_settings(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """(cluster, model, maximum length) of the Zeppelin settings to run."""
+    if args.quick:
+        return [(ZEPPELIN_CLUSTERS[0], *ZEPPELIN_DEFAULT[0])]
+    if args.all_zeppelin_settings:
+        return [(c, m, L) for c in ZEPPELIN_CLUSTERS for m in ZEPPELIN_TOKENS_PER_GPU for L in ZEPPELIN_MAX_LENS]
+    return [(c, m, L) for c in ZEPPELIN_CLUSTERS for m, L in ZEPPELIN_DEFAULT]
 
 
 def _share_row(setting: str, metric: str, published: float, modeled: float) -> Row:
@@ -306,6 +373,7 @@ def report(rows: list[Row], args: argparse.Namespace, elapsed: float) -> str:
     return (f"# Published measurements beside the model\n\nCommand: `{command.strip()}` ({elapsed:.0f} s on a "
             f"shared 2-core CPU box).\n\n" + "\n".join(lines) + "\n\n"
             f"`{last_line(rows)}`\n\n"
+            + _megatron_table(getattr(args, "megatron_notes", []))
             + _zeppelin_table(getattr(args, "zeppelin_rows", [])) +
             f"Zeppelin's mean modeled speedup per cluster over tuned TE CP / over CP-only TE: "
             f"{means or 'n/a'} (the paper reports larger speedups on A800 than on H800).\n\n"
@@ -351,6 +419,22 @@ NOTES = {
 }
 
 
+def _megatron_table(notes: list[tuple]) -> str:
+    lines = ["Megatron (te_cp) in FlexSP's settings, per step: the layout the search picked, its modeled step, "
+             "the ring's transfers alone on the busiest CP rank's NICs (`ring_floor`: no overlap can beat it), "
+             "FlexSP's modeled step, and flexsp's modeled speedup were Megatron run at "
+             f"TP={WHAT_IF_TP} x CP={WHAT_IF_CP} with the per-GPU tokens that needs:", "",
+             "| setting | te_cp layout | te_cp step (s) | ring floor (s) | flexsp step (s) | "
+             f"at TP={WHAT_IF_TP} x CP={WHAT_IF_CP} |", "|---|---|---|---|---|---|"]
+    for setting, layout, mega, floor, flex, what_if in notes:
+        if mega is None:
+            lines.append(f"| {setting} | {layout} | n/a | n/a | n/a | n/a |")
+            continue
+        alt = f"{what_if[1]:.2f}x at {what_if[0]} tokens/GPU" if what_if else "(the search's layout)"
+        lines.append(f"| {setting} | {layout} | {mega:.2f} | {floor:.2f} | {flex:.2f} | {alt} |")
+    return "\n".join(lines) + "\n\n" if notes else ""
+
+
 def _zeppelin_table(settings: list[tuple]) -> str:
     lines = ["Zeppelin's settings, one by one:", "",
              "| cluster | model | max length | over tuned TE CP | its layout | over CP-only TE |", "|---|---|---|---|---|---|"]
@@ -365,7 +449,17 @@ def last_line(rows: list[Row]) -> str:
             f"worst_ratio={worst(counted):.2f}")
 
 
-def main(argv: list[str] | None = None) -> list[Row]:
+@dataclass
+class Outcome:
+    """What one run produced (the test reads it)."""
+
+    rows: list[Row]
+    """Every figure, published beside modeled."""
+    megatron_notes: list[tuple]
+    """Per FlexSP setting, :func:`megatron_note`."""
+
+
+def main(argv: list[str] | None = None) -> Outcome:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one setting of each paper (the test)")
     p.add_argument("--steps", type=int, default=2, help="global batches per setting")
@@ -374,6 +468,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--zeppelin-lengths", type=Path, default=None,
                    help="lengths file for Zeppelin's settings (default: ../shared/data/lengths/python-dirs.npy "
                         "when present, else configs/lengths/synthetic-longtail.npy)")
+    p.add_argument("--all-zeppelin-settings", action="store_true",
+                   help="every Zeppelin cluster x model x maximum length (24; ~20 CPU-minutes) instead of "
+                        "two per cluster")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "published.md")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
@@ -386,7 +483,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if not args.quick:
         args.out.write_text(text, encoding="utf-8")
     print(last_line(rows))
-    return rows
+    return Outcome(rows, args.megatron_notes)
 
 
 if __name__ == "__main__":

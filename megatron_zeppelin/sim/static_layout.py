@@ -5,8 +5,8 @@ layout for the whole run; Zeppelin, a Megatron plugin, fixes its TP size
 (its CP is per sequence), so it gets the same search over TP.  A user who knows their model, maximum length and
 cluster tries the layouts that fit and keeps the fastest on their data: here
 every feasible layout (``planner/te_cp.py: te_cp_layouts``,
-``planner/ulysses_sp.py: ulysses_layouts``) plans and times the first few
-global batches, and the fastest mean step wins.  No layout fitting is a
+``planner/ulysses_sp.py: ulysses_layouts``) plans and times the first
+global batch, and the fastest step wins.  No layout fitting is a
 strategy-level infeasibility with every layout's reason, never a crash.
 """
 
@@ -25,8 +25,11 @@ from megatron_zeppelin.planner.ulysses_sp import ulysses_layouts
 from megatron_zeppelin.sim.rounds import timed_batch
 from megatron_zeppelin.sim.simulate import Strategy, plan_context
 
-#: Batches a layout is tried on (a user's short benchmark run).
-TRIAL_BATCHES = 2
+#: Batches a layout is tried on (a user's short benchmark run).  One: the
+#: search times up to 8 TP x CP layouts (and Zeppelin's up to 4 TP sizes) per
+#: configuration, and each further batch adds all of that again.  Two layouts
+#: within a few percent of each other may then swap with the batch drawn.
+TRIAL_BATCHES = 1
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ def layouts_for(name: str, cost: CostModel, max_seq_len: int, tokens_per_gpu: in
 
 def choose_layout(name: str, cost: CostModel, batches: Sequence[Sequence[int]], *, max_seq_len: int,
                   tokens_per_gpu: int, time_limit_s: float = 1.0) -> LayoutChoice:
-    """Time every feasible layout of ``name`` on the first batches; keep the fastest."""
+    """Time every feasible layout of ``name`` on the first batch(es); keep the fastest."""
     candidates = layouts_for(name, cost, max_seq_len, tokens_per_gpu)
     feasible = [c for c in candidates if c.problem is None]
     planner = get_planner(name)
