@@ -358,7 +358,7 @@ def worst(rows: list[Row]) -> float:
     return max((x if x >= 1 else 1 / x for x in ratios), default=float("nan"))
 
 
-def report(rows: list[Row], args: argparse.Namespace, elapsed: float) -> str:
+def report(rows: list[Row], args: argparse.Namespace, elapsed: float, cpu: float) -> str:
     command = "python benchmarks/published_settings.py " + shlex.join(args.argv)
     head = "| paper | setting | figure | published | modeled | ratio | term responsible (rows outside ±25 %) |"
     lines = [head, "|---|---|---|---|---|---|---|"]
@@ -370,8 +370,8 @@ def report(rows: list[Row], args: argparse.Namespace, elapsed: float) -> str:
     missing = sorted({f"{m} {L // K}K {d}" for (m, L, d) in FLEXSP_SPEEDUPS if d != "Wikipedia"})
     notes = [text for key, text in NOTES.items() if any(key in r.metric and not r.within for r in rows)]
     means = ", ".join(f"{c} {t:.2f}x / {p:.2f}x" for c, (t, p) in getattr(args, "cluster_means", {}).items())
-    return (f"# Published measurements beside the model\n\nCommand: `{command.strip()}` ({elapsed:.0f} s on a "
-            f"shared 2-core CPU box).\n\n" + "\n".join(lines) + "\n\n"
+    return (f"# Published measurements beside the model\n\nCommand: `{command.strip()}` ({elapsed:.0f} s wall, "
+            f"{cpu:.0f} s CPU, on a 2-core CPU box shared with three other jobs).\n\n" + "\n".join(lines) + "\n\n"
             f"`{last_line(rows)}`\n\n"
             + _megatron_table(getattr(args, "megatron_notes", []))
             + _zeppelin_table(getattr(args, "zeppelin_rows", [])) +
@@ -385,37 +385,64 @@ def report(rows: list[Row], args: argparse.Namespace, elapsed: float) -> str:
 #: Closing notes by figure, for rows outside ±25 %: the term and why the model keeps it.
 NOTES = {
     "Megatron": (
-        "**flexsp / Megatron at 384K (term: `exposed_comm`, te_cp's ring).** At 384K the layout search "
-        "(like the paper's TP=8 x CP=8) puts te_cp's CP ring over all eight nodes. TE's THD ring sends every "
-        "rank's K/V of all its packed tokens around the ring, 7 steps per layer forward and twice that "
-        "backward, and Wikipedia's short sequences leave almost no attention compute to hide it under "
-        "(`CostModel.ring_cost`: each step is max(compute, transfer)). The model therefore has Megatron at "
-        "384K about twice as slow as at 192K; the paper measured it about as fast (its bars: ~9.5 s vs "
-        "~10 s for GPT-7B). The traffic is real (it is what TE's p2p ring moves), so the model keeps it; "
-        "what it cannot see is how the paper's Megatron run hid or avoided it, and that run's layout and "
-        "memory budget are not in the text."),
+        "**flexsp / Megatron (term: `exposed_comm`, te_cp's ring, and the per-GPU token cap that picks its "
+        "CP size).** What te_cp models is what TransformerEngine's THD p2p ring does "
+        "(`AttnFuncWithCPAndKVP2P` in `transformer_engine/pytorch/attention/dot_product_attention/"
+        "context_parallel.py`): every step sends the rank's K/V of *all* its packed tokens to the next CP "
+        "rank (`cp_size - 1` sends forward), overlapped with that step's attention on a second stream; "
+        "backward sends K/V and the accumulated dK/dV together in one buffer of the K/V dtype. With TP=8 "
+        "the CP group of a GPU is the same local GPU on every node (Megatron's rank order puts TP inside "
+        "CP), so each GPU's ring of its heads leaves through its own NIC and the node's four NICs carry "
+        "the node's K/V (`cost/tp.py: tp_view`). Two things were wrong and are fixed here: the replay "
+        "sent te_cp's dK/dV in fp32 (the engine's accumulator, not TE's: a third more backward ring "
+        "bytes), and nothing else. What remains is arithmetic the table above shows: at 384K the search "
+        "(like the paper, \"TP=8 x CP=8\") needs CP=8 because at the common cap of "
+        f"{FLEXSP_TOKENS_PER_GPU} tokens per GPU TP=8 x CP=4 holds only 256K tokens, and the ring's "
+        "transfers alone then take the `ring floor` column per step on the busiest node at the model's "
+        "400 Gb/s per node -- more than the paper's *whole* Megatron iteration for GPT-7B on Wikipedia at "
+        "384K (about 10 s in its main-result figure; its 192K bar is about as high). FlexSP's own "
+        "all-to-all measurements on that cluster (`galvatron/flexsp_solver/solver.py`: 4.87 GB/s of "
+        "input per GPU across 64 GPUs, 7/8 of it leaving the node: about 34 GB/s per node) put the "
+        "node's usable NIC bandwidth below the model's 50 GB/s, not above. So "
+        "the paper's Megatron cannot have run a TP=8 x CP=8 p2p ring over all packed tokens; its two "
+        "bars being level fits one layout at both lengths. The last column times Megatron at TP=8 x "
+        "CP=4 with the 12K tokens per GPU that needs at 384K (by our estimate, with full activation recomputation "
+        "a 7B model's TP shard of weights, gradients and optimizer states and those activations fit a "
+        "40 GB A100, which the common cap does not model: `--tokens-per-gpu` stands for the activation memory of every strategy alike, "
+        "`cost/memory.py`); the paper gives neither Megatron's layout nor its recomputation, so the rows "
+        "keep the search's layout. At 192K the gap is the same ring with 3 steps instead of 7."),
     "FlexSP all-to-all": (
-        "**FlexSP's all-to-all share (term: `exposed_comm`, packed Ulysses all-to-all).** The paper says "
-        "FlexSP cuts the all-to-all share to about 10 %; the model is a few points over (the table), "
-        "with every all-to-all blocking and priced at each GPU's share of the node's NICs when its group "
-        "spans nodes (`CostModel.alltoall_link`). A ratio of small shares magnifies a few points; the "
-        "DeepSpeed share the same term prices lands on the published 40 %."),
+        "**FlexSP's all-to-all share (term: `exposed_comm`, Ulysses all-to-all over NVLink).** The share "
+        "is the all-to-all wait averaged over every GPU's step (FlexSP's groups differ, and an SP=1 "
+        "group waits for none). On Wikipedia the MILP puts most tokens on SP=1 (no all-to-all at all: "
+        "about 140K of ~290K per micro-batch at 192K, 310K of ~450K at 384K, one batch planned), the "
+        "rest in groups of 2-8 GPUs inside a node and, at 384K, a few 16-GPU groups over two nodes; "
+        "inside a node the model's all-to-all runs at the preset's NVLink rate of 155 GB/s per GPU (an "
+        "all-reduce bus bandwidth measured on FlexSP's cluster). FlexSP's own solver uses a measured "
+        "intra-node all-to-all of 96.5 GB/s for SP=8 (per GPU input over time, `solver.py`), i.e. "
+        "about 84 GB/s of sent bytes -- about half the model's rate -- and the paper's figure is a "
+        "profile of the real system, where the packing copies around each all-to-all count too. The "
+        "model keeps one NVLink rate for every transfer; the DeepSpeed share, priced by the same term "
+        "over the NICs, lands within 10 points of the published 40 %."),
     "TE CP (TP x CP tuned)": (
         "**Zeppelin over tuned TE CP (term: te_cp's layout, `planner/te_cp.py: te_cp_layouts`).** The "
         "issue asks for the baseline a competent Megatron user runs: TP x CP searched for the fastest. "
         "Tensor parallelism multiplies the tokens a CP rank holds and keeps the ring inside fewer, wider "
-        "ranks, which removes most of what Zeppelin's partitioning and routing win against CP-only TE. "
-        "The model is right to credit the tuned baseline; the paper's 2.80x is against TE CP as its "
-        "authors configured it."),
+        "ranks with all of a node's NICs, which removes most of what Zeppelin's partitioning and routing "
+        "win against CP-only TE. The text of the Zeppelin paper we could read (the abstract) gives "
+        "neither its TE CP configuration nor its data sets, maximum lengths or node counts; the 2.80x is "
+        "against TE CP as its authors configured it. The model also puts H800's speedups above A800's "
+        "(per-cluster means above), the paper the other way round: the H800 preset has the A800's "
+        "NVLink rate, three times its compute and eight NICs whose speed the paper does not give "
+        "(assumed 400 Gb/s); with compute that fast more of TE CP's transfers stay exposed, and the "
+        "H800 preset's kernel efficiencies are uncalibrated estimates."),
     "TE CP (TP=1, CP only)": (
         "**Zeppelin over CP-only TE (term: the settings).** Against TE CP without TP the modeled gap "
         "grows with the CP size the maximum length forces: smallest where its ring fits one node, "
-        "largest at 512K where it spans several (the per-setting table above). The paper's data sets, maximum lengths and node counts are not in the text we "
-        "could read, so these settings are ours (a real repository-level code sample, 128K and 512K); "
-        "the paper's largest speedups need longer sequences or more nodes than these. The model also "
-        "puts H800 above A800, the paper the other way round: with the same NVLink as the A800 and "
-        "three times its compute, the modeled H800 leaves more of TE CP's NIC-bound ring exposed; the "
-        "H800 preset's efficiencies are uncalibrated estimates."),
+        "largest at 512K where it spans several (the per-setting table above). These settings are ours "
+        "(a real repository-level code sample, 128K and 512K, 8 nodes), not the paper's, which the "
+        "text we could read does not give; its largest speedups need longer sequences or more nodes "
+        "than these."),
 }
 
 
@@ -475,11 +502,11 @@ def main(argv: list[str] | None = None) -> Outcome:
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     args.argv = argv
-    start = time.monotonic()
+    start, cpu = time.monotonic(), time.process_time()
     rows = run(args)
     for r in rows:
         print(line(r))
-    text = report(rows, args, time.monotonic() - start)
+    text = report(rows, args, time.monotonic() - start, time.process_time() - cpu)
     if not args.quick:
         args.out.write_text(text, encoding="utf-8")
     print(last_line(rows))
