@@ -201,7 +201,7 @@ def flexsp_setting(model: str, max_len: int, args: argparse.Namespace) -> tuple[
     rows = [speedup_row("FlexSP", setting, "flexsp / DeepSpeed SP=64", ds, got["ulysses_sp"], got["flexsp"]),
             speedup_row("FlexSP", setting, f"flexsp / Megatron ({_layout(got['te_cp'])})", mega, got["te_cp"],
                         got["flexsp"])]
-    args.megatron_notes.append(megatron_note(setting, cost, batches, got, mega, args))
+    args.megatron_notes.append(megatron_note(setting, cost, batches, max_len, got, args))
     return rows, got
 
 
@@ -210,8 +210,8 @@ def flexsp_setting(model: str, max_len: int, args: argparse.Namespace) -> tuple[
 WHAT_IF_TP, WHAT_IF_CP = 8, 4
 
 
-def megatron_note(setting: str, cost: CostModel, batches: list[list[int]], got: dict[str, Measured],
-                  published: float, args: argparse.Namespace) -> tuple:
+def megatron_note(setting: str, cost: CostModel, batches: list[list[int]], max_len: int,
+                  got: dict[str, Measured], args: argparse.Namespace) -> tuple:
     """(setting, te_cp's layout, its mean step, its ring floor per step
     (:func:`ring_floor`), flexsp's mean step, and -- when the search's layout
     needs more CP than TP=8 x CP=4 at the common token cap -- (the per-GPU
@@ -219,8 +219,7 @@ def megatron_note(setting: str, cost: CostModel, batches: list[list[int]], got: 
     mega, flex = got["te_cp"], got["flexsp"]
     if mega.error or flex.error:
         return (setting, _layout(mega), None, None, None, None)
-    max_len = max(max(b) for b in batches) if batches else 0
-    cap = -(-max(max_len, 1) // (WHAT_IF_TP * WHAT_IF_CP))
+    cap = -(-max_len // (WHAT_IF_TP * WHAT_IF_CP))     # the layout must hold the maximum length
     what_if = None
     if cap > FLEXSP_TOKENS_PER_GPU:
         view = tp_view(cost.routed(False), WHAT_IF_TP)
@@ -327,15 +326,17 @@ def _share_row(setting: str, metric: str, published: float, modeled: float) -> R
     if row.within:
         return row
     return Row("FlexSP", setting, metric, published, modeled,
-               "exposed_comm: Ulysses all-to-all bytes over the per-GPU NIC share (cost/model.py ulysses_cost)")
+               "exposed_comm: the packed Ulysses all-to-alls, mostly inside a node at the preset's NVLink rate "
+               "(see below)")
 
 
 def _zeppelin_term(row: Row) -> Row:
     if row.paper != "Zeppelin" or row.within or row.modeled is None:
         return row
     if "tuned" in row.metric:
-        term = ("te_cp's layout (planner/te_cp.py te_cp_layouts): tensor parallelism shrinks TE CP's ring "
-                "to one node or none, so the baseline is already near the lower bound")
+        term = ("te_cp's layout (planner/te_cp.py te_cp_layouts): the searched TP x CP gives each CP rank a "
+                "TP group's compute and all its NICs; the paper's TE CP configuration is not in the text we "
+                "could read")
     else:
         term = ("settings: the paper's lengths, maximum lengths and node counts are not in the text we could "
                 "read; the CP-only baseline's gap grows with the CP size the maximum length forces")
@@ -410,7 +411,13 @@ NOTES = {
         "a 7B model's TP shard of weights, gradients and optimizer states and those activations fit a "
         "40 GB A100, which the common cap does not model: `--tokens-per-gpu` stands for the activation memory of every strategy alike, "
         "`cost/memory.py`); the paper gives neither Megatron's layout nor its recomputation, so the rows "
-        "keep the search's layout. At 192K the gap is the same ring with 3 steps instead of 7."),
+        "keep the search's layout. At 192K (CP=4, 3 ring steps) the largest term is te_cp's attention "
+        "kernels: TE cuts *every* packed sequence into 2 x CP chunks, so a Wikipedia sequence of ~1K "
+        "tokens runs its ring steps on ~128-row blocks, where the kernel-efficiency curve "
+        "(`CostModel.attn_efficiency`, `attn_half_block` = 768 on this preset: an estimate, not "
+        "calibrated on a GPU) charges several times FlexSP's whole-sequence kernels. The work is real "
+        "(TE's THD ring does split short sequences); how slow FlashAttention's varlen kernels are on "
+        "such short blocks is what is unknown here."),
     "FlexSP all-to-all": (
         "**FlexSP's all-to-all share (term: `exposed_comm`, Ulysses all-to-all over NVLink).** The share "
         "is the all-to-all wait averaged over every GPU's step (FlexSP's groups differ, and an SP=1 "
