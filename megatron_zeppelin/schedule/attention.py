@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from megatron_zeppelin.plan.plan import Mode, Plan
 from megatron_zeppelin.plan.shards import causal_pairs
 from megatron_zeppelin.schedule import geometry as geo
+from megatron_zeppelin.schedule import packed
 from megatron_zeppelin.schedule.ops import COMM, COMPUTE, Schedule, ScheduleBuilder
 from megatron_zeppelin.schedule.routing import Phase, route_message
 from megatron_zeppelin.topology import Topology
@@ -195,11 +196,10 @@ def _add_ring(seg: _Segment, transport: Transport, members: list[tuple[int, obje
     kv_in: dict[int, list[int]] = {}    # pos -> arrivals of the K/V it holds this step
     dkv_in: dict[int, list[int]] = {}   # pos -> arrivals of the dK/dV it holds this step
     computed: dict[int, int] = {}       # pos -> its compute op of the previous step
+    summed = packed.summed_ring([q for _, q in members]) if len(members) > 1 else p
+    rows_a, rows_b = packed.chunk_rows([q for _, q in members])
     for step in range(geo.ring_steps(p, backward)):
-        sent = geo.ring_messages(p, step, backward, kv_numel)
-        for _, other in members[1:]:
-            sent = [(kind, a, c, n + m[3]) for (kind, a, c, n), m in
-                    zip(sent, geo.ring_messages(other, step, backward, kv_numel))]
+        sent = geo.ring_messages(summed, step, backward, kv_numel)
         new_kv, new_dkv = {}, {}
         for i, (kind, a, c, numel) in enumerate(sent):
             if kind == "kv":
@@ -212,12 +212,11 @@ def _add_ring(seg: _Segment, transport: Transport, members: list[tuple[int, obje
             (new_kv if kind == "kv" else new_dkv)[c] = arrivals
         if step < k:
             for pos in range(k):
-                blocks = [b for _, q in members for b in geo.ring_blocks(q, pos, (pos - step) % k)]
-                rows = [q1 - q0 for q0, q1, *_ in blocks]
+                pairs, block = packed.ring_step_work(rows_a, rows_b, pos, (pos - step) % k)
                 computed[pos] = seg.compute(
                     (step, 1, tier_order, index, pos), p.ranks[pos], list(kv_in.get(pos, [])), tier=tier,
                     name="ring_bwd" if backward else "ring_fwd", backward=backward,
-                    pairs=geo.block_pairs(blocks), block=sum(rows) // len(rows), key=("ring", index, pos, step))
+                    pairs=pairs, block=block, key=("ring", index, pos, step))
         kv_in, dkv_in = new_kv, new_dkv
 
 
@@ -230,12 +229,10 @@ def _add_ulysses(seg: _Segment, transport: Transport, members: list[tuple[int, o
     # through its own): there is no idle NIC for routing to borrow, only two
     # extra hops to pay.  Its messages always go direct.
     transport = dataclasses.replace(transport, min_routed_bytes=math.inf)
+    summed = packed.summed_ulysses([q for _, q in members]) if len(members) > 1 else p
+
     def messages(step: int) -> list[tuple[int, int, int]]:
-        out = geo.ulysses_messages(p, step, backward, shape.q_heads, shape.kv_heads, shape.head_dim)
-        for _, other in members[1:]:
-            more = geo.ulysses_messages(other, step, backward, shape.q_heads, shape.kv_heads, shape.head_dim)
-            out = [(a, c, n + m[2]) for (a, c, n), m in zip(out, more)]
-        return out
+        return geo.ulysses_messages(summed, step, backward, shape.q_heads, shape.kv_heads, shape.head_dim)
 
     arrived: dict[int, list[int]] = {}
     for i, (a, c, numel) in enumerate(messages(0)):

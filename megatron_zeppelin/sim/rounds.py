@@ -9,6 +9,8 @@ each round's slowest rank, plus one gradient sync after the last backward
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_zeppelin.cost import CostModel
@@ -31,8 +33,15 @@ def plan_batch(planner: Planner, lens: Sequence[int], ctx: PlanContext) -> tuple
 def rounds_timeline(rounds: Sequence[Plan], cost: CostModel) -> StepTimeline:
     """The step of ``rounds`` run one after another: the first round's timeline
     (for plots and imbalance) with the step time of all of them."""
+    return round_timelines(rounds, cost)[0]
+
+
+def round_timelines(rounds: Sequence[Plan], cost: CostModel) -> tuple[StepTimeline, tuple[StepTimeline, ...]]:
+    """(:func:`rounds_timeline`, each round's own timeline without the gradient sync)."""
     if len(rounds) == 1:
-        return step_timeline(rounds[0], cost)
+        whole = step_timeline(rounds[0], cost)
+        # One round: its timeline without the sync is the same replay, minus the tail.
+        return whole, (dataclasses.replace(whole, step_s=whole.compute_s, sync=None),)
     parts = [step_timeline(p, cost, sync=False) for p in rounds]
     fwd = bwd = 0.0
     for tl in parts:
@@ -40,5 +49,47 @@ def rounds_timeline(rounds: Sequence[Plan], cost: CostModel) -> StepTimeline:
         f, b = forward_backward_split(slowest.attn_compute_s, slowest.linear_s)
         fwd, bwd = fwd + f, bwd + b
     sync = step_sync(cost, fwd, bwd)
-    return dataclasses.replace(parts[0], step_s=sum(tl.compute_s for tl in parts) + sync.exposed_s,
-                               sync=sync)
+    return (dataclasses.replace(parts[0], step_s=sum(tl.compute_s for tl in parts) + sync.exposed_s, sync=sync),
+            tuple(parts))
+
+
+@dataclass(frozen=True)
+class TimedBatch:
+    """One batch planned and timed."""
+
+    merged: Plan
+    """The plan of the whole batch."""
+    rounds: tuple[Plan, ...]
+    """The plans of its rounds in order."""
+    step: StepTimeline
+    """The step (:func:`rounds_timeline`)."""
+    parts: tuple[StepTimeline, ...]
+    """Each round's timeline without the gradient sync."""
+
+
+#: Batches :func:`timed_batch` remembers (a benchmark's layout search and its
+#: measurement afterwards plan the same few batches under the same context).
+TIMED_BATCHES_KEPT = 64
+_timed: OrderedDict[tuple, TimedBatch] = OrderedDict()
+
+
+def timed_batch(planner: Planner, lens: Sequence[int], ctx: PlanContext) -> TimedBatch:
+    """``lens`` planned by ``planner`` under ``ctx`` and timed under ``ctx.cost``,
+    remembered for the next identical call.  Planning and the replay are
+    deterministic functions of the planner, the context and the lengths -- up to
+    ``ctx.step_model``, which the key only records as present or not: callers
+    with a step model pass the simulator's (``sim.simulate.plan_context``).
+    An :class:`~megatron_zeppelin.errors.InfeasibleError` is not remembered."""
+    key = (getattr(planner, "name", type(planner).__name__), ctx.cost, ctx.tokens_per_gpu, ctx.cp_size,
+           ctx.time_limit_s, ctx.tp_size, ctx.remap_enabled, ctx.remap_decided, ctx.step_model is not None,
+           tuple(int(x) for x in lens))
+    hit = _timed.get(key)
+    if hit is not None:
+        _timed.move_to_end(key)
+        return hit
+    merged, rounds = plan_batch(planner, lens, ctx)
+    step, parts = round_timelines(rounds, ctx.cost)
+    out = _timed[key] = TimedBatch(merged, rounds, step, parts)
+    while len(_timed) > TIMED_BATCHES_KEPT:
+        _timed.popitem(last=False)
+    return out

@@ -5,8 +5,8 @@ layout for the whole run; Zeppelin, a Megatron plugin, fixes its TP size
 (its CP is per sequence), so it gets the same search over TP.  A user who knows their model, maximum length and
 cluster tries the layouts that fit and keeps the fastest on their data: here
 every feasible layout (``planner/te_cp.py: te_cp_layouts``,
-``planner/ulysses_sp.py: ulysses_layouts``) plans and times the first few
-global batches, and the fastest mean step wins.  No layout fitting is a
+``planner/ulysses_sp.py: ulysses_layouts``) plans and times the first
+global batch, and the fastest step wins.  No layout fitting is a
 strategy-level infeasibility with every layout's reason, never a crash.
 """
 
@@ -19,14 +19,17 @@ from typing import Sequence
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.cost.tp import tp_view
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.planner.base import PlanContext, get_planner
+from megatron_zeppelin.planner.base import get_planner
 from megatron_zeppelin.planner.te_cp import StaticLayout, te_cp_layouts, tp_problems
 from megatron_zeppelin.planner.ulysses_sp import ulysses_layouts
-from megatron_zeppelin.sim.rounds import plan_batch, rounds_timeline
-from megatron_zeppelin.sim.timeline import decision_step_s
+from megatron_zeppelin.sim.rounds import timed_batch
+from megatron_zeppelin.sim.simulate import Strategy, plan_context
 
-#: Batches a layout is tried on (a user's short benchmark run).
-TRIAL_BATCHES = 2
+#: Batches a layout is tried on (a user's short benchmark run).  One: the
+#: search times up to 8 TP x CP layouts (and Zeppelin's up to 4 TP sizes) per
+#: configuration, and each further batch adds all of that again.  Two layouts
+#: within a few percent of each other may then swap with the batch drawn.
+TRIAL_BATCHES = 1
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ def layouts_for(name: str, cost: CostModel, max_seq_len: int, tokens_per_gpu: in
 
 def choose_layout(name: str, cost: CostModel, batches: Sequence[Sequence[int]], *, max_seq_len: int,
                   tokens_per_gpu: int, time_limit_s: float = 1.0) -> LayoutChoice:
-    """Time every feasible layout of ``name`` on the first batches; keep the fastest."""
+    """Time every feasible layout of ``name`` on the first batch(es); keep the fastest."""
     candidates = layouts_for(name, cost, max_seq_len, tokens_per_gpu)
     feasible = [c for c in candidates if c.problem is None]
     planner = get_planner(name)
@@ -62,12 +65,12 @@ def choose_layout(name: str, cost: CostModel, batches: Sequence[Sequence[int]], 
     failures = []
     for layout in feasible:
         view = tp_view(cost, layout.tp) if layout.tp > 1 else cost
-        ctx = PlanContext(cost=view, tokens_per_gpu=tokens_per_gpu * layout.tp, cp_size=layout.size or None,
-                          time_limit_s=time_limit_s, tp_size=layout.tp,
-                          step_model=lambda plan, view=view: decision_step_s(plan, view))
+        # The context the simulator runs the strategy with, so that its
+        # measurement of these batches afterwards is remembered (timed_batch).
+        ctx = plan_context(Strategy(name, planner, view, layout.size or None, tp_size=layout.tp),
+                           tokens_per_gpu, time_limit_s)
         try:
-            steps = [rounds_timeline(plan_batch(planner, b, ctx)[1], view).step_s
-                     for b in batches[:TRIAL_BATCHES]]
+            steps = [timed_batch(planner, b, ctx).step.step_s for b in batches[:TRIAL_BATCHES]]
         except InfeasibleError as exc:
             failures.append(f"{layout}: {exc}")
             continue

@@ -171,6 +171,11 @@ def step_parts(plan: Plan, cost: CostModel, *, pack: bool = False, attn: AttnSha
     shape = step_shape(cost, bool(messages))
     if attn is not None:
         shape = dataclasses.replace(shape, attn=attn)
+    elif plan.strategy == "te_cp":
+        # TE's p2p ring (AttnFuncWithCPAndKVP2P.backward, non-FP8) sends dK/dV in
+        # the K/V dtype: one buffer of two K/V-shaped halves per step, so its
+        # backward moves twice the forward's bytes, not the engine's fp32 dK/dV.
+        shape = dataclasses.replace(shape, attn=dataclasses.replace(shape.attn, acc_itemsize=shape.attn.itemsize))
     transport = transport or transport_of(cost)
     if not plan.routed:          # the plan runs every crossing direct (Plan.routed), as the engine does
         transport = dataclasses.replace(transport, min_routed_bytes=math.inf)

@@ -20,9 +20,10 @@ def load():
 
 def test_quick_subset_prints_every_row_and_the_summary_line(capsys):
     bench = load()
-    rows = bench.main(["--quick", "--steps", "1", "--time-limit", "0.2",
+    outcome = bench.main(["--quick", "--steps", "1", "--time-limit", "0.2",
                        "--zeppelin-lengths", str(REPO / "configs" / "lengths" / "synthetic-longtail.npy")])
     out = capsys.readouterr().out.strip().splitlines()
+    rows = outcome.rows
     counted = [r for r in rows if r.ratio is not None]
     assert len(counted) == 8            # 2 FlexSP speedups, 2 all-to-all shares, 4 Zeppelin figures
     for r in counted:
@@ -35,3 +36,8 @@ def test_quick_subset_prints_every_row_and_the_summary_line(capsys):
     assert float(m[3]) == round(worst, 2)
     shares = {r.metric: r.modeled for r in rows if "share" in r.metric}
     assert 0 < shares["FlexSP all-to-all share"] < shares["DeepSpeed SP=64 all-to-all share"] < 1
+    # The ring floor is a lower bound of Megatron's replayed step, and the
+    # layout is one the TP x CP search reports.
+    (setting, layout, mega, floor, flex, what_if), = outcome.megatron_notes
+    assert layout.startswith("TP=") and 0 < floor < mega and flex > 0
+    assert what_if is None                  # 192K: the search's layout already holds it at TP=8 x CP=4

@@ -14,7 +14,8 @@ from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.planner.hybrid_cp import hybrid_cp_rounds
 from megatron_zeppelin.planner.te_cp import te_cp_layouts
 from megatron_zeppelin.planner.ulysses_sp import ulysses_layouts
-from megatron_zeppelin.sim.rounds import rounds_timeline
+from megatron_zeppelin.sim.rounds import rounds_timeline, timed_batch
+from megatron_zeppelin.sim.simulate import Strategy, plan_context
 from megatron_zeppelin.sim.static_layout import choose_layout
 from megatron_zeppelin.sim.timeline import step_timeline
 from megatron_zeppelin.topology import Topology, load_cluster
@@ -81,6 +82,16 @@ def test_chosen_te_cp_layout_is_the_fastest_tried():
     assert choice.layout is not None and choice.layout.tp * choice.layout.size * 8192 >= 32768
     assert choice.cost.tp_size == choice.layout.tp
     assert choice.report.startswith(f"te_cp: {choice.layout}")
+    # The search's trial of the chosen layout is what the simulator measures
+    # afterwards (remembered, not planned and replayed again); the report quotes it.
+    chosen = Strategy("te_cp", get_planner("te_cp"), choice.cost, choice.layout.size, tp_size=choice.layout.tp)
+    ctx = plan_context(chosen, 8192, 1.0)
+    timed = timed_batch(chosen.planner, batches[0], ctx)
+    assert timed_batch(chosen.planner, batches[0], ctx) is timed
+    assert f"{choice.layout} {timed.step.step_s * 1e3:.0f} ms" in choice.report
+    assert timed.step.step_s == pytest.approx(rounds_timeline(timed.rounds, choice.cost).step_s, rel=1e-12)
+    other = timed_batch(chosen.planner, batches[0], dataclasses.replace(ctx, tokens_per_gpu=2 * ctx.tokens_per_gpu))
+    assert other is not timed
 
 
 def test_ulysses_sp_groups_share_one_all_to_all():

@@ -116,6 +116,26 @@ def test_te_cp_packs_identical_rank_tuples_into_one_ring():
     assert step_timeline(te, cost).step_s != pytest.approx(step_timeline(zeppelin, cost).step_s)
 
 
+def test_te_cp_ring_sends_dkv_in_the_kv_dtype():
+    # TransformerEngine's p2p ring (non-FP8) carries dK/dV in the K/V buffer's
+    # dtype; Zeppelin's engine accumulates and sends them in fp32.
+    cost = make_cost()
+    zeppelin = make_plan(cost, [8192, 4096], [(RING, (0, 2)), (RING, (0, 2))])
+    te = dataclasses.replace(zeppelin, strategy="te_cp")
+
+    def sizes(plan):
+        (_, _, bwd), *_ = step_parts(plan, cost, pack=plan.strategy == "te_cp")
+        out = {}
+        for op in bwd.ops:
+            if op.nbytes:
+                out.setdefault(op.name.split(".")[0], set()).add(op.nbytes)
+        return out
+
+    te_sizes, zeppelin_sizes = sizes(te), sizes(zeppelin)
+    assert te_sizes["dkv"] == te_sizes["kv"]                                   # one K/V-shaped half each
+    assert {2 * n for n in zeppelin_sizes["kv"]} == zeppelin_sizes["dkv"]     # fp32 vs bf16
+
+
 def test_local_work_fills_the_ulysses_all_to_all_wait():
     cost = make_cost()
     plan = make_plan(cost, [8192, 2048], [(ULYSSES, (0, 1, 2, 3)), (LOCAL, (0,))])
