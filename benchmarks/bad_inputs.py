@@ -218,6 +218,12 @@ def build_cases(d: Path) -> list[Case]:
         path = _write_variant(d, "presets", "tiny-cpu", change, name.replace(" ", "_").replace("'", ""))
         add(f"launch {name}{tag}", "launch", ["--preset", path, "--print-args"])
     add("launch missing preset", "launch", ["--preset", "no-such-preset", "--print-args"])
+    kv1 = _write_variant(d, "models", "tiny", {"num_query_groups": 1}, "kv1")
+    ep4 = _write_variant(d, "models", "tiny-moe", {"expert_parallel_size": 4}, "ep4")
+    for name, change in [("tensor_parallel 2 over 1 KV head", {"model": kv1, "tensor_parallel": 2}),
+                         ("expert_parallel_size 4 over 2 data-parallel ranks", {"model": ep4, "tensor_parallel": 2})]:
+        path = _write_variant(d, "presets", "tiny-cpu", change, name.split()[0] + name.split()[1])
+        add(f"launch {name} (issue 12)", "launch", ["--preset", path, "--print-args"])
 
     # --- simulator flags
     sim_base = ["--cluster", "cpu-sim", "--nodes", "2", "--model", "tiny", "--lengths", str(good),
