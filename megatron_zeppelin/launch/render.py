@@ -35,8 +35,8 @@ def model_args(m: ModelConfig, p: LaunchPreset) -> list[str]:
              "--transformer-impl", p.transformer_impl, "--spec", *SPEC]
     if m.moe_enabled:
         # No token dropping and no balancing losses (--zeppelin refuses both: they depend
-        # on which tokens the plan puts on a rank).  The all-gather dispatcher is the one
-        # that runs on CPU; the all-to-all one spreads experts over EP ranks.
+        # on which tokens the plan puts on a rank).  All-gather with EP 1, as the
+        # trainer's model builder picks; all-to-all spreads experts over EP ranks.
         args += ["--num-experts", str(m.num_experts), "--moe-router-topk", str(m.moe_router_topk),
                  "--moe-ffn-hidden-size", str(m.moe_ffn_hidden_size or m.ffn_hidden_size),
                  "--moe-router-load-balancing-type", "none",
