@@ -11,7 +11,7 @@ Megatron are imported once), with its stderr captured, and is classed as
 * ``hang``: still running after the case's time limit (then killed).
 
 Prints one line per case that is not clear (all with --verbose) and the counts.
-Cases marked ``(issue 13)`` are the inputs listed in issue 13.
+Cases marked ``(issue 13)`` or ``(issue 12)`` are the inputs listed in that issue.
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ CLIS: dict[str, Callable[[list[str]], object]] = {
     "prepare": prepare_cli.main,
     "launch": lambda argv: exit_on_user_error(lambda: launch_main(argv)),
 }
+
+
+#: Issues whose listed bad inputs are tagged ``(issue N)`` in the case names and counted apart.
+ISSUES = (13, 12)
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,21 @@ def build_cases(d: Path) -> list[Case]:
                                                   ("--timeout", "nan"), ("--max-seq-len", "1"),
                                                   ("--nics-per-node", "0")} else ""
             add(f"train {flag} {v}{tag}", "train", train(flag, v))
+    # tensor/sequence parallelism, micro-batches and MoE (issue 12)
+    heads6 = _write_variant(d, "models", "tiny", {"hidden_size": 96, "num_attention_heads": 6}, "heads6")
+    for name, extra in [("--sequence-parallel without --tp", ["--sequence-parallel"]),
+                        ("--tp 3 over 2 GPUs per node", ["--tp", "3"]),
+                        ("--tp 4 over tiny's 2 KV heads", ["--gpus-per-node", "4", "--tp", "4"]),
+                        ("--tp 4 over 6 heads", ["--gpus-per-node", "4", "--tp", "4", "--model", heads6]),
+                        ("--micro-batches 0", ["--micro-batches", "0"]),
+                        ("--micro-batches 200 (micro-batches left empty)", ["--micro-batches", "200"])]:
+        add(f"train {name} (issue 12)", "train", train(*extra))
+    for name, change in [("4 experts over expert_parallel_size 3", {"expert_parallel_size": 3}),
+                         ("expert_parallel_size 2 (no EP in the trainer)", {"expert_parallel_size": 2}),
+                         ("moe_expert_capacity_factor", {"moe_expert_capacity_factor": 1.0}),
+                         ("moe_router_topk 5 of 4 experts", {"moe_router_topk": 5})]:
+        path = _write_variant(d, "models", "tiny-moe", change, name.split(" (")[0])
+        add(f"train --model tiny-moe with {name} (issue 12)", "train", train("--model", path))
     # lengths files
     def lengths_file(name: str, write: Callable[[Path], None]) -> str:
         path = d / name
@@ -199,6 +218,12 @@ def build_cases(d: Path) -> list[Case]:
         path = _write_variant(d, "presets", "tiny-cpu", change, name.replace(" ", "_").replace("'", ""))
         add(f"launch {name}{tag}", "launch", ["--preset", path, "--print-args"])
     add("launch missing preset", "launch", ["--preset", "no-such-preset", "--print-args"])
+    kv1 = _write_variant(d, "models", "tiny", {"num_query_groups": 1}, "kv1")
+    ep4 = _write_variant(d, "models", "tiny-moe", {"expert_parallel_size": 4}, "ep4")
+    for name, change in [("tensor_parallel 2 over 1 KV head", {"model": kv1, "tensor_parallel": 2}),
+                         ("expert_parallel_size 4 over 2 data-parallel ranks", {"model": ep4, "tensor_parallel": 2})]:
+        path = _write_variant(d, "presets", "tiny-cpu", change, name.split()[0] + name.split()[1])
+        add(f"launch {name} (issue 12)", "launch", ["--preset", path, "--print-args"])
 
     # --- simulator flags
     sim_base = ["--cluster", "cpu-sim", "--nodes", "2", "--model", "tiny", "--lengths", str(good),
@@ -210,6 +235,8 @@ def build_cases(d: Path) -> list[Case]:
                          ("--json", "/proc/nope/x.json", ""), ("--lengths", str(d / "missing.txt"), ""),
                          ("--cp-size", "0", "")]:
         add(f"sim {flag} {v.replace(str(d), 'TMP')}{tag}", "sim", sim_base + [flag, v])
+    for v, extra in [("0", []), ("200 (micro-batches left empty)", ["--tokens-per-batch", "16384"])]:
+        add(f"sim --micro-batches {v} (issue 12)", "sim", sim_base + ["--micro-batches", v.split()[0], *extra])
     nan_cluster = _write_variant(d, "clusters", "cpu-sim", {"nic": {"bandwidth_GBps": math.nan}}, "sim_nan_nic")
     add("sim NaN NIC bandwidth in a cluster YAML (issue 13)", "sim", sim_base + ["--cluster", nan_cluster])
 
@@ -341,7 +368,7 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true", help="print every case, clear ones included")
     args = ap.parse_args()
     counts = {"clear": 0, "traceback": 0, "silent": 0, "hang": 0}
-    issue = dict(counts)
+    issues = {n: dict(counts) for n in ISSUES}
     exit2 = 0
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
@@ -353,14 +380,15 @@ def main() -> None:
             kind, code, line = classify(case, work)
             counts[kind] += 1
             exit2 += kind == "clear" and code == 2
-            if "(issue 13)" in case.name:
-                issue[kind] += 1
+            for n, issue in issues.items():
+                issue[kind] += f"(issue {n})" in case.name
             if args.verbose or kind != "clear":
                 shown = line.replace(str(d), "TMP").splitlines()
                 print(f"{kind:9s} rc={code!s:4s} {case.name}: {shown[-1][:200] if shown else ''}", flush=True)
     print(f"\n{len(cases)} bad inputs in {time.monotonic() - start:.0f} s: " +
           ", ".join(f"{k} {v}" for k, v in counts.items()) + f" (clear with exit status 2: {exit2})")
-    print(f"of them listed in issue 13: {sum(issue.values())}: " + ", ".join(f"{k} {v}" for k, v in issue.items()))
+    for n, issue in issues.items():
+        print(f"of them listed in issue {n}: {sum(issue.values())}: " + ", ".join(f"{k} {v}" for k, v in issue.items()))
 
 
 if __name__ == "__main__":

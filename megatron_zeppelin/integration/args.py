@@ -178,6 +178,7 @@ def validate_zeppelin_args(args: argparse.Namespace) -> argparse.Namespace:
             raise ConfigError(f"{flag} has no effect without --zeppelin; add --zeppelin or drop it")
         return args
     _check_megatron_conflicts(args)
+    _check_model_parallel(args)
     _check_batch_shape(args)
     _check_zeppelin_values(args)
     return args
@@ -243,6 +244,36 @@ def _check_megatron_conflicts(args: argparse.Namespace) -> None:
         if _flag(args, name, False):
             raise ConfigError(f"--zeppelin conflicts with --{name.replace('_', '-')} ({why}); drop it"
                               + (" and pass --data-path PREFIX" if name == "mock_data" else ""))
+
+
+def _check_model_parallel(args: argparse.Namespace) -> None:
+    """A TP group stays inside one node and takes whole heads and KV heads; experts
+    divide over the expert-parallel ranks.  Megatron-Core would stop on the last
+    ones with an assert deep inside model or process-group building.  At
+    core_v0.16.1 this runs before Megatron's ``validate_args``, so
+    ``--num-query-groups`` counts only with ``--group-query-attention``."""
+    gpus_per_node = load_cluster(args.zeppelin_cluster).topology.gpus_per_node
+    tp = _flag(args, "tensor_model_parallel_size", 1)
+    if gpus_per_node % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the {gpus_per_node} GPUs per node "
+                          f"of --zeppelin-cluster {args.zeppelin_cluster}; a TP group must stay inside one node")
+    heads = _flag(args, "num_attention_heads", None)
+    kv_heads = _flag(args, "num_query_groups", None) if _flag(args, "group_query_attention", False) else heads
+    for what, n in (("--num-attention-heads", heads), ("--num-query-groups (KV heads)", kv_heads)):
+        if n and n % tp:
+            raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide {what} {n}: each TP rank "
+                              f"takes whole heads; pick a TP size that divides {n}")
+    experts, ep = _flag(args, "num_experts", None), _flag(args, "expert_model_parallel_size", 1)
+    if experts and experts % ep:
+        raise ConfigError(f"--num-experts {experts} does not divide over --expert-model-parallel-size {ep} "
+                          f"ranks: each rank holds the same number of whole experts; pick an EP size that "
+                          f"divides {experts}")
+    world = getattr(args, "world_size", None)
+    etp = _flag(args, "expert_tensor_parallel_size", tp)
+    if experts and world and world % (ep * etp):
+        raise ConfigError(f"--expert-model-parallel-size {ep} x expert TP {etp} does not divide the {world} "
+                          "ranks: Megatron spreads the experts over groups of that many ranks; pick an EP "
+                          f"size that divides {world // etp if world % etp == 0 else 'the rank count'}")
 
 
 def _check_moe(args: argparse.Namespace) -> None:
@@ -311,11 +342,6 @@ def _check_zeppelin_values(args: argparse.Namespace) -> None:
     if args.zeppelin_data_lengths is not None and not Path(args.zeppelin_data_lengths).is_file():
         raise ConfigError(f"--zeppelin-data-lengths {args.zeppelin_data_lengths!r} does not exist; pass a "
                           ".npy or text file of document lengths, or drop the flag")
-    gpus_per_node = load_cluster(args.zeppelin_cluster).topology.gpus_per_node
-    tp = _flag(args, "tensor_model_parallel_size", 1)
-    if gpus_per_node % tp:
-        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the {gpus_per_node} GPUs per node "
-                          f"of --zeppelin-cluster {args.zeppelin_cluster}; a TP group must stay inside one node")
     if not getattr(args, "data_path", None):
         raise ConfigError("--zeppelin needs --data-path: Megatron indexed datasets (PREFIX with "
                           "PREFIX.bin and PREFIX.idx) of whole documents, split by --split "

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from megatron_zeppelin.errors import ConfigError, exit_on_user_error
-from megatron_zeppelin.launch.preset import load_launch_preset
+from megatron_zeppelin.launch.preset import check_model_fits, load_launch_preset
 from megatron_zeppelin.launch.render import format_command, pretrain_args, render_command
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.validation import OneLineParser
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.megatron_lm:
         preset = dataclasses.replace(preset, megatron_lm=args.megatron_lm)
     model = load_model(preset.model)
+    check_model_fits(preset, model)
     if args.only == "megatron":
         command = pretrain_args(preset, model)
         if args.print_args:

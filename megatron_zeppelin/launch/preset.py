@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 
 from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.planner.base import PLANNERS
 from megatron_zeppelin.presets import build_dataclass, load_yaml, resolve_preset
 from megatron_zeppelin.validation import check_float, check_int
@@ -137,6 +138,20 @@ class LaunchPreset:
     @property
     def data_parallel_size(self) -> int:
         return self.world_size // self.tensor_parallel
+
+
+def check_model_fits(p: LaunchPreset, m: ModelConfig) -> None:
+    """The preset's parallelism splits the model into whole pieces: TP takes whole
+    heads and KV heads, expert parallelism spreads whole experts over data-parallel
+    ranks (Megatron-LM would stop on each with an assert after start-up)."""
+    for what, n in (("heads", m.num_attention_heads), ("KV heads", m.num_query_groups)):
+        if n % p.tensor_parallel:
+            raise ConfigError(f"preset {p.name}: tensor_parallel {p.tensor_parallel} does not divide model "
+                              f"{m.name}'s {n} {what}; pick a tensor_parallel that divides {n}")
+    if m.moe_enabled and p.data_parallel_size % m.expert_parallel_size:
+        raise ConfigError(f"preset {p.name}: model {m.name}'s expert_parallel_size {m.expert_parallel_size} "
+                          f"does not divide the {p.data_parallel_size} data-parallel ranks; pick a model "
+                          "expert_parallel_size or a rank count that fits")
 
 
 def load_launch_preset(name_or_path: str | os.PathLike) -> LaunchPreset:

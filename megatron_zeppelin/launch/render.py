@@ -33,6 +33,15 @@ def model_args(m: ModelConfig, p: LaunchPreset) -> list[str]:
              "--disable-bias-linear", "--untie-embeddings-and-output-weights",
              "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--no-rope-fusion",
              "--transformer-impl", p.transformer_impl, "--spec", *SPEC]
+    if m.moe_enabled:
+        # No token dropping and no balancing losses (--zeppelin refuses both: they depend
+        # on which tokens the plan puts on a rank).  All-gather with EP 1, as the
+        # trainer's model builder picks; all-to-all spreads experts over EP ranks.
+        args += ["--num-experts", str(m.num_experts), "--moe-router-topk", str(m.moe_router_topk),
+                 "--moe-ffn-hidden-size", str(m.moe_ffn_hidden_size or m.ffn_hidden_size),
+                 "--moe-router-load-balancing-type", "none",
+                 "--expert-model-parallel-size", str(m.expert_parallel_size),
+                 "--moe-token-dispatcher-type", "allgather" if m.expert_parallel_size == 1 else "alltoall"]
     if p.transformer_impl == "local":  # Megatron's local RMSNorm (torch) has no persistent kernel
         args.append("--no-persist-layer-norm")
     args += ["--tokenizer-type", p.tokenizer_type]

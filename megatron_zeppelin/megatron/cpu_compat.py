@@ -4,7 +4,7 @@ Why this exists: the project tests tensor parallelism, sequence parallelism and
 MoE on machines without a GPU, one gloo process per simulated GPU.  gloo has the
 collectives sequence parallelism needs (``all_gather_into_tensor``,
 ``reduce_scatter_tensor``), but Megatron-Core 0.16.1 cannot reach them on CPU
-for two reasons only:
+for three reasons only:
 
 1. **Allocation device.**  Its gather/scatter buffers are allocated with
    ``device=torch.cuda.current_device()``: ``tensor_parallel/mappings.py``
@@ -14,7 +14,14 @@ for two reasons only:
    ``LinearWithGradAccumulationAndAsyncCommunication.backward``) and
    ``utils.py`` (``GlobalMemoryBuffer.get_tensor``, the all-gathered input of a
    sequence-parallel column-parallel linear).  Without CUDA the call raises.
-2. **RNG tracker.**  Under ``sequence_parallel`` the embedding and the
+2. **Streams of the all-to-all MoE dispatcher.**  ``MoEAlltoAllTokenDispatcher``
+   (``transformer/moe/token_dispatcher.py``, expert parallelism > 1) opens a
+   ``torch.cuda.Stream`` for the device-to-host copy of its split sizes and waits
+   on an event of it; and its ``maybe_move_tensor_to_cpu`` leaves a tensor that is
+   already on the CPU a tensor, although the dispatcher asked for a NumPy array:
+   gloo's ``all_to_all_single`` (which has uneven splits) then refuses tensor
+   split sizes.
+3. **RNG tracker.**  Under ``sequence_parallel`` the embedding and the
    transformer block run inside ``get_cuda_rng_tracker().fork()``, whose states
    are CUDA generator states seeded by ``model_parallel_cuda_manual_seed``
    (which Megatron-LM skips when no GPU is present).
@@ -26,6 +33,11 @@ What it redirects, and nothing else:
   answers ``torch.device("cpu")``; every other attribute is torch's own.  So
   Megatron's own functions run -- the same collectives, splits, autograd
   functions and buffers -- with their buffers on the CPU.
+- In the dispatcher module (:data:`STREAM_MODULES`) the same view also answers
+  ``torch.cuda.Stream``/``current_stream``/``stream`` with a CPU stream whose
+  events are already done (CPU ops run in order), and its
+  ``maybe_move_tensor_to_cpu`` is wrapped to return the NumPy array it was asked
+  for.  Megatron's own dispatcher runs: the same permutations and all-to-alls.
 - Megatron's RNG tracker is replaced by :class:`CpuRNGStatesTracker`, a
   ``CudaRNGStatesTracker`` whose named states are states of torch's CPU
   generator (the one CPU dropout draws from), seeded like
@@ -41,6 +53,7 @@ the model-parallel state exists and before the model is built.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import types
 import warnings
@@ -53,12 +66,48 @@ ALLOCATING_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.t
                       "megatron.core.utils")
 
 
+#: Megatron-Core modules that open CUDA streams on the MoE path (expert parallelism > 1).
+STREAM_MODULES = ("megatron.core.transformer.moe.token_dispatcher",)
+
+
+class _DoneEvent:
+    """An event of a CPU stream: the work it marks has already run."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuStream:
+    """A CUDA stream as seen from the dispatcher: CPU work runs in order, so there is
+    nothing to wait for."""
+
+    def wait_stream(self, other: "_CpuStream") -> None:
+        pass
+
+    def record_event(self) -> _DoneEvent:
+        return _DoneEvent()
+
+
+_CURRENT_STREAM = _CpuStream()
+
+
 class _CudaOnCpu:
-    """``torch.cuda`` as seen from an allocating module: the current device is the CPU."""
+    """``torch.cuda`` as seen from a redirected module: the current device is the CPU,
+    streams are :class:`_CpuStream`."""
+
+    Stream = _CpuStream
 
     @staticmethod
     def current_device() -> torch.device:
         return torch.device("cpu")
+
+    @staticmethod
+    def current_stream() -> _CpuStream:
+        return _CURRENT_STREAM
+
+    @staticmethod
+    def stream(stream: _CpuStream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def __getattr__(self, name: str):
         return getattr(torch.cuda, name)
@@ -128,8 +177,12 @@ def apply_cpu_compat(seed: int) -> None:
     the RNG tracker is re-seeded on every call.  Raises where CUDA is available."""
     if torch.cuda.is_available():
         raise RuntimeError("apply_cpu_compat is for CPU ranks only; on GPUs Megatron-Core runs unchanged")
-    for name in ALLOCATING_MODULES:
+    for name in ALLOCATING_MODULES + STREAM_MODULES:
         importlib.import_module(name).torch = _TORCH_ON_CPU
+    for name in STREAM_MODULES:
+        module = importlib.import_module(name)
+        if not getattr(module.maybe_move_tensor_to_cpu, "host_copy_as_asked", False):
+            module.maybe_move_tensor_to_cpu = _host_copy_as_asked(module.maybe_move_tensor_to_cpu)
     _seed_cpu_tracker(seed)
     # Megatron-Core 0.16.1 calls the collectives by names torch 2.13 deprecates; every
     # call would print the same warning once per rank.
@@ -137,6 +190,18 @@ def apply_cpu_compat(seed: int) -> None:
                             message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 
+def _host_copy_as_asked(move):
+    """Megatron's ``maybe_move_tensor_to_cpu`` that also returns a CPU tensor as the
+    NumPy array asked for with ``as_numpy=True`` (it only converts CUDA tensors)."""
+    @functools.wraps(move)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        tensor = move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    maybe_move_tensor_to_cpu.host_copy_as_asked = True
+    return maybe_move_tensor_to_cpu
+
+
 def cpu_compat_applied() -> bool:
     """Whether :func:`apply_cpu_compat` redirected this process's allocation sites."""
-    return all(importlib.import_module(name).torch is _TORCH_ON_CPU for name in ALLOCATING_MODULES)
+    return all(importlib.import_module(name).torch is _TORCH_ON_CPU for name in ALLOCATING_MODULES + STREAM_MODULES)

@@ -71,7 +71,7 @@ def transformer_config(model: ModelConfig, *, dtype: torch.dtype = torch.float32
         num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
         moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        # The all-gather dispatcher runs on CPU with EP 1; all-to-all opens a CUDA stream.
+        # All-gather with EP 1; all-to-all spreads the experts (on CPU through megatron/cpu_compat.py).
         moe_token_dispatcher_type="allgather" if model.expert_parallel_size == 1 else "alltoall",
         expert_model_parallel_size=model.expert_parallel_size)
     return TransformerConfig(**moe,

@@ -98,6 +98,13 @@ def test_valid_namespace_passes():
      ["--sequence-parallel", "--tensor-model-parallel-size > 1"]),
     ({"tensor_model_parallel_size": 4, "zeppelin_cluster": "cpu-sim"},
      ["--tensor-model-parallel-size 4 does not divide the 2 GPUs per node", "cpu-sim"]),
+    ({"num_attention_heads": 3}, ["--tensor-model-parallel-size 2 does not divide --num-attention-heads 3"]),
+    ({"num_attention_heads": 4, "group_query_attention": True, "num_query_groups": 1},
+     ["--tensor-model-parallel-size 2 does not divide --num-query-groups (KV heads) 1"]),
+    ({"num_experts": 6, "expert_model_parallel_size": 4},
+     ["--num-experts 6 does not divide over --expert-model-parallel-size 4"]),
+    ({"num_experts": 6, "expert_model_parallel_size": 3},
+     ["--expert-model-parallel-size 3 x expert TP 2 does not divide the 8 ranks", "divides 4"]),
     ({"mock_data": True}, ["--mock-data", "--data-path"]),
     ({"sft": True}, ["--sft"]),
     ({"micro_batch_size": 2}, ["--micro-batch-size 1", "token budget"]),
@@ -132,6 +139,12 @@ def test_moe_without_token_dropping_is_accepted():
     # Megatron-LM's defaults: the aux_loss balancing type with coefficient 0 adds nothing.
     validate_zeppelin_args(megatron_args(num_experts=8, moe_router_load_balancing_type="aux_loss",
                                          moe_aux_loss_coeff=0.0))
+
+
+def test_model_parallel_sizes_that_divide_are_accepted():
+    # --num-query-groups counts only with --group-query-attention (Megatron ignores it otherwise).
+    validate_zeppelin_args(megatron_args(num_attention_heads=4, num_query_groups=1))
+    validate_zeppelin_args(megatron_args(num_experts=8, expert_model_parallel_size=4))
 
 
 def test_sequence_parallel_is_accepted():

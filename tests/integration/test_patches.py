@@ -172,7 +172,16 @@ def test_patched_pretrain_gpt_steps_on_cpu(mlm_copy, tmp_path):
     (["--tensor-model-parallel-size", "4"], "--tensor-model-parallel-size 4 does not divide the 2 GPUs per node"),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"],
      "--moe-aux-loss-coeff 0"),
-], ids=["sp-without-tp", "tp-over-node", "moe-aux-loss"])
+    (["--tensor-model-parallel-size", "2", "--num-attention-heads", "3", "--num-query-groups", "3",
+      "--hidden-size", "48"], "--tensor-model-parallel-size 2 does not divide --num-attention-heads 3"),
+    (["--tensor-model-parallel-size", "2", "--num-query-groups", "1"],
+     "--tensor-model-parallel-size 2 does not divide --num-query-groups (KV heads) 1"),
+    (["--num-experts", "3", "--expert-model-parallel-size", "2"],
+     "--num-experts 3 does not divide over --expert-model-parallel-size 2"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "2"],
+     "--expert-model-parallel-size 4 x expert TP 2 does not divide the 4 ranks"),
+], ids=["sp-without-tp", "tp-over-node", "moe-aux-loss", "tp-over-heads", "tp-over-kv-heads",
+        "experts-over-ep", "ep-over-ranks"])
 def test_patched_pretrain_gpt_refuses_before_any_process_group(mlm_copy, flags, message):
     """core_v0.16.1's ``pretrain()`` builds its process groups right after parsing: the
     patched script checks the ``--zeppelin`` flags before calling it.  No

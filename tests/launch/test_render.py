@@ -97,6 +97,39 @@ def test_inconsistent_values(tmp_path, extra, match):
         load_launch_preset(write(tmp_path, text + "\n" + extra))
 
 
+def test_moe_model_renders_its_experts(tmp_path):
+    """A preset on an MoE model launches an MoE model: experts, top-k, expert width and
+    EP rendered from the model preset, no balancing loss, and --zeppelin accepts them."""
+    p = load_launch_preset(write(tmp_path, MINIMAL.replace("model: tiny", "model: tiny-moe")))
+    argv = pretrain_args(p, load_model(p.model))
+    flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--moe-") or
+             argv[i] in ("--num-experts", "--expert-model-parallel-size")}
+    assert flags == {"--num-experts": "4", "--moe-router-topk": "2", "--moe-ffn-hidden-size": "64",
+                     "--moe-router-load-balancing-type": "none", "--expert-model-parallel-size": "1",
+                     "--moe-token-dispatcher-type": "allgather"}
+    assert "--num-experts" not in pretrain_args(load_launch_preset("tiny-cpu"), load_model("tiny"))
+
+
+@pytest.mark.parametrize("model_text, extra, message", [
+    ("hidden_size: 96\nnum_attention_heads: 6\nnum_query_groups: 6\n", "gpus_per_node: 4\ntensor_parallel: 4\n",
+     "tensor_parallel 4 does not divide model m's 6 heads"),
+    ("num_query_groups: 1\n", "tensor_parallel: 2\n", "tensor_parallel 2 does not divide model m's 1 KV heads"),
+    ("num_experts: 4\nexpert_parallel_size: 4\n", "tensor_parallel: 2\n",
+     "expert_parallel_size 4 does not divide the 2 data-parallel ranks"),
+])
+def test_cli_refuses_a_model_the_parallelism_cannot_split(tmp_path, model_text, extra, message):
+    base = (Path(__file__).parents[2] / "configs" / "models" / "tiny.yaml").read_text()
+    keys = {line.split(":")[0] for line in model_text.splitlines()}
+    model = "".join(line + "\n" for line in base.splitlines() if line.split(":")[0] not in keys | {"name"})
+    write(tmp_path, model + model_text, "m.yaml")
+    text = "\n".join(line for line in MINIMAL.replace("model: tiny", f"model: {tmp_path / 'm.yaml'}").splitlines()
+                     if line.split(":")[0] not in {ln.split(":")[0] for ln in extra.splitlines()})
+    path = write(tmp_path, text + "\n" + extra)
+    r = subprocess.run([sys.executable, "-m", "megatron_zeppelin.launch", "--preset", str(path), "--print-args"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
 def test_cli_megatron_only_is_one_arg_per_line(capsys):
     assert main(["--preset", "tiny-cpu", "--print-args", "--only", "megatron"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -21,8 +21,11 @@ from megatron_zeppelin.megatron import cpu_compat
 @pytest.fixture
 def undone(monkeypatch):
     """Everything apply_cpu_compat changes is restored after the test; TP rank 1."""
-    for name in cpu_compat.ALLOCATING_MODULES:
+    for name in cpu_compat.ALLOCATING_MODULES + cpu_compat.STREAM_MODULES:
         monkeypatch.setattr(importlib.import_module(name), "torch", torch)
+    for name in cpu_compat.STREAM_MODULES:
+        module = importlib.import_module(name)
+        monkeypatch.setattr(module, "maybe_move_tensor_to_cpu", module.maybe_move_tensor_to_cpu)
     monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER", mrandom._CUDA_RNG_STATE_TRACKER)
     monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
@@ -52,6 +55,27 @@ def test_allocation_sites_see_the_cpu_and_nothing_else_changes(undone):
     buffer = utils.GlobalMemoryBuffer().get_tensor([2, 3], torch.float32, "mpu")
     assert buffer.device.type == "cpu" and buffer.shape == (2, 3)
     assert torch.cuda.current_device is not mappings.torch.cuda.current_device  # torch itself untouched
+
+
+def test_dispatcher_streams_are_cpu_streams_and_host_copies_are_as_asked(undone):
+    cpu_compat.apply_cpu_compat(seed=5)
+    cpu_compat.apply_cpu_compat(seed=5)   # idempotent: the host copy is wrapped once
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    cuda = token_dispatcher.torch.cuda
+    side = cuda.Stream()
+    assert cuda.current_stream() != side and cuda.current_stream() is cuda.current_stream()
+    with cuda.stream(side):
+        side.wait_stream(cuda.current_stream())
+    side.record_event().synchronize()
+    splits = torch.tensor([3, 5])
+    # Megatron's own copy leaves a CPU tensor a tensor; the dispatcher asked for NumPy
+    # split sizes (gloo's all_to_all_single takes no tensor).
+    assert torch.is_tensor(moe_utils.maybe_move_tensor_to_cpu(splits, as_numpy=True))
+    assert token_dispatcher.maybe_move_tensor_to_cpu(splits, as_numpy=True).tolist() == [3, 5]
+    assert type(token_dispatcher.maybe_move_tensor_to_cpu(splits, as_numpy=True)).__module__ == "numpy"
+    assert token_dispatcher.maybe_move_tensor_to_cpu(splits) is splits
+    assert token_dispatcher.maybe_move_tensor_to_cpu.__wrapped__ is moe_utils.maybe_move_tensor_to_cpu
 
 
 def test_rng_tracker_forks_the_cpu_generator_per_tp_rank(undone):
