@@ -11,6 +11,7 @@ from typing import Sequence
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
+from megatron_zeppelin.train.strategy_limits import check_strategy_holds
 from megatron_zeppelin.validation import (OneLineParser, check_float, check_input_file, check_int,
                                           check_output_dir, check_output_file)
 
@@ -57,7 +58,7 @@ class TrainConfig:
     break-even on GPUs; 0 on a simulated CPU cluster, whose loopback links have
     no cost worth modelling, so every cross-node message exercises the routing."""
     remap: bool = True
-    """Token-balanced linear layout through the remapping layer."""
+    """Token-balanced linear layout through the remapping layer (Zeppelin only)."""
     batch_fill: float = DEFAULT_BATCH_FILL
     """Fraction of the cluster's token capacity a global batch fills (slack lets
     every strategy place every batch)."""
@@ -119,7 +120,8 @@ class TrainConfig:
         check_float(self.batch_fill, "--batch-fill", positive=True, maximum=1)
         if self.min_routed_bytes is not None:
             check_float(self.min_routed_bytes, "--min-routed-bytes", minimum=0)
-        check_tensor_parallel(self.tp, self.sequence_parallel, self.gpus_per_node, load_model(self.model))
+        model = load_model(self.model)
+        check_tensor_parallel(self.tp, self.sequence_parallel, self.gpus_per_node, model)
         if (self.lengths is None) == (self.data is None):
             raise ConfigError("give exactly one of --lengths FILE (synthetic tokens) or --data PREFIX "
                               "(Megatron indexed dataset)")
@@ -135,6 +137,8 @@ class TrainConfig:
             raise ConfigError(f"--max-seq-len {self.max_seq_len} is longer than the cluster can hold "
                               f"({self.data_parallel_size} data-parallel ranks x {self.tokens_per_gpu} tokens per GPU = "
                               f"{capacity}); raise --tokens-per-gpu or the rank count, or lower --max-seq-len")
+        check_strategy_holds(self.strategy, model, max_seq_len=self.max_seq_len, tokens_per_gpu=self.tokens_per_gpu,
+                             data_parallel_size=self.data_parallel_size, tp=self.tp)
         if self.load is not None and not Path(self.load).is_dir():
             raise ConfigError(f"--load {self.load!r} is not a directory; pass the --save directory "
                               "of an earlier run")
@@ -201,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cross-node messages below this go direct (default: the cost model's break-even "
                         "on GPUs, 0 on a simulated CPU cluster)")
     p.add_argument("--remap", type=_on_off, default=True, metavar="on|off",
-                   help="token-balanced layout for the MLPs (default on)")
+                   help="token-balanced layout for the MLPs (default on; zeppelin only: the baselines run "
+                        "their MLPs on their attention layout)")
     p.add_argument("--batch-fill", type=float, default=DEFAULT_BATCH_FILL,
                    help=f"global batch = this x tokens-per-gpu x world tokens (default {DEFAULT_BATCH_FILL})")
     p.add_argument("--tp", type=int, default=1, metavar="N",

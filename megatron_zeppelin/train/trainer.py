@@ -52,6 +52,7 @@ from megatron_zeppelin.train.checkpoint import load_state, save_state
 from megatron_zeppelin.train.cli import TrainConfig
 from megatron_zeppelin.train.log import StepLogger, StepRecord
 from megatron_zeppelin.train.micro import MicroBatch, iter_micro_batches, make_sampler, make_split
+from megatron_zeppelin.train.passes import Pass, planned_passes
 from megatron_zeppelin.train.parallel import (allreduce_gradients, data_parallel_view, physical_nics,
                                               sequence_parallel_group)
 from megatron_zeppelin.train.reference import STRATEGY as REFERENCE, reference_plan
@@ -83,7 +84,7 @@ class Run:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     sampler: ZeppelinBatchSampler
-    make_plan: Callable[[Sequence[int]], Plan]
+    make_plan: Callable[[Sequence[int]], list[Pass]]
     split: Callable[[Sequence[int]], list[list[int]]]
     """Global batch lengths -> sequence indices of each micro-batch."""
     comm: Communicator | None
@@ -93,7 +94,7 @@ class Run:
     backend: AttentionBackend
     source: TokenSource
     remap: bool
-    """The MLPs run on the plan's linear layout (``--remap on``, not the reference)."""
+    """The MLPs run on the plan's linear layout (``--remap on``, Zeppelin only)."""
     step: int = 0
     sampler_state: dict | None = None
     """Sampler state after the last global batch trained on (the sampler itself
@@ -111,8 +112,7 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
     plan_cluster = data_parallel_view(cluster, world_size, cfg.tp, tp_rank=0)
     model_cfg = load_model(cfg.model)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-    # The reference's linear layout is its attention layout: nothing to remap.
-    remap = cfg.remap and cfg.strategy != REFERENCE
+    remap = remap_on(cfg)
     torch.manual_seed(cfg.seed)  # Megatron's CPU init draws from torch's default generator
     model = build_gpt_model(model_cfg, max_seq_len=cfg.max_seq_len, dtype=dtype, remap=remap, tp=cfg.tp,
                             sequence_parallel=cfg.sequence_parallel).to(device)
@@ -159,12 +159,18 @@ def routing_on(cfg: TrainConfig) -> bool:
     return cfg.routing and cfg.strategy == "zeppelin"
 
 
+def remap_on(cfg: TrainConfig) -> bool:
+    """``--remap`` applies to Zeppelin only: the reference's and the baselines'
+    linear layout is their attention layout (their users have no remapping layer)."""
+    return cfg.remap and cfg.strategy == "zeppelin"
+
+
 def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfig,
-                 remap: bool) -> Callable[[Sequence[int]], Plan]:
-    """``seq_lens -> validated Plan`` for the run's strategy."""
+                 remap: bool) -> Callable[[Sequence[int]], list[Pass]]:
+    """``seq_lens -> validated Plans`` of the passes the run's strategy runs them as."""
     topo = cluster.topology
     if cfg.strategy == REFERENCE:
-        return lambda lens: reference_plan(lens, topo.world_size, topo.gpus_per_node)
+        return lambda lens: [Pass(tuple(range(len(lens))), reference_plan(lens, topo.world_size, topo.gpus_per_node))]
     planner = get_planner(cfg.strategy)
     # Without the remapping layer the linear modules see the attention layout.
     cost = CostModel(cluster, model_cfg, routing=routing_on(cfg))
@@ -175,12 +181,14 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
                       cp_size=static_size(cfg.strategy, cost, cfg.max_seq_len, cfg.tokens_per_gpu),
                       step_model=lambda plan: step_timeline(plan, cost, replayed_layers=2).step_s)
 
-    def make_plan(seq_lens: Sequence[int]) -> Plan:
-        plan = planner.plan(list(seq_lens), ctx)
+    def make_plan(seq_lens: Sequence[int]) -> list[Pass]:
+        passes = planned_passes(planner, seq_lens, ctx)
         try:
-            return plan.validate()
+            for p in passes:
+                p.plan.validate()
         except PlanError as exc:
             raise PlanError(f"strategy {cfg.strategy} produced an invalid plan: {exc}") from None
+        return passes
     return make_plan
 
 
