@@ -6,13 +6,21 @@ tokens per GPU: a 3072-token piece needs a group of 4 GPUs spanning both nodes
 steps, and the short documents share the groups.  Losses and every parameter's
 summed gradient equal plain data parallelism's on the same global batches.
 Model ``tiny-ulysses`` (4 KV heads): Ulysses groups of 4 split heads evenly.
+The planners price plans with the H100 preset's numbers (``--cluster``), so
+FlexSP's MILP mixes group sizes as it would on GPUs (with the CPU preset's
+costs it puts every sequence in one group of 4, which ulysses_sp covers).
 """
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 
+from megatron_zeppelin.errors import exit_on_user_error
 from megatron_zeppelin.plan import Mode, Plan
+from megatron_zeppelin.train import compare
 from tests.train.test_trainer import _assert_same_grads, _one_error_line, _train_saving_grads
 
 BASELINES = ("te_cp", "megatron_hybrid_cp", "ulysses_sp", "flexsp")
@@ -24,7 +32,7 @@ STEPS = 2
 def _argv(strategy: str, out, *extra: str) -> list[str]:
     return ["--nodes", "2", "--gpus-per-node", "2", "--strategy", strategy, "--model", "tiny-ulysses",
             "--lengths", LENGTHS, "--max-seq-len", "3072", "--tokens-per-gpu", str(CAP), "--steps", str(STEPS),
-            "--seed", "0", "--quiet", "--timeout", "60", "--json-log", str(out), *extra]
+            "--seed", "0", "--cluster", "h100-8x400g", "--quiet", "--timeout", "60", "--json-log", str(out), *extra]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +47,7 @@ def runs(tmp_path_factory):
                                       tmp / f"{strategy}-grads", mp)
             out[strategy] = (log, [Plan.from_json(p.read_text()) for p in sorted(plans.glob("*.json"))],
                              tmp / f"{strategy}-grads")
+    out["logs"] = tmp
     return out
 
 
@@ -71,6 +80,10 @@ def test_the_long_pieces_are_split_over_both_nodes(runs):
         _, plans, _ = runs[strategy]
         mode = Mode.ULYSSES if strategy in ("ulysses_sp", "flexsp") else Mode.RING
         assert any(p.mode == mode and p.ranks == (0, 1, 2, 3) for plan in plans for p in plan.attention), strategy
+    # FlexSP's groups differ per sequence (its MILP), te_cp's and ulysses_sp's never.
+    for strategy, sizes in (("flexsp", lambda n: n > 2), ("te_cp", lambda n: n == 1), ("ulysses_sp", lambda n: n == 1)):
+        used = {p.size for plan in runs[strategy][1] for p in plan.attention}
+        assert sizes(len(used)), (strategy, used)
     # Hybrid CP ran a step as more than one round (a micro-batch each).
     assert any(len(r["micro_batch_tokens"]) > 1 for r in runs["megatron_hybrid_cp"][0])
 
@@ -100,3 +113,21 @@ def test_a_model_whose_kv_heads_forbid_the_group_is_one_line_before_spawning(str
     line = _one_error_line(capsys, argv)
     assert f"{strategy}: a 3072-token piece needs a Ulysses group of more than 2 GPUs" in line
     assert "tiny's 2 KV heads" in line and "--model tiny-ulysses" in line
+
+
+def test_compare_checks_the_batches_before_the_losses(runs, tmp_path, capsys, monkeypatch):
+    logs = runs["logs"]
+    monkeypatch.setattr(sys, "argv", ["compare", str(logs / "te_cp.jsonl"), str(logs / "reference.jsonl"),
+                                      "--rtol", "1e-5"])
+    assert exit_on_user_error(compare.main) == 0
+    assert "equal to the reference" in capsys.readouterr().out
+    # A run that deferred a piece trained other batches: one line says so, no loss verdict.
+    lines = [json.loads(x) for x in (logs / "te_cp.jsonl").read_text().splitlines()]
+    lines[1]["num_tokens"] -= 5
+    (tmp_path / "other.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    monkeypatch.setattr(sys, "argv", ["compare", str(tmp_path / "other.jsonl"), str(logs / "reference.jsonl")])
+    with pytest.raises(SystemExit) as exc:
+        exit_on_user_error(compare.main)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "step 1 trained" in err[0] and "different batches" in err[0]
