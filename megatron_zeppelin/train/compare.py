@@ -50,8 +50,9 @@ def main() -> int:
     if other is not None:
         ref_tokens = refs[runs.index(other)]["num_tokens"]
         raise ConfigError(f"step {other['step']} trained {other['num_tokens']} tokens in {args.log} and {ref_tokens} "
-                          f"in {args.reference}: the runs trained different batches (a deferred piece, or another "
-                          "--lengths/--seed/--batch-fill); losses compare only on the same batches")
+                          f"in {args.reference}: the runs trained different batches (the strategy deferred a piece: run "
+                          "the reference with --batches-of STRATEGY; or another --lengths/--seed/--batch-fill); "
+                          "losses compare only on the same batches")
     print("| step | loss | reference | rel. diff | local/intra/inter/ulysses | attn pairs max/mean "
           "| linear tokens max/mean | intra-node MiB | inter-node MiB per NIC |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -170,7 +170,7 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
     """``seq_lens -> validated Plans`` of the passes the run's strategy runs them as."""
     topo = cluster.topology
     if cfg.strategy == REFERENCE:
-        return lambda lens: [Pass(tuple(range(len(lens))), reference_plan(lens, topo.world_size, topo.gpus_per_node))]
+        return make_reference_planner(cfg, cluster, model_cfg)
     planner = get_planner(cfg.strategy)
     # Without the remapping layer the linear modules see the attention layout.
     cost = CostModel(cluster, model_cfg, routing=routing_on(cfg))
@@ -189,6 +189,24 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
         except PlanError as exc:
             raise PlanError(f"strategy {cfg.strategy} produced an invalid plan: {exc}") from None
         return passes
+    return make_plan
+
+
+def make_reference_planner(cfg: TrainConfig, cluster: ClusterConfig,
+                           model_cfg: ModelConfig) -> Callable[[Sequence[int]], list[Pass]]:
+    """The reference's one pass; with ``--batches-of S`` each batch is planned by
+    S first, whose :class:`InfeasibleError` makes the sampler defer the piece S
+    defers, so the reference trains S's batches."""
+    topo = cluster.topology
+    follow = None
+    if cfg.batches_of is not None:
+        other = dataclasses.replace(cfg, strategy=cfg.batches_of, batches_of=None)
+        follow = make_planner(other, cluster, model_cfg, remap_on(other))
+
+    def make_plan(seq_lens: Sequence[int]) -> list[Pass]:
+        if follow is not None:
+            follow(seq_lens)
+        return [Pass(tuple(range(len(seq_lens))), reference_plan(seq_lens, topo.world_size, topo.gpus_per_node))]
     return make_plan
 
 
@@ -369,7 +387,8 @@ def describe(run: Run) -> str:
     """One line saying what this run does."""
     cfg, topo, m = run.cfg, run.cluster.topology, run.model_cfg
     on = {True: "on", False: "off"}
-    features = ("plain attention, no communication" if cfg.strategy == REFERENCE else
+    features = ("plain attention, no communication" + (f", the batches of {cfg.batches_of}" if cfg.batches_of else "")
+                if cfg.strategy == REFERENCE else
                 f"{type(run.backend).__name__} kernels, routing {on[routing_on(cfg)]}, remap {on[run.remap]}")
     return (f"{cfg.strategy} on {topo.nodes} nodes x {topo.gpus_per_node} GPUs ({topo.nics_per_node} NICs "
             f"per node, {'gloo on CPU' if run.device.type == 'cpu' else 'NCCL'}); model {m.name} "

@@ -21,6 +21,9 @@ import pytest
 from megatron_zeppelin.errors import exit_on_user_error
 from megatron_zeppelin.plan import Mode, Plan
 from megatron_zeppelin.train import compare
+from megatron_zeppelin.train.cli import parse_args
+from megatron_zeppelin.train.launch import launch
+from tests.reliability.test_full_batch import _permuted
 from tests.train.test_trainer import _assert_same_grads, _one_error_line, _train_saving_grads
 
 BASELINES = ("te_cp", "megatron_hybrid_cp", "ulysses_sp", "flexsp")
@@ -113,6 +116,7 @@ def test_a_model_whose_kv_heads_forbid_the_group_is_one_line_before_spawning(str
     line = _one_error_line(capsys, argv)
     assert f"{strategy}: a 3072-token piece needs a Ulysses group of more than 2 GPUs" in line
     assert "tiny's 2 KV heads" in line and "--model tiny-ulysses" in line
+    assert "--batches-of makes the reference train" in _one_error_line(capsys, [*argv, "--batches-of", "zeppelin"])
 
 
 def test_compare_checks_the_batches_before_the_losses(runs, tmp_path, capsys, monkeypatch):
@@ -131,3 +135,21 @@ def test_compare_checks_the_batches_before_the_losses(runs, tmp_path, capsys, mo
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "step 1 trained" in err[0] and "different batches" in err[0]
+
+
+def test_the_reference_trains_the_batches_a_strategy_deferred(tmp_path, capfd):
+    """Issue 13's full batch (2 nodes x 1 GPU x 80 tokens): zeppelin defers a
+    3-token piece one step; ``--batches-of zeppelin`` makes the reference defer it
+    too, so the two runs compare step by step."""
+    path = _permuted(tmp_path / "full.npy", [52, 44, 24, 37, 3, 150, 60, 40])
+    logs = {}
+    for name, extra in (("zeppelin", ["--strategy", "zeppelin"]),
+                        ("reference", ["--strategy", "reference", "--batches-of", "zeppelin"])):
+        out = tmp_path / f"{name}.jsonl"
+        launch(parse_args(["--nodes", "2", "--gpus-per-node", "1", *extra, "--lengths", path, "--max-seq-len", "160",
+                           "--tokens-per-gpu", "80", "--steps", "3", "--quiet", "--json-log", str(out)]))
+        logs[name] = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["num_tokens"] for r in logs["reference"]] == [r["num_tokens"] for r in logs["zeppelin"]] == [157, 153, 100]
+    for z, r in zip(logs["zeppelin"], logs["reference"]):
+        assert z["loss"] == pytest.approx(r["loss"], rel=1e-5)
+    assert capfd.readouterr().err.count("deferred a piece of 3 tokens") == 2   # once per run
