@@ -3,8 +3,9 @@
 2 nodes x 2 GPUs, the long-tailed lengths sample, 3072-token pieces at 1024
 tokens per GPU: a 3072-token piece needs a group of 4 GPUs spanning both nodes
 (a TE ring, a Ulysses all-to-all), Megatron's hybrid CP runs its groups'
-sub-samples one after another, and the short documents share the groups.  Losses and every parameter's
-summed gradient equal plain data parallelism's on the same global batches.
+sub-samples one after another, and the short documents share the groups.
+Losses and every parameter's summed gradient equal plain data parallelism's
+on the same global batches.
 Model ``tiny-ulysses`` (4 KV heads): Ulysses groups of 4 split heads evenly.
 The planners price plans with the H100 preset's numbers (``--cluster``), so
 FlexSP's MILP mixes group sizes as it would on GPUs (with the CPU preset's
@@ -54,6 +55,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", BASELINES)
 def test_baseline_equals_the_reference(runs, strategy):
     ref, _, ref_grads = runs["reference"]
@@ -71,6 +73,7 @@ def test_baseline_equals_the_reference(runs, strategy):
     assert all(b["bytes"]["remap_intra_node"] == b["bytes"]["remap_inter_node"] == 0 for b in log)
 
 
+@pytest.mark.slow
 def test_the_long_pieces_are_split_over_both_nodes(runs):
     # The reference holds a 3072-token piece on one rank; every baseline splits it 4 ways.
     assert any(max(r["attention_tokens_per_rank"]) > CAP for r in runs["reference"][0])
@@ -86,6 +89,7 @@ def test_the_long_pieces_are_split_over_both_nodes(runs):
     assert any(len(r["micro_batch_tokens"]) > 1 for r in runs["megatron_hybrid_cp"][0])
 
 
+@pytest.mark.slow
 def test_te_cp_is_static_and_unrouted(runs):
     log, plans, _ = runs["te_cp"]
     # One CP group of 4 for the whole run: every sequence, short ones too, rides its ring.
@@ -114,6 +118,7 @@ def test_a_model_whose_kv_heads_forbid_the_group_is_one_line_before_spawning(str
     assert "--batches-of makes the reference train" in _one_error_line(capsys, [*argv, "--batches-of", "zeppelin"])
 
 
+@pytest.mark.slow
 def test_compare_checks_the_batches_before_the_losses(runs, tmp_path, capsys, monkeypatch):
     logs = runs["logs"]
     monkeypatch.setattr(sys, "argv", ["compare", str(logs / "te_cp.jsonl"), str(logs / "reference.jsonl"),
@@ -132,6 +137,7 @@ def test_compare_checks_the_batches_before_the_losses(runs, tmp_path, capsys, mo
     assert len(err) == 1 and "step 1 trained" in err[0] and "different batches" in err[0]
 
 
+@pytest.mark.slow
 def test_the_reference_trains_the_batches_a_strategy_deferred(tmp_path, capfd):
     """Issue 13's full batch (2 nodes x 1 GPU x 80 tokens): zeppelin defers a
     3-token piece one step; ``--batches-of zeppelin`` makes the reference defer it
