@@ -11,6 +11,7 @@ from typing import Sequence
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
+from megatron_zeppelin.train.strategy_limits import check_strategy_holds
 from megatron_zeppelin.validation import (OneLineParser, check_float, check_input_file, check_int,
                                           check_output_dir, check_output_file)
 
@@ -57,7 +58,7 @@ class TrainConfig:
     break-even on GPUs; 0 on a simulated CPU cluster, whose loopback links have
     no cost worth modelling, so every cross-node message exercises the routing."""
     remap: bool = True
-    """Token-balanced linear layout through the remapping layer."""
+    """Token-balanced linear layout through the remapping layer (Zeppelin only)."""
     batch_fill: float = DEFAULT_BATCH_FILL
     """Fraction of the cluster's token capacity a global batch fills (slack lets
     every strategy place every batch)."""
@@ -71,6 +72,10 @@ class TrainConfig:
     micro_batches: int = 1
     """Micro-batches per global batch (gradient accumulation): the global batch
     holds this many times the tokens of one Plan, split by modeled work."""
+    batches_of: str | None = None
+    """Reference only: train the global batches this strategy trains (each batch
+    is planned with it too, so a piece it defers to the next step waits here as
+    well); None: the sampler's batches, which every strategy that defers nothing trains."""
     json_log: str | None = None
     """Append one JSON line per step to this file."""
     save: str | None = None
@@ -119,7 +124,8 @@ class TrainConfig:
         check_float(self.batch_fill, "--batch-fill", positive=True, maximum=1)
         if self.min_routed_bytes is not None:
             check_float(self.min_routed_bytes, "--min-routed-bytes", minimum=0)
-        check_tensor_parallel(self.tp, self.sequence_parallel, self.gpus_per_node, load_model(self.model))
+        model = load_model(self.model)
+        check_tensor_parallel(self.tp, self.sequence_parallel, self.gpus_per_node, model)
         if (self.lengths is None) == (self.data is None):
             raise ConfigError("give exactly one of --lengths FILE (synthetic tokens) or --data PREFIX "
                               "(Megatron indexed dataset)")
@@ -135,6 +141,12 @@ class TrainConfig:
             raise ConfigError(f"--max-seq-len {self.max_seq_len} is longer than the cluster can hold "
                               f"({self.data_parallel_size} data-parallel ranks x {self.tokens_per_gpu} tokens per GPU = "
                               f"{capacity}); raise --tokens-per-gpu or the rank count, or lower --max-seq-len")
+        if self.batches_of is not None and self.strategy != "reference":
+            raise ConfigError(f"--batches-of makes the reference train another strategy's batches; with --strategy "
+                              f"{self.strategy} drop it (or use --strategy reference --batches-of {self.batches_of})")
+        for strategy in {self.strategy, self.batches_of} - {None}:
+            check_strategy_holds(strategy, model, max_seq_len=self.max_seq_len, tokens_per_gpu=self.tokens_per_gpu,
+                                 data_parallel_size=self.data_parallel_size, tp=self.tp)
         if self.load is not None and not Path(self.load).is_dir():
             raise ConfigError(f"--load {self.load!r} is not a directory; pass the --save directory "
                               "of an earlier run")
@@ -201,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cross-node messages below this go direct (default: the cost model's break-even "
                         "on GPUs, 0 on a simulated CPU cluster)")
     p.add_argument("--remap", type=_on_off, default=True, metavar="on|off",
-                   help="token-balanced layout for the MLPs (default on)")
+                   help="token-balanced layout for the MLPs (default on; zeppelin only: the baselines run "
+                        "their MLPs on their attention layout)")
     p.add_argument("--batch-fill", type=float, default=DEFAULT_BATCH_FILL,
                    help=f"global batch = this x tokens-per-gpu x world tokens (default {DEFAULT_BATCH_FILL})")
     p.add_argument("--tp", type=int, default=1, metavar="N",
@@ -212,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=1, metavar="N",
                    help="gradient accumulation: a global batch of N x batch-fill x tokens-per-gpu x world "
                         "tokens, run as N planned micro-batches of equal modeled work (default 1)")
+    p.add_argument("--batches-of", choices=[s for s in STRATEGIES if s != "reference"], metavar="STRATEGY",
+                   help="with --strategy reference: train the batches STRATEGY trains (a piece it defers to the "
+                        "next step waits here too), so the two logs compare step by step")
     p.add_argument("--json-log", metavar="OUT.jsonl")
     p.add_argument("--save", metavar="DIR")
     p.add_argument("--load", metavar="DIR")
@@ -233,5 +249,5 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         strategy=a.strategy, model=a.model, lengths=a.lengths, data=a.data, max_seq_len=a.max_seq_len,
         tokens_per_gpu=a.tokens_per_gpu, steps=a.steps, seed=a.seed, lr=a.lr, dtype=a.dtype,
         routing=a.routing, min_routed_bytes=a.min_routed_bytes, remap=a.remap, batch_fill=a.batch_fill,
-        tp=a.tp, sequence_parallel=a.sequence_parallel, micro_batches=a.micro_batches, json_log=a.json_log, save=a.save, load=a.load,
+        tp=a.tp, sequence_parallel=a.sequence_parallel, micro_batches=a.micro_batches, batches_of=a.batches_of, json_log=a.json_log, save=a.save, load=a.load,
         dump_plans=a.dump_plans, dump_trace=a.dump_trace, backend=a.backend, timeout_s=a.timeout, quiet=a.quiet).check()

@@ -46,6 +46,13 @@ def main() -> int:
     runs, refs = read_log(args.log), read_log(args.reference)
     if not runs or len(runs) != len(refs):
         raise ConfigError(f"the logs hold {len(runs)} and {len(refs)} steps; run both for the same --steps")
+    other = next((r for r, x in zip(runs, refs) if r["num_tokens"] != x["num_tokens"]), None)
+    if other is not None:
+        ref_tokens = refs[runs.index(other)]["num_tokens"]
+        raise ConfigError(f"step {other['step']} trained {other['num_tokens']} tokens in {args.log} and {ref_tokens} "
+                          f"in {args.reference}: the runs trained different batches (the strategy deferred a piece: run "
+                          "the reference with --batches-of STRATEGY; or another --lengths/--seed/--batch-fill); "
+                          "losses compare only on the same batches")
     print("| step | loss | reference | rel. diff | local/intra/inter/ulysses | attn pairs max/mean "
           "| linear tokens max/mean | intra-node MiB | inter-node MiB per NIC |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -41,8 +41,10 @@ class StepRecord:
     step_time_s: float
     """Wall time of the step on rank 0 (plan, forward, backward, optimizer)."""
     micro_batch_tokens: Sequence[int]
-    """Tokens of each micro-batch the global batch ran as (one entry without
-    ``--micro-batches``).  Per-rank fields above are summed over the micro-batches."""
+    """Tokens of each micro-batch the global batch ran as: one entry per
+    ``--micro-batches`` part, or more where the strategy runs a part in several
+    passes (a baseline's rounds, ``train/passes.py``).  Per-rank fields above
+    are summed over the micro-batches."""
 
     def to_dict(self) -> dict:
         return {

@@ -26,6 +26,7 @@ from megatron_zeppelin.sampler import GlobalBatch, Piece, ZeppelinBatchSampler
 from megatron_zeppelin.sampler.deferral import DeferringSampler
 from megatron_zeppelin.topology import ClusterConfig
 from megatron_zeppelin.train.cli import TrainConfig
+from megatron_zeppelin.train.passes import Pass
 
 
 @dataclass(frozen=True)
@@ -58,14 +59,20 @@ def make_split(cfg: TrainConfig, cost: CostModel) -> Split:
                              batch_fill=cfg.batch_fill, cost=cost)
 
 
-def iter_micro_batches(sampler: DeferringSampler, split: Split, make_plan: Callable[[Sequence[int]], Plan],
+def iter_micro_batches(sampler: DeferringSampler, split: Split, make_plan: Callable[[Sequence[int]], list[Pass]],
                        note: Callable[[str], None]) -> Iterator[MicroBatch]:
-    """Every micro-batch of every global batch, in order, planned.  A global
-    batch whose micro-batches cannot all be planned defers a piece to the next
-    step (``note`` hears of it) rather than fail the run."""
+    """Every micro-batch of every global batch, in order, planned: the
+    ``--micro-batches`` split, each part run as the passes its strategy needs
+    (``train/passes.py``).  A global batch whose micro-batches cannot all be
+    planned defers a piece to the next step (``note`` hears of it) rather than
+    fail the run."""
     def plan_all(seq_lens: Sequence[int]) -> tuple[list[list[int]], list[Plan]]:
-        groups = split(seq_lens)
-        return groups, [make_plan([seq_lens[i] for i in g]) for g in groups]
+        groups, plans = [], []
+        for g in split(seq_lens):
+            for p in make_plan([seq_lens[i] for i in g]):
+                groups.append([g[s] for s in p.seqs])
+                plans.append(p.plan)
+        return groups, plans
 
     while True:
         batch, (groups, plans) = sampler.next_planned(plan_all, note)

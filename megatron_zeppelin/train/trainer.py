@@ -53,6 +53,7 @@ from megatron_zeppelin.train.checkpoint import load_state, save_state
 from megatron_zeppelin.train.cli import TrainConfig
 from megatron_zeppelin.train.log import StepLogger, StepRecord
 from megatron_zeppelin.train.micro import MicroBatch, iter_micro_batches, make_sampler, make_split
+from megatron_zeppelin.train.passes import Pass, planned_passes
 from megatron_zeppelin.train.parallel import (allreduce_gradients, data_parallel_view, physical_nics,
                                               sequence_parallel_group)
 from megatron_zeppelin.train.reference import STRATEGY as REFERENCE, reference_plan
@@ -84,7 +85,7 @@ class Run:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     sampler: ZeppelinBatchSampler
-    make_plan: Callable[[Sequence[int]], Plan]
+    make_plan: Callable[[Sequence[int]], list[Pass]]
     split: Callable[[Sequence[int]], list[list[int]]]
     """Global batch lengths -> sequence indices of each micro-batch."""
     comm: Communicator | None
@@ -94,7 +95,7 @@ class Run:
     backend: AttentionBackend
     source: TokenSource
     remap: bool
-    """The MLPs run on the plan's linear layout (``--remap on``, not the reference)."""
+    """The MLPs run on the plan's linear layout (``--remap on``, Zeppelin only)."""
     step: int = 0
     sampler_state: dict | None = None
     """Sampler state after the last global batch trained on (the sampler itself
@@ -112,8 +113,7 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
     plan_cluster = data_parallel_view(cluster, world_size, cfg.tp, tp_rank=0)
     model_cfg = load_model(cfg.model)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-    # The reference's linear layout is its attention layout: nothing to remap.
-    remap = cfg.remap and cfg.strategy != REFERENCE
+    remap = remap_on(cfg)
     torch.manual_seed(cfg.seed)  # Megatron's CPU init draws from torch's default generator
     model = build_gpt_model(model_cfg, max_seq_len=cfg.max_seq_len, dtype=dtype, remap=remap, tp=cfg.tp,
                             sequence_parallel=cfg.sequence_parallel).to(device)
@@ -160,12 +160,18 @@ def routing_on(cfg: TrainConfig) -> bool:
     return cfg.routing and cfg.strategy == "zeppelin"
 
 
+def remap_on(cfg: TrainConfig) -> bool:
+    """``--remap`` applies to Zeppelin only: the reference's and the baselines'
+    linear layout is their attention layout (their users have no remapping layer)."""
+    return cfg.remap and cfg.strategy == "zeppelin"
+
+
 def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfig,
-                 remap: bool) -> Callable[[Sequence[int]], Plan]:
-    """``seq_lens -> validated Plan`` for the run's strategy."""
+                 remap: bool) -> Callable[[Sequence[int]], list[Pass]]:
+    """``seq_lens -> validated Plans`` of the passes the run's strategy runs them as."""
     topo = cluster.topology
     if cfg.strategy == REFERENCE:
-        return lambda lens: reference_plan(lens, topo.world_size, topo.gpus_per_node)
+        return make_reference_planner(cfg, cluster, model_cfg)
     planner = get_planner(cfg.strategy)
     # Without the remapping layer the linear modules see the attention layout.
     cost = CostModel(cluster, model_cfg, routing=routing_on(cfg))
@@ -176,12 +182,32 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
                       cp_size=static_size(cfg.strategy, cost, cfg.max_seq_len, cfg.tokens_per_gpu),
                       step_model=lambda plan: decision_step_s(plan, cost))
 
-    def make_plan(seq_lens: Sequence[int]) -> Plan:
-        plan = planner.plan(list(seq_lens), ctx)
+    def make_plan(seq_lens: Sequence[int]) -> list[Pass]:
+        passes = planned_passes(planner, seq_lens, ctx)
         try:
-            return plan.validate()
+            for p in passes:
+                p.plan.validate()
         except PlanError as exc:
             raise PlanError(f"strategy {cfg.strategy} produced an invalid plan: {exc}") from None
+        return passes
+    return make_plan
+
+
+def make_reference_planner(cfg: TrainConfig, cluster: ClusterConfig,
+                           model_cfg: ModelConfig) -> Callable[[Sequence[int]], list[Pass]]:
+    """The reference's one pass; with ``--batches-of S`` each batch is planned by
+    S first, whose :class:`InfeasibleError` makes the sampler defer the piece S
+    defers, so the reference trains S's batches."""
+    topo = cluster.topology
+    follow = None
+    if cfg.batches_of is not None:
+        other = dataclasses.replace(cfg, strategy=cfg.batches_of, batches_of=None)
+        follow = make_planner(other, cluster, model_cfg, remap_on(other))
+
+    def make_plan(seq_lens: Sequence[int]) -> list[Pass]:
+        if follow is not None:
+            follow(seq_lens)
+        return [Pass(tuple(range(len(seq_lens))), reference_plan(seq_lens, topo.world_size, topo.gpus_per_node))]
     return make_plan
 
 
@@ -362,7 +388,8 @@ def describe(run: Run) -> str:
     """One line saying what this run does."""
     cfg, topo, m = run.cfg, run.cluster.topology, run.model_cfg
     on = {True: "on", False: "off"}
-    features = ("plain attention, no communication" if cfg.strategy == REFERENCE else
+    features = ("plain attention, no communication" + (f", the batches of {cfg.batches_of}" if cfg.batches_of else "")
+                if cfg.strategy == REFERENCE else
                 f"{type(run.backend).__name__} kernels, routing {on[routing_on(cfg)]}, remap {on[run.remap]}")
     if cfg.tp > 1:
         features += f", TP {cfg.tp}" + (" with sequence parallelism" if cfg.sequence_parallel else "")

@@ -281,8 +281,8 @@ def test_bad_inputs_exit_2_with_one_line(lengths_file, tmp_path, capsys, monkeyp
         capsys, [*argv[:i], "--data", str(tmp_path / "nope"), *argv[i + 2:]])
     assert "does not exist" in _one_error_line(
         capsys, [*argv[:i], "--lengths", str(tmp_path / "nope.npy"), *argv[i + 2:]])
-    # A sequence over the per-GPU cap for a strategy that cannot split it: raised
-    # inside the spawned ranks, reported by the parent as one line.
+    # Pieces over the per-GPU cap for a strategy that cannot split them: one line
+    # before any process starts (train/strategy_limits.py).
     assert "packing_dp" in _one_error_line(capsys, _argv(lengths_file, "packing_dp", out))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
