@@ -1,6 +1,6 @@
 """Both papers' evaluation settings in the simulator: published figure, modeled figure, ratio.
 
-    python benchmarks/published_settings.py            # every FlexSP setting, 6 Zeppelin ones (~8 CPU-min)
+    python benchmarks/published_settings.py            # every FlexSP setting, 6 Zeppelin ones (~10 CPU-min)
     python benchmarks/published_settings.py --quick    # one setting of each paper (~1 CPU-min)
 
 FlexSP (arXiv 2412.01523): 8 nodes x 8 A100-40GB (``a100-40g-4x100g``), GPT-7B/13B/30B
@@ -65,10 +65,10 @@ ZEPPELIN_MAX_LENS = (128 * K, 512 * K)
 ZEPPELIN_NODES = 8
 ZEPPELIN_CLUSTERS = ("a800-4x200g", "h800-8x400g", "h200-8x400g")
 #: The Zeppelin settings run by default: per cluster a mid-size model at the
-#: shorter and a larger one at the longer maximum length (one setting takes
-#: ~1 CPU-minute: the TE CP layout search and Zeppelin's TP search plan every
-#: batch up to a dozen times); ``--all-zeppelin-settings`` runs every cluster
-#: x model x length.
+#: shorter and a larger one at the longer maximum length (each is costly: the
+#: TE CP layout search and Zeppelin's TP search plan and replay a batch up to a
+#: dozen times, Zeppelin's per-batch decision several plans each);
+#: ``--all-zeppelin-settings`` runs every cluster x model x length.
 ZEPPELIN_DEFAULT = (("llama-7b", 128 * K), ("llama-13b", 512 * K))
 #: Step-time components, as the timeline splits a rank's step.
 TERMS = ("attention", "exposed_comm", "remap", "linear", "grad_sync")
@@ -503,8 +503,8 @@ def main(argv: list[str] | None = None) -> Outcome:
                    help="lengths file for Zeppelin's settings (default: ../shared/data/lengths/python-dirs.npy "
                         "when present, else configs/lengths/synthetic-longtail.npy)")
     p.add_argument("--all-zeppelin-settings", action="store_true",
-                   help="every Zeppelin cluster x model x maximum length (24; ~20 CPU-minutes) instead of "
-                        "two per cluster")
+                   help="every Zeppelin cluster x model x maximum length (24, about four times the "
+                        "default's Zeppelin time) instead of two per cluster")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "published.md")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)

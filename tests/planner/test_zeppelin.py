@@ -17,7 +17,7 @@ from megatron_zeppelin.planner.base import PlanContext, get_planner, same_layout
 from megatron_zeppelin.planner.zeppelin import planner as zeppelin, search
 from megatron_zeppelin.planner.zeppelin_decide import DecidingZeppelinPlanner
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner, min_ring_size, zigzag_shard_tokens
-from megatron_zeppelin.sim.timeline import remap_time, step_timeline
+from megatron_zeppelin.sim.timeline import remap_time, step_shape, step_timeline
 from megatron_zeppelin.topology import Topology, load_cluster
 
 MAX_SEQ = 131072
@@ -286,7 +286,10 @@ def test_small_topologies_plan_and_balance():
             plan = ZeppelinPlanner().plan(lens, ctx).validate()
             step = step_timeline(plan, ctx.cost).compute_s   # the sync is the same for both
             try:
-                static = step_timeline(te_cp.plan(lens, ctx), ctx.cost).compute_s
+                # te_cp's plan timed with the engine's transfer dtypes (dK/dV in fp32;
+                # TE's own ring sends them in bf16): this compares placements.
+                static = step_timeline(te_cp.plan(lens, ctx), ctx.cost,
+                                       attn=step_shape(ctx.cost, False).attn).compute_s
             except InfeasibleError:
                 static = float("inf")
             # Within 10 %: with one NIC per node, static CP's packed intra-node
