@@ -71,7 +71,10 @@ class DecidingZeppelinPlanner:
             candidates.append(plan if option.cost.routing == ctx.cost.routing
                               else dataclasses.replace(plan, routed=False))
         if not (ctx.remap_enabled and not ctx.remap_decided):   # uniform CP plans do not remap
-            candidates += uniform_cp_plans(seq_lens, ctx)
+            uniform = uniform_cp_plans(seq_lens, ctx)
+            candidates += uniform
+            if ctx.cost.routing:    # and run direct, as a run without routing would run them
+                candidates += [dataclasses.replace(plan, routed=False) for plan in uniform]
         if not candidates:
             raise errors[0]
         return min(candidates, key=ctx.step_model)   # ties: the first (the run's own choice)

@@ -237,10 +237,11 @@ def step_timeline(plan: Plan, cost: CostModel, *, attn: AttnShape | None = None,
     return timeline
 
 
-#: Layers a per-batch decision replays before extrapolating (fewer than the
-#: reported step's :data:`REPLAYED_LAYERS`: a decision compares candidates of
-#: one batch, which settle into their period after a layer or two).
-DECISION_LAYERS = 2
+#: Layers a per-batch decision replays before extrapolating: the reported
+#: step's :data:`REPLAYED_LAYERS`, so a decision compares exactly what is
+#: reported (the chosen plan's report then comes from the memo).  At 2 layers
+#: the extrapolation of two candidates 1 % apart could invert at 4.
+DECISION_LAYERS = REPLAYED_LAYERS
 
 
 def decision_step_s(plan: Plan, cost: CostModel, *, reuse: bool = True) -> float:

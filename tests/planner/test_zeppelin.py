@@ -354,7 +354,7 @@ def test_routing_turns_inter_node_groups_into_rings_when_the_model_says_so():
     # Replayed as the engine runs them, the routed rings are not faster here (the
     # planner's ring estimate is additive; the replay contends for NVLink and
     # NICs): the deciding planner, which times its candidates by the replay,
-    # keeps whichever is faster.
+    # keeps whichever is faster (a plan made for direct crossings runs them direct).
     ctx = make_ctx(8, nics=4, cluster="a800-4x200g", model="llama-13b")
     unrouted = dataclasses.replace(ctx, cost=ctx.cost.routed(False))
     lens = long_tail_batches(7, int(0.95 * 16384 * 64), 3)[2]
@@ -367,7 +367,8 @@ def test_routing_turns_inter_node_groups_into_rings_when_the_model_says_so():
     assert len(inter_node(routed_plan, Mode.RING)) >= len(inter_node(unrouted_plan, Mode.RING)) + 2
     assert len(inter_node(unrouted_plan, Mode.ULYSSES)) > len(inter_node(routed_plan, Mode.ULYSSES))
     step = {name: step_timeline(plan, ctx.cost, replayed_layers=2).step_s
-            for name, plan in (("routed", routed_plan), ("unrouted", unrouted_plan))}
+            for name, plan in (("routed", routed_plan),
+                               ("unrouted", dataclasses.replace(unrouted_plan, routed=False)))}
     decided = DecidingZeppelinPlanner().plan(lens, dataclasses.replace(
         ctx, remap_decided=False, step_model=lambda plan: step_timeline(plan, ctx.cost, replayed_layers=2).step_s))
     assert step_timeline(decided, ctx.cost, replayed_layers=2).step_s <= min(step.values()) * (1 + 1e-9)
