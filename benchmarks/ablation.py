@@ -51,8 +51,11 @@ LABELS = {BASELINE: BASELINE, "zeppelin_base": "zeppelin_base", "zeppelin_norema
           "zeppelin": "+remap"}
 K = 1024
 #: What the report's columns mean (printed under the command).
-COLUMNS = (f"Step times come from the analytic cost model (docs/simulator.md): they rank variants, they do not "
-           f"predict a cluster to the percent.  Speedups are vs {BASELINE}; each rung adds one layer to the one on "
+COLUMNS = (f"Step times come from the replay of each plan's schedule with cost-model durations (docs/simulator.md): "
+           f"they rank variants, they do not predict a cluster to the percent.  The {BASELINE} rung is CP-only "
+           f"(TP=1) at the smallest CP that holds the maximum length, and every rung runs at TP=1, so the rungs "
+           f"isolate Zeppelin's layers (docs/results/speedup_matrix.md has {BASELINE} with its TP x CP searched).  "
+           f"Speedups are vs {BASELINE}; each rung adds one layer to the one on "
            f"its left.  *Linear imbalance*: max/mean linear-layout tokens per rank.  *Slowest rank's linear load / "
            f"saving*: without remap, the linear tokens of the rank that decides the step / the mean, and the "
            f"linear time balancing would take off that rank (the most remap can gain, before its own cost).  "
