@@ -124,3 +124,25 @@ def test_bf16_routed_equals_direct(world):
         for name, a, b in zip(("out", "dq", "dk", "dv"), d, r):
             assert a.dtype == torch.bfloat16
             assert torch.equal(a, b), f"rank {rank} {name} differs between routed and direct transport"
+
+
+def test_a_plan_that_runs_direct_gets_no_routed_hops():
+    """``Plan.routed = False`` on a routing communicator: the engine's schedule of
+    an inter-node ring holds no dispatch/NIC/combine hops, the routed plan does."""
+    import dataclasses
+
+    from megatron_zeppelin.attention import build_schedule
+    from megatron_zeppelin.comm.rounds import LaneCommunicator
+    from megatron_zeppelin.schedule.attention import AttnShape, Transport
+
+    comm = LaneCommunicator.__new__(LaneCommunicator)        # only its transport is read
+    comm.transport = Transport(Topology(nodes=2, gpus_per_node=2, nics_per_node=2), min_routed_bytes=0)
+    plan = make_plan(4, 2, [64], [placement(0, 64, Mode.RING, (0, 2))])
+    shape = AttnShape(4, 2, 8, 4, 4)
+
+    def hops(p) -> int:
+        sched = build_schedule(p, shape, comm).forward
+        return sum("." in op.name for op in sched.ops if op.is_comm)
+
+    assert hops(plan) > 0
+    assert hops(dataclasses.replace(plan, routed=False)) == 0
