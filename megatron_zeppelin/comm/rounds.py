@@ -9,7 +9,6 @@ cross-node message of at least ``min_routed_bytes``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from datetime import timedelta
 from typing import Mapping, Sequence
@@ -89,7 +88,7 @@ class LaneCommunicator:
     def transport_for(self, routed: bool) -> Transport:
         """The transport of a plan whose ``routed`` flag is given: this
         communicator's, or direct for every message (``Plan.routed``)."""
-        return self.transport if routed else dataclasses.replace(self.transport, min_routed_bytes=math.inf)
+        return self.transport if routed else self.transport.direct()
 
     def start_round(self, messages: Sequence[Message], sends: Mapping[int, torch.Tensor],
                     recvs: Mapping[int, torch.Tensor], *, routed: bool = True) -> RoundPending:

@@ -68,6 +68,10 @@ class Transport:
     min_routed_bytes: float = math.inf
     """Messages at least this large crossing nodes are routed (inf: routing off)."""
 
+    def direct(self) -> "Transport":
+        """The same topology with every message sent direct."""
+        return dataclasses.replace(self, min_routed_bytes=math.inf)
+
 
 def add_transfer(b: ScheduleBuilder, order: tuple, transport: Transport, binding: tuple, src: int, dst: int,
                  numel: int, itemsize: int, deps: list[int], *, tier: str, name: str,
@@ -228,7 +232,7 @@ def _add_ulysses(seg: _Segment, transport: Transport, members: list[tuple[int, o
     # An all-to-all loads every NIC of the node at once (each GPU sends its share
     # through its own): there is no idle NIC for routing to borrow, only two
     # extra hops to pay.  Its messages always go direct.
-    transport = dataclasses.replace(transport, min_routed_bytes=math.inf)
+    transport = transport.direct()
     summed = packed.summed_ulysses([q for _, q in members]) if len(members) > 1 else p
 
     def messages(step: int) -> list[tuple[int, int, int]]:

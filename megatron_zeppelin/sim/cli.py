@@ -40,6 +40,7 @@ from megatron_zeppelin.sim.modeled_trace import (check_fits, from_settings, repl
 from megatron_zeppelin.sim.simulate import (BASELINE, STATIC, STRATEGY_NAMES, VARIANTS, SimResult, Strategy,
                                             build_strategies, format_table, infeasible_notes, sample_batches,
                                             simulate, uses_routing)
+from megatron_zeppelin.sim.static_layout import TRIAL_BATCHES
 from megatron_zeppelin.sim.timeline import step_timeline, transport_of
 from megatron_zeppelin.topology import load_cluster
 from megatron_zeppelin.validation import OneLineParser as _Parser, check_float, check_int
@@ -258,7 +259,7 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
                               max_seq_len=args.max_seq_len, batch_fill=args.batch_fill, cost=cost)
     # A static layout is tried on what one pass of it runs: the first micro-batches.
     try:
-        trial = [[lens[i] for i in g] for lens in batches[:2] for g in split(lens)]
+        trial = [[lens[i] for i in g] for lens in batches[:TRIAL_BATCHES] for g in split(lens)]
     except InfeasibleError as exc:
         raise ConfigError(str(exc)) from None
     strategies = build_strategies(names, cost, cp_size=args.cp_size, layout_batches=trial,

@@ -9,7 +9,6 @@ each round's slowest rank, plus one gradient sync after the last backward
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -17,7 +16,7 @@ from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.cost.step_sync import forward_backward_split, step_sync
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.base import PlanContext, Planner
-from megatron_zeppelin.sim.timeline import StepTimeline, step_timeline
+from megatron_zeppelin.sim.timeline import RecentResults, StepTimeline, step_timeline
 
 
 def plan_batch(planner: Planner, lens: Sequence[int], ctx: PlanContext) -> tuple[Plan, tuple[Plan, ...]]:
@@ -69,8 +68,7 @@ class TimedBatch:
 
 #: Batches :func:`timed_batch` remembers (a benchmark's layout search and its
 #: measurement afterwards plan the same few batches under the same context).
-TIMED_BATCHES_KEPT = 64
-_timed: OrderedDict[tuple, TimedBatch] = OrderedDict()
+_timed = RecentResults(64)
 
 
 def timed_batch(planner: Planner, lens: Sequence[int], ctx: PlanContext) -> TimedBatch:
@@ -85,11 +83,9 @@ def timed_batch(planner: Planner, lens: Sequence[int], ctx: PlanContext) -> Time
            tuple(int(x) for x in lens))
     hit = _timed.get(key)
     if hit is not None:
-        _timed.move_to_end(key)
         return hit
     merged, rounds = plan_batch(planner, lens, ctx)
     step, parts = round_timelines(rounds, ctx.cost)
-    out = _timed[key] = TimedBatch(merged, rounds, step, parts)
-    while len(_timed) > TIMED_BATCHES_KEPT:
-        _timed.popitem(last=False)
+    out = TimedBatch(merged, rounds, step, parts)
+    _timed.put(key, out)
     return out

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.plan import Plan, TierCounts
@@ -178,7 +178,7 @@ def step_parts(plan: Plan, cost: CostModel, *, pack: bool = False, attn: AttnSha
         shape = dataclasses.replace(shape, attn=dataclasses.replace(shape.attn, acc_itemsize=shape.attn.itemsize))
     transport = transport or transport_of(cost)
     if not plan.routed:          # the plan runs every crossing direct (Plan.routed), as the engine does
-        transport = dataclasses.replace(transport, min_routed_bytes=math.inf)
+        transport = transport.direct()
     isz, row = shape.attn.itemsize, shape.hidden_size
 
     def segment(add) -> Schedule:
@@ -227,36 +227,48 @@ def step_timeline(plan: Plan, cost: CostModel, *, attn: AttnShape | None = None,
     timed the same way before."""
     key = (plan, cost, exact, sync, replayed_layers)
     memo = attn is None and transport is None
-    if memo and reuse and key in _TIMELINES:
-        return _TIMELINES[key]
+    if memo and reuse and (hit := _TIMELINES.get(key)) is not None:
+        return hit
     timeline = _replayed_timeline(plan, cost, attn, transport, exact, sync, replayed_layers)
     if memo:
-        if len(_TIMELINES) >= TIMELINE_MEMO_SIZE:
-            del _TIMELINES[next(iter(_TIMELINES))]          # the oldest
-        _TIMELINES[key] = timeline
+        _TIMELINES.put(key, timeline)
     return timeline
 
 
-#: Layers a per-batch decision replays before extrapolating: the reported
-#: step's :data:`REPLAYED_LAYERS`, so a decision compares exactly what is
-#: reported (the chosen plan's report then comes from the memo).  At 2 layers
-#: the extrapolation of two candidates 1 % apart could invert at 4.
-DECISION_LAYERS = REPLAYED_LAYERS
+class RecentResults:
+    """The ``size`` most recently used results by key (a bounded memo)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[tuple, Any] = OrderedDict()
+
+    def get(self, key: tuple) -> Any | None:
+        hit = self._items.get(key)
+        if hit is not None:
+            self._items.move_to_end(key)
+        return hit
+
+    def put(self, key: tuple, value: Any) -> None:
+        self._items[key] = value
+        self._items.move_to_end(key)
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
 
 
 def decision_step_s(plan: Plan, cost: CostModel, *, reuse: bool = True) -> float:
-    """The modeled step a per-batch decision compares (``PlanContext.step_model``).
-    ``reuse=False`` replays even a plan timed before (a planner whose latency is
-    measured must pay for its decisions)."""
-    return step_timeline(plan, cost, replayed_layers=DECISION_LAYERS, reuse=reuse).step_s
+    """The modeled step a per-batch decision compares (``PlanContext.step_model``):
+    exactly the reported step, at its replay depth, so the chosen plan's report
+    comes from the memo (at 2 layers the extrapolations of two candidates 1 %
+    apart could invert at 4).  ``reuse=False`` replays even a plan timed before
+    (a planner whose latency is measured must pay for its decisions)."""
+    return step_timeline(plan, cost, reuse=reuse).step_s
 
 
 #: Timelines kept by :func:`step_timeline`.  The same plan is timed more than
 #: once in one run -- a static layout search times the first batches' decision
 #: candidates, and the simulation then plans and times those batches again --
 #: and a replay costs far more than hashing the plan.
-TIMELINE_MEMO_SIZE = 512
-_TIMELINES: dict[tuple, "StepTimeline"] = {}
+_TIMELINES = RecentResults(512)
 
 
 def _replayed_timeline(plan: Plan, cost: CostModel, attn: AttnShape | None, transport: Transport | None,
