@@ -146,10 +146,17 @@ def build_cases(d: Path) -> list[Case]:
                         ("--tp 4 over tiny's 2 KV heads", ["--gpus-per-node", "4", "--tp", "4"]),
                         ("--tp 4 over 6 heads", ["--gpus-per-node", "4", "--tp", "4", "--model", heads6]),
                         ("--micro-batches 0", ["--micro-batches", "0"]),
-                        ("--micro-batches 200 (micro-batches left empty)", ["--micro-batches", "200"])]:
+                        ("--micro-batches 200 (micro-batches left empty)", ["--micro-batches", "200"]),
+                        ("--ep 0", ["--model", "tiny-moe", "--ep", "0"]),
+                        ("--ep 2 on the dense tiny", ["--ep", "2"]),
+                        ("--ep 3 over tiny-moe's 4 experts", ["--model", "tiny-moe", "--ep", "3"]),
+                        ("--ep 4 over 2 data-parallel ranks", ["--model", "tiny-moe", "--tp", "2",
+                                                               "--sequence-parallel", "--ep", "4"]),
+                        ("tiny-moe --tp 2 without --sequence-parallel", ["--model", "tiny-moe", "--tp", "2"])]:
         add(f"train {name} (issue 12)", "train", train(*extra))
     for name, change in [("4 experts over expert_parallel_size 3", {"expert_parallel_size": 3}),
-                         ("expert_parallel_size 2 (no EP in the trainer)", {"expert_parallel_size": 2}),
+                         ("expert_parallel_size 8 over 4 data-parallel ranks", {"expert_parallel_size": 8,
+                                                                                 "num_experts": 8}),
                          ("moe_expert_capacity_factor", {"moe_expert_capacity_factor": 1.0}),
                          ("moe_router_topk 5 of 4 experts", {"moe_router_topk": 5})]:
         path = _write_variant(d, "models", "tiny-moe", change, name.split(" (")[0])
@@ -306,8 +313,9 @@ def _checkpoints(d: Path) -> list[tuple[str, str, str, str]]:
     from megatron_zeppelin.train.checkpoint import checkpoint_name, save_state
 
     # Damage is found before the weights are used, except "wrong shapes" (the point of that case).
-    state = {"step": 1, "model": {"embedding.word_embeddings.weight": torch.zeros(3)}, "optimizer": {},
-             "sampler": {}, "strategy": "zeppelin", "model_preset": "tiny"}
+    state = {"step": 1, "shards": {"tp0-ep0": {"model": {"embedding.word_embeddings.weight": torch.zeros(3)},
+                                               "optimizer": {}}},
+             "layout": {"tp": 1, "ep": 1}, "sampler": {}, "strategy": "zeppelin", "model_preset": "tiny"}
     out = []
 
     def folder(name: str, damage: Callable[[Path], None], tag: str = "", steps: str = "2", st=None) -> None:
@@ -322,6 +330,7 @@ def _checkpoints(d: Path) -> list[tuple[str, str, str, str]]:
     folder("0 bytes", lambda p: p.write_bytes(b""), " (issue 13)")
     folder("wrong shapes", lambda p: None, " (issue 13)")
     folder("other model", lambda p: None, "", st=dict(state, model_preset="llama-7b"))
+    folder("saved at --tp 2 --ep 2", lambda p: None, " (issue 12)", st=dict(state, layout={"tp": 2, "ep": 2}))
     folder("at step 6, --steps 3", lambda p: None, " (issue 13)", steps="3", st=dict(state, step=6))
     folder("latest names a missing file", lambda p: p.unlink())
     folder("latest garbage", lambda p: (p.parent / "latest").write_text("../../etc/passwd"))

@@ -21,7 +21,12 @@ for three reasons only:
    already on the CPU a tensor, although the dispatcher asked for a NumPy array:
    gloo's ``all_to_all_single`` (which has uneven splits) then refuses tensor
    split sizes.
-3. **RNG tracker.**  Under ``sequence_parallel`` the embedding and the
+3. **Uneven gathers.**  Under expert parallelism with TP > 1 the all-to-all
+   dispatcher gathers each TP rank's token count over the expert TP group with
+   ``torch.distributed.all_gather`` into pieces of different sizes, and its
+   backward reduce-scatters them with ``torch.distributed.reduce_scatter``; gloo
+   takes equal pieces only (and has no list ``reduce_scatter``).
+4. **RNG tracker.**  Under ``sequence_parallel`` the embedding and the
    transformer block run inside ``get_cuda_rng_tracker().fork()``, whose states
    are CUDA generator states seeded by ``model_parallel_cuda_manual_seed``
    (which Megatron-LM skips when no GPU is present).
@@ -38,6 +43,11 @@ What it redirects, and nothing else:
   events are already done (CPU ops run in order), and its
   ``maybe_move_tensor_to_cpu`` is wrapped to return the NumPy array it was asked
   for.  Megatron's own dispatcher runs: the same permutations and all-to-alls.
+- The same view's ``distributed`` answers ``all_gather`` and ``reduce_scatter``
+  with pieces of different sizes by padding every piece to the largest and
+  running gloo's equal-size ``all_gather`` / ``reduce_scatter_tensor`` (the
+  padding rows are dropped; they add zeros to nothing kept); calls with equal
+  pieces go to torch's own unchanged.
 - Megatron's RNG tracker is replaced by :class:`CpuRNGStatesTracker`, a
   ``CudaRNGStatesTracker`` whose named states are states of torch's CPU
   generator (the one CPU dropout draws from), seeded like
@@ -113,10 +123,46 @@ class _CudaOnCpu:
         return getattr(torch.cuda, name)
 
 
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))]) if t.shape[0] < rows else t
+
+
+class _DistributedOnGloo(types.ModuleType):
+    """``torch.distributed`` whose ``all_gather`` and ``reduce_scatter`` take pieces
+    of different lengths on gloo; everything else is torch's."""
+
+    @staticmethod
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        rows = max(t.shape[0] for t in tensor_list)
+        if async_op or all(t.shape == tensor.shape for t in tensor_list):
+            return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        padded = [tensor.new_empty((rows, *tensor.shape[1:])) for _ in tensor_list]
+        torch.distributed.all_gather(padded, _padded(tensor.contiguous(), rows), group=group)
+        for out, piece in zip(tensor_list, padded):
+            out.copy_(piece[:out.shape[0]])
+        return None
+
+    @staticmethod
+    def reduce_scatter(output, input_list, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        if async_op:
+            return torch.distributed.reduce_scatter(output, input_list, op=op, group=group, async_op=True)
+        rows = max(t.shape[0] for t in input_list)
+        stacked = torch.cat([_padded(t, rows) for t in input_list])
+        piece = output.new_empty((rows, *output.shape[1:]))
+        torch.distributed.reduce_scatter_tensor(piece, stacked.contiguous(), op=op, group=group)
+        output.copy_(piece[:output.shape[0]])
+        return None
+
+    def __getattr__(self, name: str):
+        return getattr(torch.distributed, name)
+
+
 class _TorchOnCpu(types.ModuleType):
-    """``torch`` with :class:`_CudaOnCpu` as its ``cuda``; everything else is torch's."""
+    """``torch`` with :class:`_CudaOnCpu` as its ``cuda`` and :class:`_DistributedOnGloo`
+    as its ``distributed``; everything else is torch's."""
 
     cuda = _CudaOnCpu()
+    distributed = _DistributedOnGloo("torch.distributed")
 
     def __getattr__(self, name: str):
         return getattr(torch, name)

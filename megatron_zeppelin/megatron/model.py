@@ -11,6 +11,7 @@ layer, loss -- is Megatron's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -20,6 +21,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.megatron.experts import expert_parallel_weights, one_rank_expert_groups
 from megatron_zeppelin.megatron.norm import sequence_parallel_block_spec
 from megatron_zeppelin.megatron.packed import ZeppelinPackedSeqParams
 from megatron_zeppelin.megatron.rotary import rotary_freqs
@@ -95,20 +97,36 @@ def build_gpt_model(model: ModelConfig, *, max_seq_len: int, dtype: torch.dtype 
     torch's default generator (also on GPU machines: seeding that generator
     identically on every rank gives identical replicas; move it with ``.to``).
     ``tp``: each rank builds its tensor-parallel shard of the same master weights
-    (Megatron's parallel state must be initialised with this TP size)."""
-    config = transformer_config(model, dtype=dtype, cpu_init=True, tp=tp, sequence_parallel=sequence_parallel)
+    (Megatron's parallel state must be initialised with this TP size).
+    ``model.expert_parallel_size > 1``: each rank holds its EP rank's experts of
+    the weights the EP 1 model draws (:mod:`megatron_zeppelin.megatron.experts`)."""
     # Megatron logs "Unknown MLP type" for the remap wrapper around the MLP (it
     # checks the exact class); the wrapped MLP still gets Megatron's default groups.
     layer_log = logging.getLogger("megatron.core.transformer.transformer_layer")
     level = layer_log.level
     layer_log.setLevel(logging.ERROR)
-    spec = get_zeppelin_layer_spec(remap=remap, use_te=use_te, num_experts=model.num_experts or None)
-    if sequence_parallel:
-        spec = sequence_parallel_block_spec(spec, model.num_layers)
-    try:
+
+    def build(shape: ModelConfig, remap: bool, pg_collection: Any = None) -> ZeppelinGPTModel:
+        spec = get_zeppelin_layer_spec(remap=remap, use_te=use_te, num_experts=shape.num_experts or None)
+        if sequence_parallel:
+            spec = sequence_parallel_block_spec(spec, shape.num_layers)
+        config = transformer_config(shape, dtype=dtype, cpu_init=True, tp=tp, sequence_parallel=sequence_parallel)
         return ZeppelinGPTModel(
             config=config, transformer_layer_spec=spec,
-            vocab_size=model.vocab_size, max_sequence_length=max_seq_len,
-            position_embedding_type="rope", share_embeddings_and_output_weights=False)
+            vocab_size=shape.vocab_size, max_sequence_length=max_seq_len,
+            position_embedding_type="rope", share_embeddings_and_output_weights=False,
+            pg_collection=pg_collection)
+    try:
+        ep = model.expert_parallel_size
+        if not model.moe_enabled or ep == 1:
+            return build(model, remap)
+        from megatron.core import parallel_state as mpu
+        # The EP 1 model is built without the remapping layer, which holds no weights:
+        # Megatron hands its own process groups to the MoE layer only when the spec
+        # names MoELayer itself.
+        return expert_parallel_weights(
+            lambda: build(model, remap),
+            lambda: build(dataclasses.replace(model, expert_parallel_size=1), False, one_rank_expert_groups()),
+            ep_rank=mpu.get_expert_model_parallel_rank(), num_local=model.num_experts // ep)
     finally:
         layer_log.setLevel(level)

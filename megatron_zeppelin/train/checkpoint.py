@@ -22,8 +22,10 @@ from megatron_zeppelin.errors import ConfigError, brief
 
 LATEST = "latest"
 """File holding the name of the newest complete checkpoint of a directory."""
-KEYS = ("step", "model", "optimizer", "sampler", "strategy", "model_preset")
-"""Entries every trainer checkpoint holds."""
+KEYS = ("step", "shards", "layout", "sampler", "strategy", "model_preset")
+"""Entries every trainer checkpoint holds: ``shards`` maps each model-parallel
+shard (``tp<i>-ep<j>``) to its model and optimizer state, ``layout`` the TP and
+EP sizes they were cut at."""
 _NAME = re.compile(r"step_\d{6,}\.pt")
 _TEMP_PREFIX = ".tmp-"
 

@@ -69,6 +69,10 @@ class TrainConfig:
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (needs ``tp > 1``): norms and dropout on
     ``1/tp`` of each rank's tokens (padded to a multiple of ``tp``)."""
+    ep: int | None = None
+    """Expert-parallel size: each MoE layer's experts split over this many
+    data-parallel ranks (Megatron-Core's all-to-all token dispatcher); None: the
+    model preset's ``expert_parallel_size``."""
     micro_batches: int = 1
     """Micro-batches per global batch (gradient accumulation): the global batch
     holds this many times the tokens of one Plan, split by modeled work."""
@@ -102,6 +106,10 @@ class TrainConfig:
         return self.world_size // self.tp
 
     @property
+    def expert_parallel_size(self) -> int:
+        return self.ep if self.ep is not None else load_model(self.model).expert_parallel_size
+
+    @property
     def tokens_per_batch(self) -> int:
         """Global batch token budget: ``batch_fill x micro_batches x tokens_per_gpu x
         world`` (so one micro-batch of ``k x`` the tokens per GPU draws the same batches)."""
@@ -126,6 +134,10 @@ class TrainConfig:
             check_float(self.min_routed_bytes, "--min-routed-bytes", minimum=0)
         model = load_model(self.model)
         check_tensor_parallel(self.tp, self.sequence_parallel, self.gpus_per_node, model)
+        if self.ep is not None:
+            check_int(self.ep, "--ep", minimum=1)
+        check_expert_parallel(self.expert_parallel_size, model, self.data_parallel_size, self.tp,
+                              self.sequence_parallel, from_flag=self.ep is not None)
         if (self.lengths is None) == (self.data is None):
             raise ConfigError("give exactly one of --lengths FILE (synthetic tokens) or --data PREFIX "
                               "(Megatron indexed dataset)")
@@ -174,10 +186,26 @@ def check_tensor_parallel(tp: int, sequence_parallel: bool, gpus_per_node: int, 
                     (f"model {model.name}'s KV heads", model.num_query_groups)):
         if n % tp:
             raise ConfigError(f"--tp {tp} does not divide {what} ({n}); pick a TP size that divides it")
-    if model.moe_enabled and model.expert_parallel_size > 1:
-        raise ConfigError(f"model {model.name} spreads its experts over {model.expert_parallel_size} ranks "
-                          "(expert_parallel_size); the trainer keeps every expert on every rank: use a preset "
-                          "with expert_parallel_size 1 (expert parallelism runs under Megatron-LM --zeppelin)")
+
+
+def check_expert_parallel(ep: int, model: ModelConfig, data_parallel_size: int, tp: int,
+                          sequence_parallel: bool, from_flag: bool) -> None:
+    """Experts split evenly over EP ranks of the data-parallel ranks; Megatron-Core
+    trains an MoE layer under TP only with sequence parallelism.  ``from_flag``:
+    ``ep`` is ``--ep``'s, else the model preset's."""
+    what = f"--ep {ep}" if from_flag else f"model {model.name}'s expert_parallel_size {ep}"
+    if ep > 1 and not model.moe_enabled:
+        raise ConfigError(f"{what} spreads MoE experts over ranks and model {model.name} has none; drop --ep "
+                          "or pick an MoE --model (tiny-moe)")
+    if model.moe_enabled and model.num_experts % ep:
+        raise ConfigError(f"{what} does not divide model {model.name}'s {model.num_experts} experts; "
+                          "pick an --ep that divides them")
+    if data_parallel_size % ep:
+        raise ConfigError(f"{what} does not divide the {data_parallel_size} data-parallel ranks "
+                          "(nodes x GPUs per node / --tp); pick an --ep that divides them")
+    if model.moe_enabled and tp > 1 and not sequence_parallel:
+        raise ConfigError(f"model {model.name}'s MoE layers under --tp {tp} need --sequence-parallel "
+                          "(Megatron-Core trains them only with it); add --sequence-parallel")
 
 
 def _on_off(value: str) -> bool:
@@ -222,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "sequences over the world / N data-parallel ranks (default 1)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism over the TP ranks (needs --tp > 1)")
+    p.add_argument("--ep", type=int, default=None, metavar="N",
+                   help="expert-parallel size: MoE experts split over N data-parallel ranks, tokens reach "
+                        "them through Megatron-Core's all-to-all dispatcher (default: the model preset's "
+                        "expert_parallel_size)")
     p.add_argument("--micro-batches", type=int, default=1, metavar="N",
                    help="gradient accumulation: a global batch of N x batch-fill x tokens-per-gpu x world "
                         "tokens, run as N planned micro-batches of equal modeled work (default 1)")
@@ -249,5 +281,6 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         strategy=a.strategy, model=a.model, lengths=a.lengths, data=a.data, max_seq_len=a.max_seq_len,
         tokens_per_gpu=a.tokens_per_gpu, steps=a.steps, seed=a.seed, lr=a.lr, dtype=a.dtype,
         routing=a.routing, min_routed_bytes=a.min_routed_bytes, remap=a.remap, batch_fill=a.batch_fill,
-        tp=a.tp, sequence_parallel=a.sequence_parallel, micro_batches=a.micro_batches, batches_of=a.batches_of, json_log=a.json_log, save=a.save, load=a.load,
+        tp=a.tp, sequence_parallel=a.sequence_parallel, ep=a.ep, micro_batches=a.micro_batches,
+        batches_of=a.batches_of, json_log=a.json_log, save=a.save, load=a.load,
         dump_plans=a.dump_plans, dump_trace=a.dump_trace, backend=a.backend, timeout_s=a.timeout, quiet=a.quiet).check()

@@ -111,7 +111,7 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
     cluster = resolve_cluster(cfg)
     cluster.topology.check_world_size(world_size)
     plan_cluster = data_parallel_view(cluster, world_size, cfg.tp, tp_rank=0)
-    model_cfg = load_model(cfg.model)
+    model_cfg = dataclasses.replace(load_model(cfg.model), expert_parallel_size=cfg.expert_parallel_size)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     remap = remap_on(cfg)
     torch.manual_seed(cfg.seed)  # Megatron's CPU init draws from torch's default generator
@@ -348,16 +348,49 @@ def _collective(run: Run, what: str):
 
 
 def save_checkpoint(run: Run, directory: Path) -> None:
-    """Model, optimizer, sampler and step: enough for an exact resume.  Rank 0
-    writes it atomically; nobody waits for it (a barrier would turn a slow but
-    complete save into a timeout), the launcher waits for rank 0 to exit.  The
-    sampler state is the one of the last batch trained, not of the one planned
-    ahead."""
+    """Model, optimizer, sampler and step: enough for an exact resume.  Every
+    model-parallel shard (TP rank x EP rank) goes to rank 0, which writes them
+    in one file atomically; nobody waits for the write (a barrier would turn a
+    slow but complete save into a timeout), the launcher waits for rank 0 to
+    exit.  The sampler state is the one of the last batch trained, not of the
+    one planned ahead."""
+    from megatron.core import parallel_state as mpu
+
+    # The first rank of each expert-data-parallel group holds a shard no other
+    # writer holds (with no experts, that group is the data-parallel group).
+    mine = None
+    if mpu.get_expert_data_parallel_rank() == 0:
+        mine = (shard_name(), {"model": _on_cpu(run.model.state_dict()),
+                               "optimizer": _on_cpu(run.optimizer.state_dict())})
+    shards = [None] * run.world_size if run.rank == 0 else None
+    with _collective(run, "checkpoint shard gather"):
+        dist.gather_object(mine, shards, dst=0)
     if run.rank == 0:
-        save_state(directory, {"step": run.step, "model": run.model.state_dict(),
-                               "optimizer": run.optimizer.state_dict(),
+        save_state(directory, {"step": run.step, "shards": dict(s for s in shards if s is not None),
+                               "layout": model_parallel_layout(run.cfg),
                                "sampler": run.sampler_state or run.sampler.state_dict(),
                                "strategy": run.cfg.strategy, "model_preset": run.model_cfg.name})
+
+
+def shard_name() -> str:
+    """This rank's model-parallel shard in a checkpoint."""
+    from megatron.core import parallel_state as mpu
+    return f"tp{mpu.get_tensor_model_parallel_rank()}-ep{mpu.get_expert_model_parallel_rank()}"
+
+
+def model_parallel_layout(cfg: TrainConfig) -> dict[str, int]:
+    return {"tp": cfg.tp, "ep": cfg.expert_parallel_size}
+
+
+def _on_cpu(state):
+    """``state`` with its tensors on the CPU (rank 0 unpickles every shard)."""
+    if torch.is_tensor(state):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {k: _on_cpu(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_on_cpu(v) for v in state)
+    return state
 
 
 def load_checkpoint(run: Run, directory: Path) -> None:
@@ -365,13 +398,19 @@ def load_checkpoint(run: Run, directory: Path) -> None:
     if state["model_preset"] != run.model_cfg.name:
         raise ConfigError(f"{path} is of model {state['model_preset']!r}, this run builds "
                           f"{run.model_cfg.name!r}; pass the same --model")
+    layout = model_parallel_layout(run.cfg)
+    if state["layout"] != layout:
+        saved = state["layout"] if isinstance(state["layout"], dict) else {}
+        raise ConfigError(f"{path} holds shards of --tp {saved.get('tp')} --ep {saved.get('ep')}, this run is "
+                          f"--tp {layout['tp']} --ep {layout['ep']}; resume with the layout it was saved at")
     step = int(state["step"])
     if step >= run.cfg.steps:
         raise ConfigError(f"{path} is at step {step} and --steps {run.cfg.steps} counts from the start: "
                           f"nothing left to train; pass --steps greater than {step}")
     try:
-        run.model.load_state_dict(state["model"])
-        run.optimizer.load_state_dict(state["optimizer"])
+        shard = state["shards"][shard_name()]
+        run.model.load_state_dict(shard["model"])
+        run.optimizer.load_state_dict(shard["optimizer"])
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{path} does not fit this model or optimizer ({brief(exc, 240)}); load a "
                           "checkpoint of the same --model") from None
@@ -393,6 +432,8 @@ def describe(run: Run) -> str:
                 f"{type(run.backend).__name__} kernels, routing {on[routing_on(cfg)]}, remap {on[run.remap]}")
     if cfg.tp > 1:
         features += f", TP {cfg.tp}" + (" with sequence parallelism" if cfg.sequence_parallel else "")
+    if m.moe_enabled:
+        features += f", {m.num_experts} experts over EP {m.expert_parallel_size}"
     return (f"{cfg.strategy} on {topo.nodes} nodes x {topo.gpus_per_node} GPUs ({topo.nics_per_node} NICs "
             f"per node, {'gloo on CPU' if run.device.type == 'cpu' else 'NCCL'}); model {m.name} "
             f"({m.num_layers} layers, hidden {m.hidden_size}); {features}; {cfg.steps} steps of at most "
@@ -404,7 +445,8 @@ def describe(run: Run) -> str:
 def run_rank(cfg: TrainConfig, rank: int, world_size: int, device: torch.device) -> None:
     """Train ``cfg.steps`` steps in total (a ``--load`` run continues up to it)."""
     from megatron.core import parallel_state, tensor_parallel
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tp)  # PP = CP = 1
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tp,  # PP = CP = 1
+                                             expert_model_parallel_size=cfg.expert_parallel_size)
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)  # Megatron's CUDA RNG tracker
     else:

@@ -19,13 +19,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def global_name(name: str, rank: int, per_rank: int) -> str:
-    parts = name.split(".")
-    if name.startswith("experts.local_experts."):
-        parts[2] = str(rank * per_rank + int(parts[2]))
-    return ".".join(parts)
-
-
 def run(rank: int, ep: int, out: str, state_path: str | None, port: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
@@ -34,6 +27,7 @@ def run(rank: int, ep: int, out: str, state_path: str | None, port: str) -> None
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_zeppelin.megatron import cpu_compat
+    from megatron_zeppelin.megatron.experts import global_expert_name
     from megatron_zeppelin.megatron.model import transformer_config
     from megatron_zeppelin.megatron.spec import get_zeppelin_layer_spec
     from megatron_zeppelin.model_config import load_model
@@ -47,7 +41,7 @@ def run(rank: int, ep: int, out: str, state_path: str | None, port: str) -> None
     if state_path is not None:
         state = torch.load(state_path)
         per = model.num_experts // ep
-        layer.load_state_dict({k: state[global_name(k, rank, per)] for k in layer.state_dict()})
+        layer.load_state_dict({k: state[global_expert_name(k, rank, per)] for k in layer.state_dict()})
     x = torch.randn(10 + 3 * rank, 1, 64, generator=torch.Generator().manual_seed(7 + rank), requires_grad=True)
     y, _ = layer(x)
     (y * y).sum().backward()

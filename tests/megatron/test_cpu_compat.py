@@ -2,7 +2,8 @@
 
 The distributed checks (Megatron-Core's sequence-parallel layers on gloo equal the
 reference) are in tests/train/test_sequence_parallel.py; here the two redirections
-are checked one by one in this process, and undone after each test.
+are checked one by one in this process, and undone after each test; the uneven
+gathers on 2 gloo ranks.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def test_allocation_sites_see_the_cpu_and_nothing_else_changes(undone):
     for module in (mappings, layers, utils):
         assert module.torch.cuda.current_device() == torch.device("cpu")
         assert module.torch.cuda.is_available is torch.cuda.is_available  # the rest is torch's own
-        assert module.torch.empty is torch.empty and module.torch.distributed is torch.distributed
+        assert module.torch.empty is torch.empty
+        assert module.torch.distributed.all_reduce is torch.distributed.all_reduce
     # Megatron-Core's own global buffer now hands out CPU tensors.
     buffer = utils.GlobalMemoryBuffer().get_tensor([2, 3], torch.float32, "mpu")
     assert buffer.device.type == "cpu" and buffer.shape == (2, 3)
@@ -98,3 +100,38 @@ def test_rng_tracker_forks_the_cpu_generator_per_tp_rank(undone):
     with pytest.raises(Exception, match="not added"):
         with tracker.fork("no-such-state"):
             pass
+
+
+def _uneven_collectives(rank: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    view = cpu_compat._DistributedOnGloo("torch.distributed")
+    mine = torch.arange(3 * (rank + 1) * 2, dtype=torch.float32).view(-1, 2) + 100 * rank  # 3 rows, 6 rows
+    gathered = [torch.empty(3, 2), torch.empty(6, 2)]
+    view.all_gather(gathered, mine)
+    pieces = [torch.full((3, 2), 1.0 + rank), torch.full((6, 2), 10.0 * (rank + 1))]
+    reduced = torch.empty(3 * (rank + 1), 2)
+    view.reduce_scatter(reduced, pieces)
+    torch.save({"gathered": gathered, "reduced": reduced}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_uneven_all_gather_and_reduce_scatter_on_gloo(tmp_path):
+    """The dispatcher's gathers of different token counts per TP rank: gloo alone
+    refuses them; through the view each rank gets every rank's rows, and the
+    reduce-scatter sums each rank's piece over the ranks."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_uneven_collectives, args=(port, str(tmp_path)), nprocs=2)
+    expect = [torch.arange(6.0).view(3, 2), torch.arange(12.0).view(6, 2) + 100]
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert all(torch.equal(g, e) for g, e in zip(got["gathered"], expect))
+        assert torch.equal(got["reduced"], torch.full((3, 2), 3.0) if rank == 0 else torch.full((6, 2), 30.0))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tests.megatron.expert_parallel_ranks import global_name
+from megatron_zeppelin.megatron.experts import global_expert_name
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("expert_parallel_ranks.py")
@@ -60,5 +60,5 @@ def test_expert_parallel_2_equals_expert_parallel_1(tmp_path):
         experts = [n for n in two["grads"] if n.startswith("experts.")]
         assert len(experts) == 4   # 2 of the 4 experts (fc1, fc2) on each rank
         for name in experts:
-            summed = sum(r["grads"][global_name(name, rank, 2)] for r in ep1)
+            summed = sum(r["grads"][global_expert_name(name, rank, 2)] for r in ep1)
             assert _rel(two["grads"][name], summed) <= 1e-5, (rank, name)

@@ -17,13 +17,15 @@ from megatron_zeppelin.train.checkpoint import LATEST, latest_path, load_state, 
 
 def state(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
-    return {"step": step, "model": {"w": torch.randn(64, 64, generator=g)}, "optimizer": {"lr": 0.1 * step},
-            "sampler": {"epoch": 0, "offset": step, "carried": []}, "strategy": "zeppelin",
+    return {"step": step, "shards": {"tp0-ep0": {"model": {"w": torch.randn(64, 64, generator=g)},
+                                                 "optimizer": {"lr": 0.1 * step}}},
+            "layout": {"tp": 1, "ep": 1}, "sampler": {"epoch": 0, "offset": step, "carried": []}, "strategy": "zeppelin",
             "model_preset": "tiny"}
 
 
 def same(a: dict, b: dict) -> bool:
-    return a["step"] == b["step"] and torch.equal(a["model"]["w"], b["model"]["w"]) and a["sampler"] == b["sampler"]
+    weights = [s["shards"]["tp0-ep0"]["model"]["w"] for s in (a, b)]
+    return a["step"] == b["step"] and torch.equal(*weights) and a["sampler"] == b["sampler"]
 
 
 def _killed_save(directory, step: int, offset: int | None) -> None:

@@ -130,15 +130,19 @@ def _micro_argv(strategy: str, out, tokens_per_gpu: int, *extra: str, steps: int
             "--steps", str(steps), "--seed", "1", "--quiet", "--timeout", "60", "--json-log", str(out), *extra]
 
 
-def _train_saving_grads(argv: list[str], grads_dir, monkeypatch) -> list[dict]:
-    """Train; rank 0 saves every step's summed gradient per parameter to ``grads_dir``."""
+def _train_saving_grads(argv: list[str], grads_dir, monkeypatch, ranks=(0,)) -> list[dict]:
+    """Train; each of ``ranks`` saves every step's summed gradient per parameter to
+    ``grads_dir`` (``NNN.pt`` from rank 0, ``NNN.rank<r>.pt`` from rank r)."""
     real = trainer.allreduce_grads
+    steps_done = [0]   # per rank: each forked rank counts its own steps
 
     def saving(model, *args):
         norm = real(model, *args)
-        if torch.distributed.get_rank() == 0:
-            step = len(list(grads_dir.glob("*.pt")))
-            torch.save({n: p.grad.clone() for n, p in model.named_parameters()}, grads_dir / f"{step:03d}.pt")
+        rank = torch.distributed.get_rank()
+        if rank in ranks:
+            name = f"{steps_done[0]:03d}" + (f".rank{rank}" if rank else "")
+            torch.save({n: p.grad.clone() for n, p in model.named_parameters()}, grads_dir / f"{name}.pt")
+        steps_done[0] += 1
         return norm
 
     grads_dir.mkdir()
@@ -219,7 +223,14 @@ def test_tensor_parallel_and_moe_bad_inputs_exit_2_before_spawning(lengths_file,
     one_node = [*argv, "--nodes", "1", "--gpus-per-node", "4", "--tp", "4"]  # tiny: 4 heads, 2 KV heads
     assert "--tp 4 does not divide model tiny's KV heads (2)" in _one_error_line(capsys, one_node)
     assert "needs --tp > 1" in _one_error_line(capsys, [*argv, "--sequence-parallel"])
-    assert "expert_parallel_size" in _one_error_line(capsys, [*argv, "--model", "llama-moe-8x7b"])
+    # llama-moe-8x7b spreads its 8 experts over 8 ranks: 2 x 2 has 4 data-parallel ranks.
+    line = _one_error_line(capsys, [*argv, "--model", "llama-moe-8x7b"])
+    assert "model llama-moe-8x7b's expert_parallel_size 8 does not divide the 4 data-parallel ranks" in line
+    assert "pick an --ep" in line
+    moe = [*argv, "--model", "tiny-moe"]
+    assert "--ep 3 does not divide model tiny-moe's 4 experts" in _one_error_line(capsys, [*moe, "--ep", "3"])
+    assert "model tiny has none" in _one_error_line(capsys, [*argv, "--ep", "2"])
+    assert "need --sequence-parallel" in _one_error_line(capsys, [*moe, "--tp", "2"])
 
 
 @pytest.mark.parametrize("tokens_per_gpu, parallel, steps", [(192, (), 3), (384, ("--tp", "2", "--sequence-parallel"), 2)],
