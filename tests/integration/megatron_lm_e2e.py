@@ -9,9 +9,9 @@ Megatron-LM's own parser, ``gpt_builder``/``model_provider`` and the patched
 global batches with ``--zeppelin-remap on`` on gloo ranks (Megatron-LM's loop itself
 needs CUDA; its per-step calls run here), the ``tiny-cpu`` preset's flags plus the
 extra flags given (e.g. ``--tensor-model-parallel-size 2 --sequence-parallel``, or
-``--num-experts 4 ...``).  Beside it, the project's trainer
+``--num-experts 4 ...``, with ``--expert-model-parallel-size 2``).  Beside it, the project's trainer
 (``train.trainer.train_step``, ``--strategy reference``: plain data parallelism at the
-same TP/SP) trains a copy of the same weights (``MODEL``: the project's preset of the
+same TP/SP/EP) trains a copy of the same weights (``MODEL``: the project's preset of the
 same shape) on the same global batches.  Half way, the Megatron model is
 saved with Megatron-Core's ``torch_dist`` format (what ``--ckpt-format torch_dist``
 writes), loaded into a freshly built model, and training continues from there.
@@ -108,8 +108,8 @@ def main():
     _set_timers(args)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    tp, sp = args.tensor_model_parallel_size, args.sequence_parallel
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    tp, sp, ep = args.tensor_model_parallel_size, args.sequence_parallel, args.expert_model_parallel_size
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     dp, dp_group = world // tp, parallel_state.get_data_parallel_group()
 
     import pretrain_gpt  # the patched script, as a module
@@ -117,7 +117,8 @@ def main():
     model = build_megatron_model(args.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     # The project's trainer on the same weights: plain data parallelism (the oracle).
-    model_cfg = dataclasses.replace(load_model(model_name), vocab_size=args.padded_vocab_size)
+    model_cfg = dataclasses.replace(load_model(model_name), vocab_size=args.padded_vocab_size,
+                                    expert_parallel_size=ep)
     reference = build_gpt_model(model_cfg, max_seq_len=args.seq_length, tp=tp, sequence_parallel=sp)
     reference.load_state_dict(model.state_dict())  # strict: the same parameters, name by name
     train_loader, _, _ = pretrain_gpt.train_valid_test_datasets_provider([1, 1, 1])
@@ -141,6 +142,9 @@ def main():
         first.register_forward_pre_hook(lambda mod, inp: mlp_rows.append(inp[0].shape[0]))
 
     watch_mlp(model)
+    if args.num_experts and rank == 0:
+        mlp = model.decoder.layers[0].mlp
+        print(f"MOE local_experts={mlp.num_local_experts} dispatcher={type(mlp.token_dispatcher).__name__}", flush=True)
     data = RerunDataIterator(train_loader)
     for step in range(steps):
         if step == steps // 2:

@@ -94,7 +94,7 @@ def _run_driver(patched, tmp_path, world: int, model: str, *flags: str) -> tuple
             pytest.skip(f"Megatron-LM needs {missing.group(1)} (see docs/megatron-lm.md, step 1)")
         assert p.returncode == 0, outs[0][0][-2000:] + err[-4000:]
     out = outs[0][0]
-    print("\n".join(line for line in out.splitlines() if line.startswith(("STEP", "zeppelin batch", "RESUMED"))))
+    print("\n".join(line for line in out.splitlines() if line.startswith(("STEP", "zeppelin batch", "RESUMED", "MOE"))))
     steps = [line.split() for line in out.splitlines() if line.startswith("STEP ")]
     assert [int(s[1]) for s in steps] == list(range(STEPS)), out
     for _, _, megatron_loss, trainer_loss, *_ in steps:
@@ -133,14 +133,22 @@ def test_tensor_and_sequence_parallel(patched, tmp_path):
     assert "remap_bytes=" in out
 
 
-def test_moe(patched, tmp_path):
-    """An MoE model through Megatron-LM's own flags (4 experts, top-2, all-gather token
-    dispatcher, no load-balancing loss, no token dropping) with remap on: the router
-    runs on the token-balanced layout and every step's loss equals the trainer's
-    reference on the tiny-moe preset (the same shapes)."""
+@pytest.mark.parametrize("ep", [1, 2], ids=["allgather", "alltoall-ep2"])
+def test_moe(patched, tmp_path, ep):
+    """An MoE model through Megatron-LM's own flags (4 experts, top-2, no
+    load-balancing loss, no token dropping) with remap on: the router runs on the
+    token-balanced layout and every step's loss equals the trainer's reference on
+    the tiny-moe preset (the same shapes, the same expert layout).  ``allgather``:
+    every expert on both ranks; ``alltoall-ep2``: ``--expert-model-parallel-size 2``,
+    two experts per rank, tokens sent to them by Megatron-Core's all-to-all
+    dispatcher (on gloo through ``megatron/cpu_compat.py``), the torch_dist save
+    holding each rank's experts."""
+    dispatcher = "allgather" if ep == 1 else "alltoall"
     out, steps = _run_driver(patched, tmp_path, 2, "tiny-moe", "--num-experts", "4", "--moe-router-topk", "2",
                              "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "none",
-                             "--moe-token-dispatcher-type", "allgather")
+                             "--moe-token-dispatcher-type", dispatcher, "--expert-model-parallel-size", str(ep))
+    kind = "MoEAllGatherTokenDispatcher" if ep == 1 else "MoEAlltoAllTokenDispatcher"
+    assert f"MOE local_experts={4 // ep} dispatcher={kind}" in out
     for step in steps:
         rows, plan_linear = _mlp_rows(step)
         assert rows == plan_linear  # the router saw the linear layout
