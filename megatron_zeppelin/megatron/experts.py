@@ -52,11 +52,12 @@ def one_rank_expert_groups():
 def expert_parallel_weights(build: Callable[[], torch.nn.Module], build_ep1: Callable[[], torch.nn.Module],
                             ep_rank: int, num_local: int) -> torch.nn.Module:
     """``build()``'s model holding EP rank ``ep_rank``'s slice of the weights
-    ``build_ep1()`` draws; the two builders start from the same generator state."""
-    generator = torch.get_rng_state()
+    ``build_ep1()`` draws.  torch's generator is left where the EP 1 build leaves
+    it, so whatever draws after the model draws the same at every EP size."""
     full = build_ep1().state_dict()
-    torch.set_rng_state(generator)
+    after_ep1 = torch.get_rng_state()
     model = build()
+    torch.set_rng_state(after_ep1)
     model.load_state_dict(expert_slice(full, model.state_dict().keys(), ep_rank, num_local))
     return model
 
