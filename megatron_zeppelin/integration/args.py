@@ -37,6 +37,7 @@ DEFAULTS = {
     "zeppelin_cluster": "h100-8x400g",
     "zeppelin_routing": "on",
     "zeppelin_remap": "on",
+    "zeppelin_decide": "on",
     "zeppelin_backend": "auto",
     "zeppelin_data_lengths": None,
     "zeppelin_seed": None,
@@ -73,6 +74,12 @@ def add_zeppelin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="Spread inter-node ring traffic over every NIC of the node.")
     g.add_argument("--zeppelin-remap", choices=on_off, default=DEFAULTS["zeppelin_remap"],
                    help="Token-balanced layout for the linear modules (all-to-all-v remap).")
+    g.add_argument("--zeppelin-decide", choices=on_off, default=DEFAULTS["zeppelin_decide"],
+                   help="Per batch, plan with routed and with direct crossings, with and without the "
+                        "remap (under --zeppelin-remap on) and as static CP's uniform layouts, and run "
+                        "the plan the simulator's replay times fastest (what the simulator runs as "
+                        "zeppelin). Costs seconds of CPU per batch from a few dozen GPUs up "
+                        "(docs/results/planner_latency.md); off runs the first plan, remapping every batch.")
     g.add_argument("--zeppelin-backend", choices=BACKENDS, default=DEFAULTS["zeppelin_backend"],
                    help="Attention kernels: auto picks FlashAttention, then TransformerEngine, "
                         "then PyTorch.")

@@ -51,6 +51,7 @@ from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split, micro_batches_of
 from megatron_zeppelin.prefetch import Prefetcher
 from megatron_zeppelin.sampler import GlobalBatch, TokenBudgetSampler, batch_budget
+from megatron_zeppelin.sim.timeline import decision_step_s
 from megatron_zeppelin.step_context import StepContext
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import RankBatch, build_rank_batch
@@ -330,11 +331,16 @@ def plan_topology(topology: Topology, world_size: int, tp: int, tp_rank: int) ->
 
 
 def build_plan_fn(planner: str, cost: CostModel, tokens_per_gpu: int, remap: bool,
-                  time_limit_s: float, tp_size: int = 1) -> Callable[[Sequence[int]], Plan]:
-    """``seq_lens -> validated Plan`` (the linear layout is the attention layout without remap)."""
+                  time_limit_s: float, tp_size: int = 1, decide: bool = True) -> Callable[[Sequence[int]], Plan]:
+    """``seq_lens -> validated Plan`` (the linear layout is the attention layout without remap).
+    ``decide``: Zeppelin picks each batch's plan by the modeled step, as the
+    simulator does (``planner/zeppelin_decide.py``): routed or direct crossings,
+    static CP's uniform layouts, and with ``remap`` whether this batch remaps;
+    without it every batch remaps."""
     impl = get_planner(planner)
     ctx = PlanContext(cost=cost, tokens_per_gpu=tokens_per_gpu, time_limit_s=time_limit_s,
-                      tp_size=tp_size, remap_enabled=remap)
+                      tp_size=tp_size, remap_enabled=remap, remap_decided=decide,
+                      step_model=(lambda plan: decision_step_s(plan, cost)) if decide else None)
     return lambda seq_lens: impl.plan(list(seq_lens), ctx).validate()
 
 
@@ -409,7 +415,8 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
     routing = args.zeppelin_routing == "on"
     cost = CostModel(plan_cluster, model, routing=routing)
     make_plan = build_plan_fn(args.zeppelin_planner, cost, args.zeppelin_tokens_per_gpu,
-                              args.zeppelin_remap == "on", args.zeppelin_planner_time_limit, tp)
+                              args.zeppelin_remap == "on", args.zeppelin_planner_time_limit, tp,
+                              decide=args.zeppelin_decide == "on")
     broadcast = broadcast_plan_from_rank0(device) if args.zeppelin_planner in PLAN_ON_ONE_RANK else None
     # Every wait on a peer has Megatron's own deadline (--distributed-timeout-minutes).
     timeout = timedelta(minutes=getattr(args, "distributed_timeout_minutes", 10))

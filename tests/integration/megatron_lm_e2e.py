@@ -6,7 +6,8 @@ rank, inside a patched Megatron-LM core_v0.16.1 tree):
 
 Megatron-LM's own parser, ``gpt_builder``/``model_provider`` and the patched
 ``pretrain_gpt.py`` (dataset provider, ``forward_step``, ``loss_func``) train ``STEPS``
-global batches with ``--zeppelin-remap on`` on gloo ranks (Megatron-LM's loop itself
+global batches with ``--zeppelin-remap on --zeppelin-decide off`` (every batch
+remaps) on gloo ranks (Megatron-LM's loop itself
 needs CUDA; its per-step calls run here), the ``tiny-cpu`` preset's flags plus the
 extra flags given (e.g. ``--tensor-model-parallel-size 2 --sequence-parallel``, or
 ``--num-experts 4 ...``, with ``--expert-model-parallel-size 2``).  Beside it, the project's trainer
@@ -93,7 +94,9 @@ def main():
     sys.argv = ["pretrain_gpt.py", *argv, "--use-cpu-initialization", "--global-batch-size", "2",
                 "--data-path", prefix, "--split", "100,0,0", "--zeppelin-cluster", cluster,
                 "--zeppelin-tokens-per-gpu", "1000", "--zeppelin-batch-fill", "0.7", "--zeppelin-backend", "torch",
-                "--zeppelin-remap", "on",
+                # Every batch remaps (the per-batch decision would drop the remap on this
+                # cluster, whose links are slow so that every document stays on one rank).
+                "--zeppelin-remap", "on", "--zeppelin-decide", "off",
                 "--zeppelin-log-interval", "1", *extra]
     torch.set_num_threads(1)
     args = parse_args(zeppelin.chain_args_providers(None, zeppelin.add_zeppelin_args))

@@ -25,6 +25,7 @@ from megatron_zeppelin.integration.hooks import (
 )
 from megatron_zeppelin.integration.step_report import StepClock
 from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.sampler import batch_budget
 from megatron_zeppelin.topology import Topology, load_cluster
 
@@ -247,3 +248,21 @@ def test_micro_batch_plans_are_dumped_apart(tmp_path):
         "train_plan_0000000_mb0.json", "train_plan_0000000_mb1.json",
         "train_plan_0000001_mb0.json", "train_plan_0000001_mb1.json"]
     assert args.zeppelin_data_state["batches_consumed"] == 2
+
+
+def test_megatron_path_decides_each_batch_like_the_trainer_and_simulator():
+    """``--zeppelin-decide on`` (the default): the Megatron-LM path's plan is the
+    per-batch decision's (here a plan for direct crossings, with another layout),
+    the one the trainer and the simulator run; ``off`` runs the first plan."""
+    from megatron_zeppelin.planner.zeppelin_decide import DecidingZeppelinPlanner
+    from megatron_zeppelin.sim.timeline import decision_step_s
+
+    cost = CostModel(load_cluster("cpu-sim", nodes=4), load_model("tiny"), routing=True)
+    lens = [598, 453, 367, 203, 229, 47, 71, 31, 139, 573, 2474]
+    decided = build_plan_fn("zeppelin", cost, 1024, True, 5.0)(lens)
+    first = build_plan_fn("zeppelin", cost, 1024, True, 5.0, decide=False)(lens)
+    ctx = PlanContext(cost=cost, tokens_per_gpu=1024, remap_enabled=True,
+                      step_model=lambda plan: decision_step_s(plan, cost))
+    assert decided == DecidingZeppelinPlanner().plan(lens, ctx)
+    assert first.routed and not decided.routed and first.tier_counts() != decided.tier_counts()
+    assert decision_step_s(decided, cost) < decision_step_s(first, cost)

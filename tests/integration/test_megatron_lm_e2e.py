@@ -112,6 +112,16 @@ def test_megatron_lm_path_matches_the_trainer_with_remap_and_torch_dist(patched,
     assert len(remap) == STEPS and all(b > 0 for b in remap), out
 
 
+def test_per_batch_decision(patched, tmp_path):
+    """``--zeppelin-decide on``: on this cluster (links so slow that every document
+    stays on one rank) the modeled step says the remap's all-to-all never pays, so
+    no batch remaps; the losses still equal plain data parallelism's.  (The other
+    tests pass ``--zeppelin-decide off``: every batch remaps.)"""
+    out, steps = _run_driver(patched, tmp_path, 2, "tiny", "--zeppelin-decide", "on")
+    remap = [int(m) for m in re.findall(r"remap_bytes=(\d+)", out)]
+    assert len(remap) == STEPS and not any(remap), out
+
+
 def _mlp_rows(step: list[str]) -> tuple[list[int], list[int]]:
     """The rows each rank's first MLP saw and the Plan's linear tokens per data-parallel rank."""
     fields = dict(f.split("=", 1) for f in step if "=" in f)
