@@ -37,7 +37,7 @@ DEFAULTS = {
     "zeppelin_cluster": "h100-8x400g",
     "zeppelin_routing": "on",
     "zeppelin_remap": "on",
-    "zeppelin_decide": "on",
+    "zeppelin_decide": "off",
     "zeppelin_backend": "auto",
     "zeppelin_data_lengths": None,
     "zeppelin_seed": None,
@@ -78,8 +78,9 @@ def add_zeppelin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="Per batch, plan with routed and with direct crossings, with and without the "
                         "remap (under --zeppelin-remap on) and as static CP's uniform layouts, and run "
                         "the plan the simulator's replay times fastest (what the simulator runs as "
-                        "zeppelin). Costs seconds of CPU per batch from a few dozen GPUs up "
-                        "(docs/results/planner_latency.md); off runs the first plan, remapping every batch.")
+                        "zeppelin). Costs seconds of CPU per batch already at 8 GPUs "
+                        "(docs/results/planner_latency.md); off (default) runs the first plan, "
+                        "remapping every batch (the simulator's zeppelin_nodecide).")
     g.add_argument("--zeppelin-backend", choices=BACKENDS, default=DEFAULTS["zeppelin_backend"],
                    help="Attention kernels: auto picks FlashAttention, then TransformerEngine, "
                         "then PyTorch.")

@@ -331,7 +331,7 @@ def plan_topology(topology: Topology, world_size: int, tp: int, tp_rank: int) ->
 
 
 def build_plan_fn(planner: str, cost: CostModel, tokens_per_gpu: int, remap: bool,
-                  time_limit_s: float, tp_size: int = 1, decide: bool = True) -> Callable[[Sequence[int]], Plan]:
+                  time_limit_s: float, tp_size: int = 1, decide: bool = False) -> Callable[[Sequence[int]], Plan]:
     """``seq_lens -> validated Plan`` (the linear layout is the attention layout without remap).
     ``decide``: Zeppelin picks each batch's plan by the modeled step, as the
     simulator does (``planner/zeppelin_decide.py``): routed or direct crossings,

@@ -53,9 +53,9 @@ class LaunchPreset:
     """``--zeppelin-routing on|off``."""
     remap: bool = True
     """``--zeppelin-remap on|off``."""
-    decide: bool = True
-    """``--zeppelin-decide on|off``: each batch's plan picked by the modeled step
-    (seconds of CPU per batch on large clusters; off on thousands of GPUs)."""
+    decide: bool = False
+    """``--zeppelin-decide on|off``: each batch's plan picked by replaying every
+    candidate (seconds of CPU per batch already at 8 GPUs)."""
     precision: str = "bf16"
     """bf16, fp16 or fp32."""
     recompute: str = "selective"

@@ -39,16 +39,22 @@ class Variant:
     """Inter-node transfers go through the NIC routing layer (``CostModel.routing``)."""
     remap: bool
     """Linear modules get a token-balanced layout (``PlanContext.remap_enabled``)."""
+    decide: bool = True
+    """Each batch's plan is the fastest replayed candidate (``planner/zeppelin_decide.py``;
+    ``pretrain_gpt.py --zeppelin-decide on``); False: the planner's first plan,
+    remapping every batch (``--zeppelin-decide off``, the Megatron-LM path's default)."""
 
 
 #: Zeppelin and its ablations: the same planner (hierarchical partitioning and
 #: the attention engine) with the routing and remapping layers on or off.  The
 #: ablation ladder is zeppelin_base -> zeppelin_noremap (+routing) -> zeppelin
-#: (+remap); zeppelin_norouting is the other path to the top.
+#: (+remap); zeppelin_norouting is the other path to the top.  zeppelin_nodecide
+#: is zeppelin without the per-batch decision (the Megatron-LM path's default).
 VARIANTS: dict[str, Variant] = {
     "zeppelin_base": Variant(routing=False, remap=False),
     "zeppelin_norouting": Variant(routing=False, remap=True),
     "zeppelin_noremap": Variant(routing=True, remap=False),
+    "zeppelin_nodecide": Variant(routing=True, remap=True, decide=False),
     "zeppelin": Variant(routing=True, remap=True),
 }
 #: Strategy names the simulator accepts: the baseline, the other baselines, then
@@ -73,6 +79,8 @@ class Strategy:
     remap_enabled: bool = True
     """``PlanContext.remap_enabled``: only Zeppelin's planner reads it (the
     baselines' linear layout is always their attention layout)."""
+    decide: bool = True
+    """Zeppelin picks each batch's plan by the replayed step (:attr:`Variant.decide`)."""
     tp_size: int = 1
     """GPUs per rank of its plans (``cost`` is then a TP view); the per-GPU
     token cap becomes ``tp_size`` times larger per rank."""
@@ -137,11 +145,12 @@ def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | No
         if variant is not None and zeppelin_tp is not None and zeppelin_tp.infeasible is None:
             tp = zeppelin_tp.tp_size     # the TP size the full Zeppelin runs best with, for every variant
             strategies.append(Strategy(name, get_planner("zeppelin"), tp_view(routed, tp) if tp > 1 else routed,
-                                       remap_enabled=variant.remap, tp_size=tp, layout=zeppelin_tp.layout))
+                                       remap_enabled=variant.remap, decide=variant.decide, tp_size=tp,
+                                       layout=zeppelin_tp.layout))
         elif variant is not None:
             why = zeppelin_tp.infeasible if zeppelin_tp is not None else None
             strategies.append(Strategy(name, get_planner("zeppelin"), routed, remap_enabled=variant.remap,
-                                       layout=why, infeasible=why))
+                                       decide=variant.decide, layout=why, infeasible=why))
         elif name in STATIC and searched:
             strategies.append(_static_strategy(name, routed, layout_batches, max_seq_len, tokens_per_gpu,
                                                time_limit_s))
@@ -290,7 +299,8 @@ def plan_context(s: Strategy, tokens_per_gpu: int, time_limit_s: float) -> PlanC
     planner's latency is reported, and a user's planner pays for them."""
     return PlanContext(cost=s.cost, tokens_per_gpu=tokens_per_gpu * s.tp_size, cp_size=s.cp_size,
                        time_limit_s=time_limit_s, remap_enabled=s.remap_enabled, tp_size=s.tp_size,
-                       step_model=lambda plan: decision_step_s(plan, s.cost, reuse=False))
+                       remap_decided=s.decide,
+                       step_model=(lambda plan: decision_step_s(plan, s.cost, reuse=False)) if s.decide else None)
 
 
 def _run_one(step: int, lens: list[int], s: Strategy, r: StrategyResult, tokens_per_gpu: int,

@@ -94,8 +94,8 @@ def main():
     sys.argv = ["pretrain_gpt.py", *argv, "--use-cpu-initialization", "--global-batch-size", "2",
                 "--data-path", prefix, "--split", "100,0,0", "--zeppelin-cluster", cluster,
                 "--zeppelin-tokens-per-gpu", "1000", "--zeppelin-batch-fill", "0.7", "--zeppelin-backend", "torch",
-                # Every batch remaps (the per-batch decision would drop the remap on this
-                # cluster, whose links are slow so that every document stays on one rank).
+                # Every batch remaps (the default; the per-batch decision would drop the remap
+                # on this cluster, whose links are slow so that every document stays on one rank).
                 "--zeppelin-remap", "on", "--zeppelin-decide", "off",
                 "--zeppelin-log-interval", "1", *extra]
     torch.set_num_threads(1)

@@ -25,7 +25,6 @@ from megatron_zeppelin.integration.hooks import (
 )
 from megatron_zeppelin.integration.step_report import StepClock
 from megatron_zeppelin.model_config import load_model
-from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.sampler import batch_budget
 from megatron_zeppelin.topology import Topology, load_cluster
 
@@ -250,19 +249,19 @@ def test_micro_batch_plans_are_dumped_apart(tmp_path):
     assert args.zeppelin_data_state["batches_consumed"] == 2
 
 
-def test_megatron_path_decides_each_batch_like_the_trainer_and_simulator():
-    """``--zeppelin-decide on`` (the default): the Megatron-LM path's plan is the
-    per-batch decision's (here a plan for direct crossings, with another layout),
-    the one the trainer and the simulator run; ``off`` runs the first plan."""
-    from megatron_zeppelin.planner.zeppelin_decide import DecidingZeppelinPlanner
+def test_megatron_path_plans_what_the_simulator_times():
+    """``--zeppelin-decide on``: the Megatron-LM path's plan is the simulator's
+    ``zeppelin`` plan (here one for direct crossings, with another layout); ``off``
+    (the default) is the simulator's ``zeppelin_nodecide`` plan, the first one."""
+    from megatron_zeppelin.sim.simulate import build_strategies, plan_context
     from megatron_zeppelin.sim.timeline import decision_step_s
 
     cost = CostModel(load_cluster("cpu-sim", nodes=4), load_model("tiny"), routing=True)
     lens = [598, 453, 367, 203, 229, 47, 71, 31, 139, 573, 2474]
-    decided = build_plan_fn("zeppelin", cost, 1024, True, 5.0)(lens)
-    first = build_plan_fn("zeppelin", cost, 1024, True, 5.0, decide=False)(lens)
-    ctx = PlanContext(cost=cost, tokens_per_gpu=1024, remap_enabled=True,
-                      step_model=lambda plan: decision_step_s(plan, cost))
-    assert decided == DecidingZeppelinPlanner().plan(lens, ctx)
+    decided = build_plan_fn("zeppelin", cost, 1024, True, 5.0, decide=True)(lens)
+    first = build_plan_fn("zeppelin", cost, 1024, True, 5.0)(lens)
+    sim = {s.name: s.planner.plan(lens, plan_context(s, 1024, 5.0))
+           for s in build_strategies(["zeppelin", "zeppelin_nodecide"], cost)}
+    assert decided == sim["zeppelin"] and first == sim["zeppelin_nodecide"]
     assert first.routed and not decided.routed and first.tier_counts() != decided.tier_counts()
     assert decision_step_s(decided, cost) < decision_step_s(first, cost)

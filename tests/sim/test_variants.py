@@ -31,7 +31,7 @@ _spec.loader.exec_module(ablation)
 CAP = 4096
 #: (routing layer, remap layer) each variant must run with: the spec of the ablation.
 EXPECTED = {"zeppelin_base": (False, False), "zeppelin_norouting": (False, True),
-            "zeppelin_noremap": (True, False), "zeppelin": (True, True)}
+            "zeppelin_noremap": (True, False), "zeppelin_nodecide": (True, True), "zeppelin": (True, True)}
 
 
 def tiny_cost(nodes: int = 4) -> CostModel:
@@ -67,7 +67,7 @@ def test_variant_flags_and_names():
             assert not s.cost.routing, s.name
         assert s.cp_size == (4 if s.name in STATIC else None), s.name
     assert STRATEGY_NAMES[0] == BASELINE and STRATEGY_NAMES[-len(EXPECTED):] == tuple(EXPECTED)
-    assert len(set(STRATEGY_NAMES)) == len(STRATEGY_NAMES) == 9
+    assert len(set(STRATEGY_NAMES)) == len(STRATEGY_NAMES) == 10
 
 
 def test_unknown_variant_is_a_config_error():
