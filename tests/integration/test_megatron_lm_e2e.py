@@ -143,8 +143,8 @@ def test_tensor_and_sequence_parallel(patched, tmp_path):
     assert "remap_bytes=" in out
 
 
-@pytest.mark.parametrize("ep", [1, 2], ids=["allgather", "alltoall-ep2"])
-def test_moe(patched, tmp_path, ep):
+@pytest.mark.parametrize("ep, tp", [(1, 1), (2, 1), (2, 2)], ids=["allgather", "alltoall-ep2", "alltoall-tp2-sp-ep2"])
+def test_moe(patched, tmp_path, ep, tp):
     """An MoE model through Megatron-LM's own flags (4 experts, top-2, no
     load-balancing loss, no token dropping) with remap on: the router runs on the
     token-balanced layout and every step's loss equals the trainer's reference on
@@ -152,15 +152,20 @@ def test_moe(patched, tmp_path, ep):
     every expert on both ranks; ``alltoall-ep2``: ``--expert-model-parallel-size 2``,
     two experts per rank, tokens sent to them by Megatron-Core's all-to-all
     dispatcher (on gloo through ``megatron/cpu_compat.py``), the torch_dist save
-    holding each rank's experts."""
+    holding each rank's experts; ``alltoall-tp2-sp-ep2``: also TP 2 with sequence
+    parallelism on 4 ranks (each expert split over the TP ranks, the dispatcher's
+    token gathers over them uneven)."""
     dispatcher = "allgather" if ep == 1 else "alltoall"
-    out, steps = _run_driver(patched, tmp_path, 2, "tiny-moe", "--num-experts", "4", "--moe-router-topk", "2",
+    parallel = ("--tensor-model-parallel-size", "2", "--sequence-parallel") if tp > 1 else ()
+    out, steps = _run_driver(patched, tmp_path, 2 * tp, "tiny-moe", "--num-experts", "4", "--moe-router-topk", "2",
                              "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "none",
-                             "--moe-token-dispatcher-type", dispatcher, "--expert-model-parallel-size", str(ep))
+                             "--moe-token-dispatcher-type", dispatcher, "--expert-model-parallel-size", str(ep),
+                             *parallel)
     kind = "MoEAllGatherTokenDispatcher" if ep == 1 else "MoEAlltoAllTokenDispatcher"
     assert f"MOE local_experts={4 // ep} dispatcher={kind}" in out
     for step in steps:
         rows, plan_linear = _mlp_rows(step)
-        assert rows == plan_linear  # the router saw the linear layout
+        # The router saw the linear layout (under SP: each TP rank its half, padded).
+        assert rows == [-(-plan_linear[rank // tp] // tp) for rank in range(2 * tp)], (rows, plan_linear)
     remap = [int(m) for m in re.findall(r"remap_bytes=(\d+)", out)]
     assert len(remap) == STEPS and all(b > 0 for b in remap), out
