@@ -47,17 +47,26 @@ class ZeppelinPlanner:
         light_work = float(local_s[light].sum())
 
         # The remap layer promises a token-balanced linear layout; without it
-        # the attention layout is the linear one and is balanced with it.
-        settings = [p for p in PASSES if p.remap == ctx.remap_enabled]
+        # the attention layout is the linear one and is balanced with it.  A
+        # nearly full batch can strand a sequence in every pass of the run's
+        # layout; the other layout's passes place it differently, and their plan
+        # is valid either way (its linear layout is then its attention layout:
+        # a remap moves nothing).  Only then the last resort's token-only
+        # packing: on a 99.95 %-full batch of 9 python-dirs sequences at 32 GPUs
+        # it ran 3.5x slower than the one remap-off pass that held the batch.
+        budget = max(1, PASS_BUDGET // max(len(heavy), 1))
         results: list[_Result] = []
-        for setting in settings[:max(1, PASS_BUDGET // max(len(heavy), 1))]:
-            try:
-                results.append(_one_pass(packer, heavy, light_seqs, light_work, mean_s, setting))
-            except InfeasibleError:
-                continue
+        for layout in (ctx.remap_enabled, not ctx.remap_enabled):
+            for setting in [p for p in PASSES if p.remap == layout][:budget]:
+                try:
+                    results.append(_one_pass(packer, heavy, light_seqs, light_work, mean_s, setting))
+                except InfeasibleError:
+                    continue
+            if results:
+                break
         if results:
             chosen = _select(results)
-            out, remap = chosen.assign, chosen.remap
+            out, remap = chosen.assign, chosen.remap and ctx.remap_enabled
         else:
             out, remap = _last_resort(packer, order), ctx.remap_enabled
         seq_lens = tuple(lens.tolist())
