@@ -445,8 +445,12 @@ def describe(run: Run) -> str:
 def run_rank(cfg: TrainConfig, rank: int, world_size: int, device: torch.device) -> None:
     """Train ``cfg.steps`` steps in total (a ``--load`` run continues up to it)."""
     from megatron.core import parallel_state, tensor_parallel
+    # Megatron's groups (data-parallel: the gradient all-reduce; TP; experts) get the
+    # --timeout deadline too: with its default of 30 minutes, a run whose live ranks
+    # all waited in the gradient all-reduce on a stalled peer hung that long.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tp,  # PP = CP = 1
-                                             expert_model_parallel_size=cfg.expert_parallel_size)
+                                             expert_model_parallel_size=cfg.expert_parallel_size,
+                                             distributed_timeout_minutes=cfg.timeout_s / 60)
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)  # Megatron's CUDA RNG tracker
     else:

@@ -128,6 +128,31 @@ def test_a_stalled_rank_ends_the_run_with_one_line(lengths_file, tmp_path, routi
     assert not any(_alive(r) for r in ranks)
 
 
+def test_a_rank_stalled_before_the_gradient_all_reduce_ends_the_run(lengths_file, tmp_path, monkeypatch):
+    """Rank 1 stops itself right before step 2's gradient all-reduce, so the other
+    ranks all wait in it, on Megatron's data-parallel group, not on the
+    communicator: that group must also time out after --timeout."""
+    timeout = 4
+    real = trainer.allreduce_grads
+    steps = [0]
+
+    def stall_rank_1_at_step_2(model, *args):
+        steps[0] += 1
+        if steps[0] == 3 and torch.distributed.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real(model, *args)
+
+    monkeypatch.setattr(trainer, "allreduce_grads", stall_rank_1_at_step_2)  # inherited by the forked ranks
+    log = tmp_path / "log.jsonl"
+    proc, err = _start(_argv(lengths_file, log, "--timeout", str(timeout)), tmp_path)
+    ranks = _wait_training(proc, log)
+    _ended_within(proc, timeout + SLACK_S)
+    assert proc.exitcode == 1
+    line = _one_line(err)
+    assert f"did not complete within --timeout {timeout} s" in line and "gradient all-reduce" in line, line
+    assert not any(_alive(r) for r in ranks)
+
+
 def test_a_killed_rank_ends_the_run_with_one_line(lengths_file, tmp_path):
     log = tmp_path / "log.jsonl"
     proc, err = _start(_argv(lengths_file, log, "--timeout", "30"), tmp_path)
