@@ -129,7 +129,7 @@ def test_uneven_all_gather_and_reduce_scatter_on_gloo(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_uneven_collectives, args=(port, str(tmp_path)), nprocs=2)
+    mp.start_processes(_uneven_collectives, args=(port, str(tmp_path)), nprocs=2, start_method="fork")
     expect = [torch.arange(6.0).view(3, 2), torch.arange(12.0).view(6, 2) + 100]
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
