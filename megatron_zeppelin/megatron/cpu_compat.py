@@ -133,9 +133,9 @@ class _DistributedOnGloo(types.ModuleType):
 
     @staticmethod
     def all_gather(tensor_list, tensor, group=None, async_op=False):
-        rows = max(t.shape[0] for t in tensor_list)
         if async_op or all(t.shape == tensor.shape for t in tensor_list):
             return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
         padded = [tensor.new_empty((rows, *tensor.shape[1:])) for _ in tensor_list]
         torch.distributed.all_gather(padded, _padded(tensor.contiguous(), rows), group=group)
         for out, piece in zip(tensor_list, padded):

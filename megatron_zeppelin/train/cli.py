@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,10 @@ class TrainConfig:
     @property
     def expert_parallel_size(self) -> int:
         return self.ep if self.ep is not None else load_model(self.model).expert_parallel_size
+
+    def model_config(self) -> ModelConfig:
+        """The ``--model`` preset as this run builds it (with its expert-parallel size)."""
+        return dataclasses.replace(load_model(self.model), expert_parallel_size=self.expert_parallel_size)
 
     @property
     def tokens_per_batch(self) -> int:

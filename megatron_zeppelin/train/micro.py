@@ -19,13 +19,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import ConfigError, InfeasibleError
-from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split, micro_batches_of
 from megatron_zeppelin.sampler import GlobalBatch, Piece, ZeppelinBatchSampler
 from megatron_zeppelin.sampler.deferral import DeferringSampler
 from megatron_zeppelin.topology import ClusterConfig
 from megatron_zeppelin.train.cli import TrainConfig
+from megatron_zeppelin.train.parallel import data_parallel_view
 from megatron_zeppelin.train.passes import Pass
 
 
@@ -53,7 +53,12 @@ def make_sampler(cfg: TrainConfig, doc_lengths: Any) -> DeferringSampler:
                                                  tokens_per_batch=cfg.tokens_per_batch, seed=cfg.seed))
 
 
-def make_split(cfg: TrainConfig, cost: CostModel) -> Split:
+def make_split(cfg: TrainConfig, cluster: ClusterConfig) -> Split:
+    """The run's ``--micro-batches`` split, priced as the ranks plan: on the
+    data-parallel ranks' view of ``cluster``, with the run's routing and experts
+    (the check before start-up and the ranks must split alike)."""
+    cost = CostModel(data_parallel_view(cluster, cfg.world_size, cfg.tp, tp_rank=0), cfg.model_config(),
+                     routing=cfg.routing)
     return micro_batch_split(cfg.micro_batches, tokens_per_gpu=cfg.tokens_per_gpu,
                              data_parallel_size=cfg.data_parallel_size, max_seq_len=cfg.max_seq_len,
                              batch_fill=cfg.batch_fill, cost=cost)
@@ -90,7 +95,7 @@ def check_micro_batches(cfg: TrainConfig, cluster: ClusterConfig, doc_lengths: A
     sampler = make_sampler(cfg, doc_lengths).sampler
     if sampler_state is not None:
         sampler.load_state_dict({k: v for k, v in sampler_state.items() if k != "carried"})
-    split = make_split(cfg, CostModel(cluster, load_model(cfg.model)))
+    split = make_split(cfg, cluster)
     batches = iter(sampler)
     for _ in range(cfg.steps - int(sampler.state_dict()["index"])):
         batch = next(batches)

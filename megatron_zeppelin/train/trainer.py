@@ -33,7 +33,7 @@ from megatron_zeppelin.errors import ConfigError, PlanError, brief
 from megatron_zeppelin.integration.hooks import data_parallel_comm_group
 from megatron_zeppelin.megatron import build_gpt_model, build_packed_seq_params
 from megatron_zeppelin.megatron.cpu_compat import apply_cpu_compat
-from megatron_zeppelin.model_config import ModelConfig, load_model
+from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan import Plan, TierCounts
 from megatron_zeppelin.plan.agreement import check_same_plan
 from megatron_zeppelin.comm.lanes import StepRecorder
@@ -111,7 +111,7 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
     cluster = resolve_cluster(cfg)
     cluster.topology.check_world_size(world_size)
     plan_cluster = data_parallel_view(cluster, world_size, cfg.tp, tp_rank=0)
-    model_cfg = dataclasses.replace(load_model(cfg.model), expert_parallel_size=cfg.expert_parallel_size)
+    model_cfg = cfg.model_config()
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     remap = remap_on(cfg)
     torch.manual_seed(cfg.seed)  # Megatron's CPU init draws from torch's default generator
@@ -126,7 +126,7 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
     run = Run(cfg=cfg, rank=rank, world_size=world_size, dp_rank=rank // cfg.tp, device=device,
               cluster=cluster, model_cfg=model_cfg, model=model, optimizer=optimizer, sampler=sampler,
               make_plan=make_planner(cfg, plan_cluster, model_cfg, remap),
-              split=make_split(cfg, CostModel(plan_cluster, model_cfg, routing=cfg.routing)), comm=comm,
+              split=make_split(cfg, cluster), comm=comm,
               counters=counters,
               remap_counters=RemapCounters(),
               backend=get_backend(cfg.backend), source=source, remap=remap)
@@ -367,7 +367,7 @@ def save_checkpoint(run: Run, directory: Path) -> None:
         dist.gather_object(mine, shards, dst=0)
     if run.rank == 0:
         save_state(directory, {"step": run.step, "shards": dict(s for s in shards if s is not None),
-                               "layout": model_parallel_layout(run.cfg),
+                               "layout": model_parallel_layout(run),
                                "sampler": run.sampler_state or run.sampler.state_dict(),
                                "strategy": run.cfg.strategy, "model_preset": run.model_cfg.name})
 
@@ -378,8 +378,9 @@ def shard_name() -> str:
     return f"tp{mpu.get_tensor_model_parallel_rank()}-ep{mpu.get_expert_model_parallel_rank()}"
 
 
-def model_parallel_layout(cfg: TrainConfig) -> dict[str, int]:
-    return {"tp": cfg.tp, "ep": cfg.expert_parallel_size}
+def model_parallel_layout(run: Run) -> dict[str, int]:
+    """The TP and EP sizes a checkpoint's shards are cut at."""
+    return {"tp": run.cfg.tp, "ep": run.model_cfg.expert_parallel_size}
 
 
 def _on_cpu(state):
@@ -398,7 +399,7 @@ def load_checkpoint(run: Run, directory: Path) -> None:
     if state["model_preset"] != run.model_cfg.name:
         raise ConfigError(f"{path} is of model {state['model_preset']!r}, this run builds "
                           f"{run.model_cfg.name!r}; pass the same --model")
-    layout = model_parallel_layout(run.cfg)
+    layout = model_parallel_layout(run)
     if state["layout"] != layout:
         saved = state["layout"] if isinstance(state["layout"], dict) else {}
         raise ConfigError(f"{path} holds shards of --tp {saved.get('tp')} --ep {saved.get('ep')}, this run is "

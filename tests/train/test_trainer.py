@@ -313,7 +313,7 @@ def test_invalid_plan_is_a_plan_error(monkeypatch):
     cfg = parse_args(["--nodes", "2", "--gpus-per-node", "2", "--strategy", "zeppelin", "--lengths", __file__,
                       "--max-seq-len", "8", "--tokens-per-gpu", "8", "--steps", "1"])
     cluster = trainer.resolve_cluster(cfg)
-    make_plan = trainer.make_planner(cfg, cluster, trainer.load_model("tiny"), remap=False)
+    make_plan = trainer.make_planner(cfg, cluster, cfg.model_config(), remap=False)
     with pytest.raises(PlanError, match="invalid plan.*sequence 0"):
         make_plan([3, 4, 5])
 
