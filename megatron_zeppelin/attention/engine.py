@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -27,6 +28,7 @@ from megatron_zeppelin.attention.ring import RingBackward, RingForward
 from megatron_zeppelin.attention.ulysses import UlyssesBackward, UlyssesForward, check_heads
 from megatron_zeppelin.comm.lanes import run_without_transfers
 from megatron_zeppelin.comm.rounds import LaneCommunicator
+from megatron_zeppelin.comm.streams import StreamOps, streams_for
 from megatron_zeppelin.plan.plan import Mode, Plan
 from megatron_zeppelin.plan.shards import causal_pairs
 from megatron_zeppelin.schedule import geometry as geo
@@ -59,12 +61,22 @@ class LayerSchedules:
     backward: Schedule
     _pieces: dict[int, dict[int, Piece]] = field(default_factory=dict, repr=False)
     _mids: dict[bool, dict[tuple, int]] = field(default_factory=dict, repr=False)
+    _cu: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def pieces(self, rank: int) -> dict[int, Piece]:
         """Placement index -> the rank's rows of it."""
         if rank not in self._pieces:
             self._pieces[rank] = {p.index: p for p in rank_pieces(self.plan, rank)}
         return self._pieces[rank]
+
+    def cu_seqlens(self, lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """int32 ``cu_seqlens`` of ``lengths`` on ``device``, uploaded once per plan
+        (pinned and non-blocking on CUDA: building it never waits for the GPU)."""
+        key = (lengths, device)
+        if key not in self._cu:
+            host = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+            self._cu[key] = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+        return self._cu[key]
 
     def message_ids(self, backward: bool) -> dict[tuple, int]:
         if backward not in self._mids:
@@ -111,6 +123,24 @@ def plan_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: P
     order (``plan.attention_spans(rank)``).  Returns ``[t, hq, d]``.  Collective:
     every rank of ``plan.world_size`` must call it (same plan, same head shapes),
     also ranks holding no tokens."""
+    run = _prepare(q, k, v, plan, rank, comm, backend, softmax_scale, counter, cache)
+    return _PlanAttention.apply(q, k, v, run)
+
+
+def attention_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: Plan, rank: int,
+                     comm: LaneCommunicator | None, backend: AttentionBackend | str = "auto",
+                     softmax_scale: float | None = None, counter: AttentionCounter | None = None,
+                     cache: dict | None = None) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
+    """:func:`plan_attention` without autograd: ``(out, backward)`` where
+    ``backward(dout)`` returns ``(dq, dk, dv)``.  For callers that run several
+    ranks in one process (autograd runs every CUDA backward of a process on one
+    device thread, where one rank's backward would wait on another's)."""
+    run = _prepare(q, k, v, plan, rank, comm, backend, softmax_scale, counter, cache)
+    out, state = _forward(run, q, k, v)
+    return out, lambda dout: _backward(run, dout.contiguous(), q, k, v, out, state)
+
+
+def _prepare(q, k, v, plan, rank, comm, backend, softmax_scale, counter, cache) -> "_Run":
     if isinstance(backend, str):
         backend = get_backend(backend)
     layer = build_schedule(plan, attn_shape(q, k), comm, cache)
@@ -119,8 +149,8 @@ def plan_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: P
         raise ValueError(f"rank {rank} holds {expected} tokens in the plan's attention layout, "
                          f"got q/k/v with {q.shape[0]}/{k.shape[0]}/{v.shape[0]} rows")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    run = _Run(rank, comm, backend, scale, counter if counter is not None else AttentionCounter(), layer)
-    return _PlanAttention.apply(q, k, v, run)
+    streams = comm.runner.streams if isinstance(comm, LaneCommunicator) else streams_for(q.device)
+    return _Run(rank, comm, backend, scale, counter if counter is not None else AttentionCounter(), layer, streams)
 
 
 @dataclass
@@ -133,6 +163,8 @@ class _Run:
     scale: float
     counter: AttentionCounter
     layer: LayerSchedules
+    streams: StreamOps
+    """How the lanes reach streams (a send tensor read on a lane is kept alive for it)."""
 
 
 class _Binding:
@@ -176,7 +208,11 @@ class _Binding:
         if kind == "kv":
             return self.rings[index].kv(step)
         if kind == "dkv":
-            return self.rings[index].dkv_to_send(step)
+            own, arrived = self.rings[index].dkv_parts(step)
+            # The lane's add reads a block the compute stream allocated and the
+            # ring drops now: it must not be reused before the lane is past it.
+            self.run.streams.record_stream(own, self.run.streams.current_stream())
+            return own if arrived is None else own + arrived
         group = self.groups[index]
         dst = self.bindings[message][3]
         return group.pieces[dst] if kind == "a2a_in" else group.out_piece(dst)
@@ -206,9 +242,9 @@ class _ForwardBinding(_Binding):
 
     def _local(self, indices: list[int]) -> None:
         pieces = [self.pieces[i] for i in indices]
-        (pq, pk, pv), cu, longest = _packed(pieces, self.q, self.k, self.v)
-        o, lse = self.run.backend.varlen_forward(pq, pk, pv, cu_seqlens=cu, max_seqlen=longest,
-                                                 scale=self.run.scale)
+        (pq, pk, pv), lengths = _packed(pieces, self.q, self.k, self.v)
+        o, lse = self.run.backend.varlen_forward(pq, pk, pv, cu_seqlens=self.run.layer.cu_seqlens(lengths, pq.device),
+                                                 max_seqlen=max(lengths), scale=self.run.scale, lengths=lengths)
         _unpack(pieces, o, self.out)
         row = 0
         for p in pieces:
@@ -245,10 +281,11 @@ class _BackwardBinding(_Binding):
 
     def _local(self, indices: list[int]) -> None:
         pieces = [self.pieces[i] for i in indices]
-        (pd, pq, pk, pv, po), cu, longest = _packed(pieces, self.dout, self.q, self.k, self.v, self.out)
+        (pd, pq, pk, pv, po), lengths = _packed(pieces, self.dout, self.q, self.k, self.v, self.out)
         lse = torch.cat([self.local_lse[p.index] for p in pieces], dim=1)
-        grads = self.run.backend.varlen_backward(pd, pq, pk, pv, po, lse, cu_seqlens=cu, max_seqlen=longest,
-                                                 scale=self.run.scale)
+        grads = self.run.backend.varlen_backward(pd, pq, pk, pv, po, lse,
+                                                 cu_seqlens=self.run.layer.cu_seqlens(lengths, pq.device),
+                                                 max_seqlen=max(lengths), scale=self.run.scale, lengths=lengths)
         for packed, dest in zip(grads, (self.dq, self.dk, self.dv)):
             _unpack(pieces, packed, dest)
 
@@ -258,14 +295,13 @@ class _BackwardBinding(_Binding):
             self.dq[rows], self.dk[rows], self.dv[rows] = part.grads()
 
 
-def _packed(pieces: list[Piece], *tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-    """Rows of ``pieces`` packed back to back, their int32 ``cu_seqlens`` and the
-    longest piece (a host int from the plan: kernels need no device read)."""
-    lengths = [p.rows.stop - p.rows.start for p in pieces]
-    cu = torch.tensor([0, *lengths], dtype=torch.int32, device=tensors[0].device).cumsum(0, dtype=torch.int32)
+def _packed(pieces: list[Piece], *tensors: torch.Tensor) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+    """Rows of ``pieces`` packed back to back, and their lengths (host ints from
+    the plan: kernels need no device read)."""
+    lengths = tuple(p.rows.stop - p.rows.start for p in pieces)
     packed = [torch.cat([t[p.rows] for p in pieces]) if len(pieces) > 1 else t[pieces[0].rows]
               for t in tensors]
-    return packed, cu, max(lengths)
+    return packed, lengths
 
 
 def _unpack(pieces: list[Piece], packed: torch.Tensor, dest: torch.Tensor) -> None:
@@ -276,26 +312,35 @@ def _unpack(pieces: list[Piece], packed: torch.Tensor, dest: torch.Tensor) -> No
         row += n
 
 
+def _forward(run: "_Run", q, k, v) -> tuple[torch.Tensor, tuple]:
+    binding = _ForwardBinding(run, q, k, v)
+    _execute(run, run.layer.forward, binding)
+    saved = binding.finish()
+    return binding.out, (binding.local_lse, saved)
+
+
+def _backward(run: "_Run", dout, q, k, v, out, state: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    local_lse, saved = state
+    binding = _BackwardBinding(run, dout, q, k, v, out, saved, local_lse)
+    _execute(run, run.layer.backward, binding)
+    binding.finish()
+    return binding.dq, binding.dk, binding.dv
+
+
 class _PlanAttention(torch.autograd.Function):
     """Forward and backward schedules of one rank, executed by the communicator's lanes."""
 
     @staticmethod
     def forward(ctx, q, k, v, run: _Run):
-        binding = _ForwardBinding(run, q, k, v)
-        _execute(run, run.layer.forward, binding)
-        saved = binding.finish()
-        ctx.run, ctx.local_lse, ctx.saved = run, binding.local_lse, saved
-        ctx.save_for_backward(q, k, v, binding.out)
-        return binding.out
+        out, ctx.state = _forward(run, q, k, v)
+        ctx.run = run
+        ctx.save_for_backward(q, k, v, out)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out = ctx.saved_tensors
-        run: _Run = ctx.run
-        binding = _BackwardBinding(run, dout.contiguous(), q, k, v, out, ctx.saved, ctx.local_lse)
-        _execute(run, run.layer.backward, binding)
-        binding.finish()
-        return binding.dq, binding.dk, binding.dv, None
+        return (*_backward(ctx.run, dout.contiguous(), q, k, v, out, ctx.state), None)
 
 
 def _execute(run: _Run, schedule: Schedule, binding: _Binding) -> None:

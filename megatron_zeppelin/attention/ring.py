@@ -100,13 +100,14 @@ class RingBackward(RingPosition):
             contrib[1, ks] += bv
         self.contrib[step] = contrib
 
-    def dkv_to_send(self, step: int) -> torch.Tensor:
-        """dK/dV sent at ``step``: this position's contribution of ``step - 1`` plus
-        what arrived with it (the earlier positions' contributions)."""
+    def dkv_parts(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What dK/dV sent at ``step`` adds up: this position's contribution of
+        ``step - 1`` (dropped here) and what arrived with it (the earlier
+        positions' contributions; None at step 1)."""
         own = self.contrib.pop(step - 1)
         if step - 1 == 0:
-            return own
-        return own + self.received(("dkv", self.index, step - 1, (self.pos - 1) % self.k))
+            return own, None
+        return own, self.received(("dkv", self.index, step - 1, (self.pos - 1) % self.k))
 
     def dkv_buffer(self, step: int, src: int) -> torch.Tensor:
         n = geo.shard_tokens(self.p, (src - step + 1) % self.k)

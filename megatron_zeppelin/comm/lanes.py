@@ -1,50 +1,74 @@
 """Executes one rank's lanes of a schedule (``schedule/ops.py``) with real overlap.
 
-* **Compute lane** (the caller's thread): whenever free, runs the first op in
-  lane order whose dependencies are done -- local sequences fill every gap in
-  which ring or Ulysses work waits for a transfer.
-* **Send lane** (a worker thread): posts this rank's transfers strictly in lane
-  order, each once its data is there: the first hop of a message reads the
-  binding's send tensor; a proxy's or a peer's hop forwards the piece it received.
-* **Receive lane** (a worker thread): posts and completes this rank's receives
-  in lane order, marking each op done as it lands.
+* **Communication lanes**, one per link class (``intra``: inside a node;
+  ``inter``: through a NIC), each a worker thread with a stream of its own.  A
+  lane posts its transfers a *wave* at a time (``Schedule.wave``: transfers
+  that do not depend on each other), all of a wave in one batch, so a ring step
+  costs one transfer, not k; inter-node transfers never queue behind intra-node
+  ones, or the reverse.
+* **Compute lane** (the caller's thread, on the caller's stream): whenever
+  free, runs the first op in lane order whose dependencies have *fired* -- on
+  CUDA, whose events the device has passed -- so local sequences fill every gap
+  in which ring or Ulysses work waits for a transfer, also on a GPU, where an
+  op enqueued early would hold the stream behind its wait.
 
-No rank waits for the world: a rank only waits for the ops it depends on, and
-ranks that take no part in a transfer never see it (proxies carry their
-forwarding hops as ops of their own).  Every wait has a deadline: a stalled or
-dead peer ends the call with :class:`CommTimeoutError` naming the rank, the op
-and its peer, never a hang.
+Streams and events are reached through :class:`~megatron_zeppelin.comm.streams.StreamOps`
+only, so the same code runs on CUDA, on CPU, and on CPU under the recording
+checker (``comm/stream_check.py``).  The stream protocol (``docs/engine.md``):
 
-Transfers use ``torch.distributed`` point-to-point calls tagged with the op id
-and the call's number modulo :data:`CALLS_IN_FLIGHT` (so a fast rank's next
-call never matches a slow rank's current one).  Each call's lanes get threads
-of their own -- calls in flight at once never queue behind each other's
-blocked waits -- so the caller's compute overlaps the transfers on gloo.  On CUDA the send and receive lanes share one thread and one stream of
-their own (NCCL wants one thread per communicator); CUDA events order compute
-and communication, and the compute thread never blocks on the host.
+1. a lane's stream waits on the caller's stream at the call's start (the
+   call's inputs were written there);
+2. a send waits on the events of the ops that produced its data; a receive
+   lands in a buffer allocated on the caller's stream, and its event is
+   recorded on the lane after the transfer's ``work.wait()``;
+3. a compute op waits on the events of its dependencies, and records its own;
+4. the caller's stream waits on every lane's last event at the call's end, and
+   only then are the call's transfer buffers released.
+
+No rank waits for the world: a rank only waits for the ops it depends on.
+Every wait has a deadline: a stalled or dead peer ends the call with
+:class:`CommTimeoutError` naming the rank, the op and its peer, never a hang.
+Transfers are tagged with the op id and the call's number modulo
+:data:`CALLS_IN_FLIGHT` (so a fast rank's next call never matches a slow
+rank's current one).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 from datetime import timedelta
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.comm.base import ByteCounters
 from megatron_zeppelin.comm.deadline import CommTimeoutError
+from megatron_zeppelin.comm.lane_trace import OpTrace, StepRecorder
+from megatron_zeppelin.comm.p2p import TorchP2P, Transfer
+from megatron_zeppelin.comm.streams import StreamOps, streams_for
 from megatron_zeppelin.errors import brief
 from megatron_zeppelin.schedule.ops import Op, Schedule
+
+__all__ = ["CALLS_IN_FLIGHT", "DEFAULT_TIMEOUT", "LANES", "Binding", "LaneRunner", "OpTrace", "StepRecorder",
+           "lane_of", "run_without_transfers"]
 
 #: Calls of one runner that may be in flight at once with distinct tags.
 CALLS_IN_FLIGHT = 64
 #: Default deadline of a wait (the trainer's ``--timeout`` overrides it).
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+#: Communication lanes, by link class.
+LANES = ("inter", "intra")
+#: Seconds between looks at unfired events (CUDA: a receive still in flight).
+POLL_S = 0.0002
+
+
+def lane_of(op: Op) -> str:
+    """The lane a transfer travels on: ``inter`` through a NIC, else ``intra``."""
+    return "intra" if op.nic is None else "inter"
 
 
 class Binding(Protocol):
@@ -53,44 +77,12 @@ class Binding(Protocol):
     def compute(self, op: Op) -> None: ...
 
     def send_tensor(self, message: int) -> torch.Tensor:
-        """The contiguous tensor this rank sends as ``message`` (called once its deps are done)."""
+        """The contiguous tensor this rank sends as ``message`` (called on the
+        sending lane, its stream current, once the data's producers are done)."""
 
     def recv_buffer(self, message: int) -> torch.Tensor:
-        """The contiguous tensor ``message`` lands in on this rank."""
-
-
-@dataclass
-class OpTrace:
-    """Executed times of this rank's ops in one call (monotonic nanoseconds: one
-    clock for every process of a machine), for ``--dump-trace``."""
-
-    ops: int
-    """Ops in the call's schedule (what the step schedule's segment must hold)."""
-    start_ns: dict[int, int] = field(default_factory=dict)
-    """Op id -> when it started here (compute: kernel start; send: post)."""
-    end_ns: dict[int, int] = field(default_factory=dict)
-    """Op id -> when it ended here (compute: kernel end; receive: landed)."""
-    begin_ns: int = 0
-    """When the call began on this rank."""
-    finish_ns: int = 0
-    """When the call returned on this rank (every lane done)."""
-
-
-class StepRecorder:
-    """Every call of one step, in call order, with the times of this rank's ops."""
-
-    def __init__(self) -> None:
-        self.calls: list[OpTrace] = []
-        self.marks: dict[str, int] = {}
-        """Named instants of the step (e.g. ``backward_begin``), monotonic ns."""
-
-    def new_call(self, schedule: Schedule) -> OpTrace:
-        trace = OpTrace(len(schedule.ops), begin_ns=time.monotonic_ns())
-        self.calls.append(trace)
-        return trace
-
-    def mark(self, name: str) -> None:
-        self.marks[name] = time.monotonic_ns()
+        """The contiguous tensor ``message`` lands in on this rank (called with
+        the caller's stream current: the buffer belongs to its consumer)."""
 
 
 class _Done:
@@ -107,8 +99,10 @@ class _Done:
             self.cv.notify_all()
 
     def fail(self, exc: BaseException) -> None:
+        """Keep the first error -- or, of two lanes' timeouts, the earlier op's:
+        the root cause, whichever lane noticed first."""
         with self.cv:
-            if self.error is None:
+            if self.error is None or getattr(exc, "op_id", -1) < getattr(self.error, "op_id", -1):
                 self.error = exc
             self.cv.notify_all()
 
@@ -123,6 +117,12 @@ class _Done:
                 self.cv.wait(min(left, 1.0))
 
 
+def _timeout(text: str, op: Op) -> CommTimeoutError:
+    exc = CommTimeoutError(text)
+    exc.op_id = op.id
+    return exc
+
+
 def _group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> timedelta:
     """The process group's own timeout (what its collectives honour), else the default."""
     try:
@@ -131,51 +131,69 @@ def _group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> tim
         return DEFAULT_TIMEOUT
 
 
-class TorchP2P:
-    """Point-to-point transfers of ``torch.distributed`` between ranks of ``group``."""
+class _LaneWorker:
+    """One daemon thread running a lane's calls in call order (NCCL wants one
+    thread per communicator; a daemon never holds a dying process open)."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
-        self._global = [dist.get_global_rank(group, r) if group is not None else r
-                        for r in range(dist.get_world_size(group))]
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
 
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int):
-        return dist.isend(tensor, self._global[peer], self.group, tag)
+    def submit(self, fn: Callable[[], None]) -> Future:
+        future: Future = Future()
+        self.tasks.put((fn, future))
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._loop, daemon=True, name=f"zeppelin-{self.name}")
+            self.thread.start()
+        return future
 
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
-        return dist.irecv(tensor, self._global[peer], self.group, tag)
+    def _loop(self) -> None:
+        while (item := self.tasks.get()) is not None:
+            fn, future = item
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001  handed to the caller through the future
+                future.set_exception(exc)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.tasks.put(None)
 
 
 class LaneRunner:
     """Runs schedules for one rank of ``group`` (one per communicator)."""
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, counters: ByteCounters, *,
-                 device: torch.device, timeout: timedelta | None = None, p2p=None) -> None:
-        """``p2p``: what moves a tensor to a peer (``isend/irecv(tensor, peer, tag)``
-        returning works with ``wait(timeout)``); default ``torch.distributed`` over
-        ``group``.  One process running several ranks as threads passes its own."""
+                 device: torch.device, timeout: timedelta | None = None, p2p=None,
+                 lane_p2p: dict[str, Any] | None = None, streams: StreamOps | None = None) -> None:
+        """``p2p``: what moves tensors between ranks (``post(transfers) -> works``
+        whose ``wait(timeout)`` completes them); default ``torch.distributed`` over
+        ``group``.  ``lane_p2p``: a transport per lane (NCCL: a communicator per
+        link class, so their transfers run side by side); default ``p2p`` for both.
+        ``streams``: how streams are reached (default: the device's own)."""
         self.group = group
         self.rank = rank
         """This rank's index in the schedules (its rank in ``group``)."""
         self.counters = counters
         self.device = device
         self.timeout = timeout or _group_timeout(group, device)
-        self.p2p = p2p if p2p is not None else TorchP2P(group)
+        self.streams = streams if streams is not None else streams_for(device)
+        base = p2p if p2p is not None else TorchP2P(group)
+        self.p2p = {lane: self.streams.transport((lane_p2p or {}).get(lane, base)) for lane in LANES}
+        self.lane_streams = {lane: self.streams.new_stream() for lane in LANES}
+        self.workers = {lane: _LaneWorker(lane) for lane in LANES}
         self._calls = 0
-        cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if cuda else None
-        """The communication stream on CUDA (never the compute stream)."""
-        # NCCL: one thread issues every call, in call order (one NCCL communicator
-        # must not be driven from two threads at once).
-        self._cuda_lane = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeppelin-lane",
-                                              initializer=torch.cuda.set_device, initargs=(device,))
-                           if cuda else None)
+
+    @property
+    def stream(self) -> Any:
+        """The intra-node lane's stream (never the caller's)."""
+        return self.lane_streams["intra"]
 
     def close(self) -> None:
-        if self._cuda_lane is not None:
-            self._cuda_lane.shutdown(wait=True)
+        for worker in self.workers.values():
+            worker.close()
 
-    # ------------------------------------------------------------------ run
     def start(self, schedule: Schedule, binding: Binding, recorder: StepRecorder | None = None) -> "_Call":
         """Post this rank's communication lanes of ``schedule`` and return the call;
         ``call.run_compute()`` then runs the compute lane, ``call.wait()`` finishes.
@@ -188,7 +206,8 @@ class LaneRunner:
         return call
 
     def run(self, schedule: Schedule, binding: Binding, recorder: StepRecorder | None = None) -> None:
-        """Run every op of this rank in ``schedule``; returns when all are done."""
+        """Run every op of this rank in ``schedule``; returns when all are enqueued
+        and the caller's stream is ordered after them."""
         call = self.start(schedule, binding, recorder)
         try:
             call.run_compute()
@@ -214,22 +233,35 @@ class _Call:
                  parity: int) -> None:
         self.r, self.schedule, self.binding, self.trace = runner, schedule, binding, trace
         self.parity = parity
-        lanes = schedule.lanes(runner.rank)
+        me = runner.rank
+        lanes = schedule.lanes(me)
         self.compute_ops = lanes.compute
-        self.sends = [op for op in lanes.comm if op.rank == runner.rank]
-        self.recvs = [op for op in lanes.comm if op.peer == runner.rank]
+        self.batches: dict[str, list[list[Op]]] = {}
+        for op in lanes.comm:
+            waves = self.batches.setdefault(lane_of(op), {})
+            waves.setdefault(schedule.wave(op.id), []).append(op)
+        self.batches = {lane: [waves[w] for w in sorted(waves)] for lane, waves in self.batches.items()}
         self.done = _Done()
+        self.events: dict[int, Any] = {}
+        """Op id -> the event recorded after it (compute: caller's stream; receive: its lane's)."""
+        self.finals: list[Any] = []
         self.deadline = time.monotonic() + runner.timeout.total_seconds()
         self.in_transit: dict[tuple[int, int], torch.Tensor] = {}   # (message, piece) -> forwarded bytes
-        self.futures = []
-        self.threads: list[threading.Thread] = []
-        self.send_works: list = []
-        self.ready_events: dict[int, torch.cuda.Event] = {}
+        self.held: list[torch.Tensor] = []
+        """Every tensor a transfer touched: released only once the caller's stream
+        is ordered after the lanes (rule 4), so no block is reused under a transfer."""
+        self.futures: list[Future] = []
         self.send_tensors: dict[int, torch.Tensor] = {}   # message -> the binding's send tensor
         self.recv_tensors: dict[int, torch.Tensor] = {}   # message -> the binding's receive buffer
-        received = {(o.key[0], o.key[1]) for o in self.recvs}
-        self.forwarded = {(o.key[0], o.key[1]) for o in self.sends} & received
+        self.buffers_lock = threading.Lock()
+        sends = {(o.key[0], o.key[1]) for o in lanes.comm if o.rank == me}
+        received = {(o.key[0], o.key[1]) for o in lanes.comm if o.peer == me}
+        self.forwarded = sends & received
         """(message, piece) this rank receives and sends on: its proxy or peer legs."""
+        s = runner.streams
+        self.caller = s.current_stream()
+        self.start_event = s.new_event()
+        s.record(self.start_event, self.caller)
 
     def _what(self, op: Op, doing: str, cause: BaseException | None = None) -> Callable[[], str]:
         """The one line a missed deadline gives: this rank, the op, the peer (and,
@@ -258,41 +290,36 @@ class _Call:
                              f"holds {flat.numel()}")
         return flat.view(torch.uint8)[offset * itemsize:(offset + numel) * itemsize]
 
-    # ------------------------------------------------------------- threads
+    # ------------------------------------------------------------- lanes
     def launch(self) -> None:
-        if self.r._cuda_lane is not None:
-            self.futures = [self.r._cuda_lane.submit(self._guard, self._comm_lane_cuda)]
-            return
-        for lane, ops in ((self._send_lane, self.sends), (self._recv_lane, self.recvs)):
-            if ops:
-                thread = threading.Thread(target=self._guard, args=(lane,), daemon=True,
-                                          name="zeppelin-lane")
-                thread.start()
-                self.threads.append(thread)
+        for lane, batches in self.batches.items():
+            self.futures.append(self.r.workers[lane].submit(lambda lane=lane, b=batches: self._guard(lane, b)))
 
-    def _guard(self, lane: Callable[[], None]) -> None:
+    def _guard(self, lane: str, batches: list[list[Op]]) -> None:
         try:
-            lane()
+            self._run_lane(lane, batches)
         except BaseException as exc:          # surfaced by the compute thread
             self.done.fail(exc)
 
     def _send_buffer(self, op: Op) -> torch.Tensor:
         mid, piece = op.key[0], op.key[1]
-        if (mid, piece) in self.in_transit:          # a proxy or peer forwarding a piece
-            return self.in_transit.pop((mid, piece))
-        if mid not in self.send_tensors:             # a routed message sends a piece per NIC
-            self.send_tensors[mid] = self.binding.send_tensor(mid)
-        return self._view(op, self.send_tensors[mid])
+        with self.buffers_lock:                      # a routed message's pieces leave on both lanes
+            if (mid, piece) in self.in_transit:      # a proxy or peer forwarding a piece
+                return self.in_transit.pop((mid, piece))
+            if mid not in self.send_tensors:         # a routed message sends a piece per NIC
+                self.send_tensors[mid] = self.binding.send_tensor(mid)
+            return self._view(op, self.send_tensors[mid])
 
     def _recv_buffer(self, op: Op) -> torch.Tensor:
         mid, piece = op.key[0], op.key[1]
-        if (mid, piece) in self.forwarded:           # a proxy or peer: the piece moves on
-            buf = self.in_transit[(mid, piece)] = torch.empty(op.nbytes, dtype=torch.uint8,
-                                                              device=self.r.device)
-            return buf
-        if mid not in self.recv_tensors:             # the destination: pieces land in one buffer
-            self.recv_tensors[mid] = self.binding.recv_buffer(mid)
-        return self._view(op, self.recv_tensors[mid])
+        with self.buffers_lock, self.r.streams.use(self.caller):   # rule 2: the consumer's stream owns it
+            if (mid, piece) in self.forwarded:       # a proxy or peer: the piece moves on
+                buf = self.in_transit[(mid, piece)] = torch.empty(op.nbytes, dtype=torch.uint8,
+                                                                  device=self.r.device)
+                return buf
+            if mid not in self.recv_tensors:         # the destination: pieces land in one buffer
+                self.recv_tensors[mid] = self.binding.recv_buffer(mid)
+            return self._view(op, self.recv_tensors[mid])
 
     def _count(self, op: Op) -> None:
         c = self.r.counters
@@ -301,109 +328,118 @@ class _Call:
         else:
             c.inter_node_per_nic[op.nic] = c.inter_node_per_nic.get(op.nic, 0) + op.nbytes
 
-    def _send_lane(self) -> None:
-        for op in self.sends:
-            self.done.wait_for(lambda: all(d in self.done.ids for d in op.deps), self.deadline,
-                               self._what(op, "sending"))
-            buf = self._send_buffer(op)
-            if self.trace is not None:
-                self.trace.start_ns[op.id] = time.monotonic_ns()
-            self.send_works.append((op, self.r.p2p.isend(buf, op.peer, self._tag(op))))
-            self._count(op)
-        for op, work in self.send_works:
-            self._wait_work(op, work, "sending")
-
-    def _recv_lane(self) -> None:
-        for op in self.recvs:
-            buf = self._recv_buffer(op)
-            work = self.r.p2p.irecv(buf, op.rank, self._tag(op))
-            self._wait_work(op, work, "receiving")
-            if self.trace is not None:
-                self.trace.end_ns[op.id] = time.monotonic_ns()
-            self.done.mark(op.id)
+    def _run_lane(self, lane: str, batches: list[list[Op]]) -> None:
+        s, me = self.r.streams, self.r.rank
+        stream, p2p = self.r.lane_streams[lane], self.r.p2p[lane]
+        sent: list[tuple[Op, Any]] = []
+        with s.lane_thread(), s.use(stream):
+            s.wait_event(stream, self.start_event)           # rule 1
+            for batch in batches:
+                transfers = []
+                for op in batch:
+                    if op.rank == me:
+                        self.done.wait_for(lambda op=op: all(d in self.done.ids for d in op.deps), self.deadline,
+                                           self._what(op, "sending"))
+                        for d in op.deps:                    # rule 2: after the data's producers
+                            s.wait_event(stream, self.events[d])
+                        buf = self._send_buffer(op)
+                        transfers.append(Transfer(True, buf, op.peer, self._tag(op)))
+                    else:
+                        buf = self._recv_buffer(op)
+                        transfers.append(Transfer(False, buf, op.rank, self._tag(op)))
+                    self.held.append(buf)
+                works = p2p.post(transfers)
+                landing = []
+                for op, work in zip(batch, works):
+                    if op.rank == me:
+                        if self.trace is not None:
+                            self.trace.start_ns[op.id] = time.monotonic_ns()
+                        sent.append((op, work))
+                        self._count(op)
+                    else:
+                        landing.append((op, work))
+                for op, work in landing:
+                    self._wait_work(op, work, "receiving")   # NCCL: orders this lane's stream after it
+                    event = s.new_event()
+                    s.record(event, stream)
+                    self.events[op.id] = event
+                    if self.trace is not None:
+                        self.trace.end_ns[op.id] = time.monotonic_ns()
+                    self.done.mark(op.id)
+            for op, work in sent:
+                self._wait_work(op, work, "sending")
+            final = s.new_event()
+            s.record(final, stream)
+            self.finals.append(final)
 
     def _wait_work(self, op: Op, work, doing: str) -> None:
         left = self.deadline - time.monotonic()
         try:
-            if left <= 0 or not work.wait(timedelta(seconds=max(left, 0.001))):
+            if left <= 0 or work.wait(timedelta(seconds=max(left, 0.001))) is False:
                 raise RuntimeError("deadline passed")
         except RuntimeError as exc:
-            raise CommTimeoutError(self._what(op, doing, exc)()) from None
-
-    def _comm_lane_cuda(self) -> None:
-        """NCCL: one thread posts both lanes in the schedule's global order on the
-        communication stream; events order them against the compute stream."""
-        stream = self.r.stream
-        with torch.cuda.stream(stream):
-            for op in sorted((*self.sends, *self.recvs), key=lambda o: o.id):
-                if op.rank == self.r.rank:
-                    self.done.wait_for(lambda: all(d in self.done.ids for d in op.deps), self.deadline,
-                                       self._what(op, "sending"))
-                    for d in op.deps:
-                        event = self.ready_events.get(d)
-                        if event is not None:
-                            stream.wait_event(event)
-                    work = self.r.p2p.isend(self._send_buffer(op), op.peer, self._tag(op))
-                    self.send_works.append((op, work))
-                    self._count(op)
-                else:
-                    work = self.r.p2p.irecv(self._recv_buffer(op), op.rank, self._tag(op))
-                    work.wait()                       # orders the stream after the receive
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                    self.ready_events[op.id] = event
-                    self.done.mark(op.id)
-            for _, work in self.send_works:
-                work.wait()
+            raise _timeout(self._what(op, doing, exc)(), op) from None
 
     # ------------------------------------------------------------- compute
+    def _ready(self, op: Op) -> bool | None:
+        """True: every dependency has fired; None: all done, some still in flight
+        on the device; False: some not done yet."""
+        if not all(d in self.done.ids for d in op.deps):
+            return False
+        fired = self.r.streams.fired
+        return True if all(fired(self.events[d]) for d in op.deps) else None
+
+    def _next_ready(self, pending: list[Op]) -> Op:
+        """The first op of ``pending`` whose dependencies have fired (waits for one)."""
+        with self.done.cv:
+            while True:
+                if self.done.error is not None:
+                    raise self.done.error
+                states = [(op, self._ready(op)) for op in pending]
+                ready = next((op for op, state in states if state), None)
+                if ready is not None:
+                    return ready
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise CommTimeoutError(self._what(pending[0], "computing")())
+                in_flight = any(state is None for _, state in states)
+                self.done.cv.wait(min(left, POLL_S if in_flight else 1.0))
+
     def run_compute(self) -> None:
+        s = self.r.streams
         pending = list(self.compute_ops)
-        cuda = self.r.stream is not None
         while pending:
-            chosen = None
-            with self.done.cv:
-                while chosen is None:
-                    if self.done.error is not None:
-                        raise self.done.error
-                    chosen = next((op for op in pending if all(d in self.done.ids for d in op.deps)), None)
-                    if chosen is None:
-                        left = self.deadline - time.monotonic()
-                        if left <= 0:
-                            raise CommTimeoutError(self._what(pending[0], "computing")())
-                        self.done.cv.wait(min(left, 1.0))
-            pending.remove(chosen)
-            if cuda:
-                for d in chosen.deps:
-                    event = self.ready_events.get(d)
-                    if event is not None:
-                        torch.cuda.current_stream().wait_event(event)
+            op = self._next_ready(pending)
+            pending.remove(op)
+            for d in op.deps:                                # rule 3
+                s.wait_event(self.caller, self.events[d])
             start = time.monotonic_ns()
-            self.binding.compute(chosen)
-            if cuda:
-                event = torch.cuda.Event()
-                event.record()
-                self.ready_events[chosen.id] = event
+            self.binding.compute(op)
+            event = s.new_event()
+            s.record(event, self.caller)
+            self.events[op.id] = event
             if self.trace is not None:
-                self.trace.start_ns[chosen.id] = start
-                self.trace.end_ns[chosen.id] = time.monotonic_ns()
-            self.done.mark(chosen.id)
+                self.trace.start_ns[op.id] = start
+                self.trace.end_ns[op.id] = time.monotonic_ns()
+            self.done.mark(op.id)
 
     def wait(self) -> None:
-        """Wait for both communication lanes (deadline included) and re-raise their errors."""
-        for thread in self.threads:
-            thread.join(max(self.deadline - time.monotonic(), 0.001) + 5.0)
+        """Wait for the communication lanes (deadline included), order the caller's
+        stream after them, and re-raise their errors."""
         for future in self.futures:
             try:
                 future.result(timeout=max(self.deadline - time.monotonic(), 0.001) + 5.0)
             except TimeoutError:
                 pass
-        if self.done.error is None and (any(t.is_alive() for t in self.threads)
-                                        or any(not f.done() for f in self.futures)):
+        if self.done.error is None and any(not f.done() for f in self.futures):
             self.done.fail(CommTimeoutError(
                 f"rank {self.r.rank}: communication lanes did not complete within --timeout "
                 f"{self.r.timeout.total_seconds():g} s: a peer stalled or died (check the other ranks)"))
         if self.done.error is not None:
             raise self.done.error
+        for final in self.finals:                            # rule 4
+            self.r.streams.wait_event(self.caller, final)
+        self.held.clear()
+        self.in_transit.clear()
         if self.trace is not None:
             self.trace.finish_ns = time.monotonic_ns()

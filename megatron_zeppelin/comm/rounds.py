@@ -10,6 +10,7 @@ cross-node message of at least ``min_routed_bytes``.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from datetime import timedelta
 from typing import Mapping, Sequence
 
@@ -19,8 +20,9 @@ import torch.distributed as dist
 from megatron_zeppelin.comm.base import ByteCounters, Message
 from megatron_zeppelin.comm.collectives import warm_up_nccl
 from megatron_zeppelin.comm.lanes import LaneRunner, StepRecorder, _Call
+from megatron_zeppelin.comm.streams import StreamOps
 from megatron_zeppelin.schedule.attention import Transport, add_transfer
-from megatron_zeppelin.schedule.ops import Op, ScheduleBuilder
+from megatron_zeppelin.schedule.ops import Op, Schedule, ScheduleBuilder
 from megatron_zeppelin.topology import Topology
 
 
@@ -58,11 +60,12 @@ class LaneCommunicator:
     def __init__(self, group: dist.ProcessGroup | None, topology: Topology,
                  counters: ByteCounters | None = None, min_routed_bytes: float = math.inf, *,
                  dtype: torch.dtype | None = None, device: torch.device | None = None,
-                 timeout: timedelta | None = None) -> None:
+                 timeout: timedelta | None = None, streams: StreamOps | None = None) -> None:
         """``min_routed_bytes``: messages crossing nodes at least this large are
         routed over every NIC (inf: never).  ``dtype``: element type of messages
         that do not carry their own itemsize (a proxy sizes its buffers from it).
-        ``timeout``: the deadline of every wait (default ``lanes.DEFAULT_TIMEOUT``)."""
+        ``timeout``: the deadline of every wait (default ``lanes.DEFAULT_TIMEOUT``).
+        ``streams``: how the lanes reach streams (default: the device's own)."""
         self.group = group
         self.topology = topology
         self.counters = counters if counters is not None else ByteCounters()
@@ -76,7 +79,10 @@ class LaneCommunicator:
         warm_up_nccl(group)  # collective: every rank builds the communicator
         self.device = device
         self.transport = Transport(topology, min_routed_bytes)
-        self.runner = LaneRunner(group, self.rank, self.counters, device=device, timeout=timeout)
+        self.runner = LaneRunner(group, self.rank, self.counters, device=device, timeout=timeout, streams=streams)
+        self._rounds: OrderedDict[tuple, tuple[Schedule, dict[int, int]]] = OrderedDict()
+        """Round schedules by their messages: every layer of a step switches with the
+        same ones, and rebuilding a routed round costs milliseconds at 64 ranks."""
         self.recorder: StepRecorder | None = None
         """When set, every call's executed op times are recorded here (``--dump-trace``)."""
 
@@ -95,19 +101,17 @@ class LaneCommunicator:
         """Start a round (collective: every rank passes the same messages and
         ``routed``, the step plan's ``Plan.routed``); returns at once."""
         transport = self.transport_for(routed)
-        b = ScheduleBuilder(self.topology.world_size)
-        ids = {}
-        for index, m in enumerate(messages):
-            if m.src == m.dst:
-                if m.src == self.rank:
-                    recvs[m.id].copy_(sends[m.id])
-                continue
-            itemsize = m.itemsize or self._local_itemsize(m, sends, recvs, transport)
-            mid = len(b.messages)
-            ids[mid] = m.id
-            add_transfer(b, (index,), transport, ("round", m.id), m.src, m.dst, m.numel, itemsize, [],
-                         tier="remap", name="remap", backward=False, route_id=m.id)
-        schedule = b.build()
+        sizes = tuple((m.id, m.src, m.dst, m.numel, m.itemsize or self._local_itemsize(m, sends, recvs, transport))
+                      for m in messages)
+        for m in messages:
+            if m.src == m.dst == self.rank:
+                recvs[m.id].copy_(sends[m.id])
+        key = (routed, sizes)
+        if key not in self._rounds:
+            self._rounds[key] = _round_schedule(sizes, transport, self.topology.world_size)
+            if len(self._rounds) > ROUND_SCHEDULES_KEPT:
+                self._rounds.popitem(last=False)
+        schedule, ids = self._rounds[key]
         _check(messages, sends, recvs, self.rank)
         # Started on every rank, with lanes or without: calls are numbered
         # collectively (their tags must agree).
@@ -125,6 +129,24 @@ class LaneCommunicator:
     def close(self) -> None:
         """Stop the worker threads."""
         self.runner.close()
+
+
+#: Round schedules a communicator keeps (a step's switches use a handful).
+ROUND_SCHEDULES_KEPT = 16
+
+
+def _round_schedule(sizes: tuple, transport: Transport, world_size: int) -> tuple[Schedule, dict[int, int]]:
+    """A round's messages ``(id, src, dst, numel, itemsize)`` as a transfer-only
+    schedule, and schedule message id -> round message id."""
+    b = ScheduleBuilder(world_size)
+    ids = {}
+    for index, (mid_, src, dst, numel, itemsize) in enumerate(sizes):
+        if src == dst:
+            continue
+        ids[len(b.messages)] = mid_
+        add_transfer(b, (index,), transport, ("round", mid_), src, dst, numel, itemsize, [],
+                     tier="remap", name="remap", backward=False, route_id=mid_)
+    return b.build(), ids
 
 
 def _check(messages: Sequence[Message], sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],

@@ -107,6 +107,7 @@ class Schedule:
     """Message id -> what the engine binds it to (e.g. ``("kv", job, step, src_pos)``);
     a transfer op's ``key`` starts with its message id."""
     _lanes: dict[int, RankOps] = field(default_factory=dict, repr=False, compare=False)
+    _waves: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate(self.ops, self.world_size)
@@ -126,6 +127,19 @@ class Schedule:
             for r in range(self.world_size):
                 self._lanes[r] = RankOps(tuple(compute[r]), tuple(comm[r]))
         return self._lanes[rank]
+
+    def wave(self, op_id: int) -> int:
+        """The transfer wave of a comm op: 0 when no transfer precedes it, else one
+        more than the latest transfer it depends on (through compute ops too).
+        Transfers of one wave never depend on each other, so a lane posts each
+        wave as one batch, and every rank sees the same waves."""
+        if not self._waves:
+            level: list[int] = []
+            for op in self.ops:
+                before = max((level[d] for d in op.deps), default=-1)
+                level.append(before + 1 if op.kind == COMM else before)
+            self._waves = tuple(level)
+        return self._waves[op_id]
 
     def shifted(self, offset: int) -> tuple[Op, ...]:
         """The ops renumbered by ``offset`` (to concatenate schedules)."""

@@ -31,6 +31,17 @@ def _sum_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.view(tk, hq // group, group, d).sum(dim=2)
 
 
+def _bounds(cu_seqlens: torch.Tensor, lengths) -> list[int]:
+    """Packed sequence bounds on the host: from ``lengths`` when the caller has
+    them (no device read), else read back from ``cu_seqlens``."""
+    if lengths is None:
+        return cu_seqlens.tolist()
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    return bounds
+
+
 class TorchBackend:
     """Reference kernels in plain PyTorch."""
 
@@ -58,9 +69,9 @@ class TorchBackend:
         dk = torch.einsum("hqk,qhd->khd", ds, _acc(q))
         return (dq.to(q.dtype), _sum_groups(dk, group).to(k.dtype), _sum_groups(dv, group).to(v.dtype))
 
-    def varlen_forward(self, q, k, v, *, cu_seqlens, max_seqlen, scale):
-        # max_seqlen sizes fused kernels' launches; this loop reads the bounds themselves.
-        bounds = cu_seqlens.tolist()
+    def varlen_forward(self, q, k, v, *, cu_seqlens, max_seqlen, scale, lengths=None):
+        # max_seqlen sizes fused kernels' launches; this loop needs the bounds on the host.
+        bounds = _bounds(cu_seqlens, lengths)
         out = torch.empty_like(q)
         lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.promote_types(q.dtype, torch.float32))
         for s, e in zip(bounds[:-1], bounds[1:]):
@@ -68,8 +79,8 @@ class TorchBackend:
                 out[s:e], lse[:, s:e] = self.forward(q[s:e], k[s:e], v[s:e], causal=True, scale=scale)
         return out, lse
 
-    def varlen_backward(self, dout, q, k, v, out, lse, *, cu_seqlens, max_seqlen, scale):
-        bounds = cu_seqlens.tolist()
+    def varlen_backward(self, dout, q, k, v, out, lse, *, cu_seqlens, max_seqlen, scale, lengths=None):
+        bounds = _bounds(cu_seqlens, lengths)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for s, e in zip(bounds[:-1], bounds[1:]):
             if e > s:
