@@ -247,19 +247,21 @@ class _Call:
         self.finals: list[Any] = []
         self.deadline = time.monotonic() + runner.timeout.total_seconds()
         self.in_transit: dict[tuple[int, int], torch.Tensor] = {}   # (message, piece) -> forwarded bytes
-        self.held: list[torch.Tensor] = []
-        """Every tensor a transfer touched: released only once the caller's stream
-        is ordered after the lanes (rule 4), so no block is reused under a transfer."""
         self.futures: list[Future] = []
-        self.send_tensors: dict[int, torch.Tensor] = {}   # message -> the binding's send tensor
+        self.send_tensors: dict[int, tuple] = {}   # message -> the binding's send tensor, its event, its stream
         self.recv_tensors: dict[int, torch.Tensor] = {}   # message -> the binding's receive buffer
-        self.buffers_lock = threading.Lock()
+        self.lock = threading.Lock()
         sends = {(o.key[0], o.key[1]) for o in lanes.comm if o.rank == me}
         received = {(o.key[0], o.key[1]) for o in lanes.comm if o.peer == me}
         self.forwarded = sends & received
         """(message, piece) this rank receives and sends on: its proxy or peer legs."""
+        self.held: list[torch.Tensor]
+        """Every tensor a transfer touched: released only once the caller's stream
+        is ordered after the lanes (rule 4), so no block is reused under a transfer."""
         s = runner.streams
         self.caller = s.current_stream()
+        self.landing = {op.id: self._recv_buffer(op) for op in lanes.comm if op.peer == me}
+        self.held = list(self.landing.values())
         self.start_event = s.new_event()
         s.record(self.start_event, self.caller)
 
@@ -301,25 +303,35 @@ class _Call:
         except BaseException as exc:          # surfaced by the compute thread
             self.done.fail(exc)
 
-    def _send_buffer(self, op: Op) -> torch.Tensor:
+    def _send_buffer(self, op: Op, stream: Any) -> torch.Tensor:
         mid, piece = op.key[0], op.key[1]
-        with self.buffers_lock:                      # a routed message's pieces leave on both lanes
+        s = self.r.streams
+        with self.lock:                              # a routed message's pieces leave on both lanes
             if (mid, piece) in self.in_transit:      # a proxy or peer forwarding a piece
                 return self.in_transit.pop((mid, piece))
             if mid not in self.send_tensors:         # a routed message sends a piece per NIC
-                self.send_tensors[mid] = self.binding.send_tensor(mid)
-            return self._view(op, self.send_tensors[mid])
+                tensor, made = self.binding.send_tensor(mid), s.new_event()
+                s.record(made, stream)
+                self.send_tensors[mid] = (tensor, made, stream)
+            tensor, made, maker = self.send_tensors[mid]
+        if maker is not stream:
+            # Made on the other lane's stream (a dK/dV sum, a Ulysses piece):
+            # read here only after it is made, and its block kept for this reader.
+            s.wait_event(stream, made)
+            s.record_stream(tensor, stream)
+        return self._view(op, tensor)
 
     def _recv_buffer(self, op: Op) -> torch.Tensor:
+        """Where ``op`` lands: allocated on the caller's stream before the call's
+        start event (rule 2), so the lane's write is ordered after any earlier use
+        of the block there."""
         mid, piece = op.key[0], op.key[1]
-        with self.buffers_lock, self.r.streams.use(self.caller):   # rule 2: the consumer's stream owns it
-            if (mid, piece) in self.forwarded:       # a proxy or peer: the piece moves on
-                buf = self.in_transit[(mid, piece)] = torch.empty(op.nbytes, dtype=torch.uint8,
-                                                                  device=self.r.device)
-                return buf
-            if mid not in self.recv_tensors:         # the destination: pieces land in one buffer
-                self.recv_tensors[mid] = self.binding.recv_buffer(mid)
-            return self._view(op, self.recv_tensors[mid])
+        if (mid, piece) in self.forwarded:           # a proxy or peer: the piece moves on
+            buf = self.in_transit[(mid, piece)] = torch.empty(op.nbytes, dtype=torch.uint8, device=self.r.device)
+            return buf
+        if mid not in self.recv_tensors:             # the destination: pieces land in one buffer
+            self.recv_tensors[mid] = self.binding.recv_buffer(mid)
+        return self._view(op, self.recv_tensors[mid])
 
     def _count(self, op: Op) -> None:
         c = self.r.counters
@@ -342,12 +354,11 @@ class _Call:
                                            self._what(op, "sending"))
                         for d in op.deps:                    # rule 2: after the data's producers
                             s.wait_event(stream, self.events[d])
-                        buf = self._send_buffer(op)
+                        buf = self._send_buffer(op, stream)
                         transfers.append(Transfer(True, buf, op.peer, self._tag(op)))
+                        self.held.append(buf)
                     else:
-                        buf = self._recv_buffer(op)
-                        transfers.append(Transfer(False, buf, op.rank, self._tag(op)))
-                    self.held.append(buf)
+                        transfers.append(Transfer(False, self.landing[op.id], op.rank, self._tag(op)))
                 works = p2p.post(transfers)
                 landing = []
                 for op, work in zip(batch, works):

@@ -50,6 +50,6 @@ class RoutedCommunicator(LaneCommunicator):
     def __init__(self, group: dist.ProcessGroup | None, topology: Topology,
                  counters: ByteCounters | None = None, min_routed_bytes: float = 0.0, *,
                  dtype: torch.dtype | None = None, device: torch.device | None = None,
-                 timeout: timedelta | None = None) -> None:
+                 timeout: timedelta | None = None, **kwargs) -> None:
         super().__init__(group, topology, counters, min_routed_bytes, dtype=dtype, device=device,
-                         timeout=timeout)
+                         timeout=timeout, **kwargs)

@@ -46,10 +46,12 @@ class RemapExchange:
         if device.type == "cpu":
             return self
         if device not in self._on_device:
-            move = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
+            # Pinned and non-blocking: uploading the maps never waits for the GPU.
+            up = lambda t: t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)  # noqa: E731
+            move = lambda d: {k: up(v) for k, v in d.items()}  # noqa: E731
             self._on_device[device] = RemapExchange(
                 self.attn_tokens, self.linear_tokens, self.pairs, move(self.send_rows),
-                move(self.recv_rows), self.keep_attn.to(device), self.keep_linear.to(device))
+                move(self.recv_rows), up(self.keep_attn), up(self.keep_linear))
         return self._on_device[device]
 
 

@@ -46,16 +46,26 @@ def remap_tokens(x: torch.Tensor, *, plan: Plan, rank: int, comm: Communicator,
     for the step's next switches.
 
     Collective: every rank calls it with the same plan and direction."""
+    move = layout_move(plan=plan, rank=rank, comm=comm, direction=direction, device=x.device, counters=counters,
+                       max_buffer_bytes=max_buffer_bytes, cache=cache)
+    return _RemapFunction.apply(x, move)
+
+
+def layout_move(*, plan: Plan, rank: int, comm: Communicator, direction: Direction, device: torch.device,
+                counters: RemapCounters | None = None, max_buffer_bytes: int | None = None,
+                cache: dict | None = None) -> "_Move":
+    """One switch as a plain callable ``move(x) -> y`` (``move.reversed()`` is the
+    gradient's way), for callers that run several ranks in one process without
+    autograd; :func:`remap_tokens` wraps it."""
     if direction not in ("to_linear", "to_attention"):
         raise ValueError(f"direction must be 'to_linear' or 'to_attention', got {direction!r}")
-    key = ("remap_exchange", rank, x.device)
+    key = ("remap_exchange", rank, device)
     ex = cache.get(key) if cache is not None else None
     if ex is None:
-        ex = build_exchange(plan, rank).to(x.device)
+        ex = build_exchange(plan, rank).to(device)
         if cache is not None:
             cache[key] = ex
-    move = _Move(ex, comm, rank, direction == "to_linear", counters, max_buffer_bytes, plan.routed)
-    return _RemapFunction.apply(x, move)
+    return _Move(ex, comm, rank, direction == "to_linear", counters, max_buffer_bytes, plan.routed)
 
 
 class _Move:

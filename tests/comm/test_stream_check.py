@@ -1,0 +1,214 @@
+"""The CUDA branch's stream protocol, checked on CPU by the recording streams.
+
+The engine runs unchanged on :class:`RecordingStreams`: every kernel, event,
+wait and ``record_stream`` is recorded with vector clocks, and any read of
+bytes another stream wrote (or a free of a block another stream may still
+touch) that CUDA would not order is a violation.  Random plans (every tier,
+routing on and off, Ulysses, remap) run forward and backward on threads over
+the loopback transport (NCCL's stream semantics) and on gloo ranks; each must
+give 0 violations *and* the reference's numbers.  The checker's own rules are
+tested on hand-made races, so a checker that sees nothing cannot pass.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_zeppelin.attention import plan_attention
+from megatron_zeppelin.attention.backends import TorchBackend
+from megatron_zeppelin.comm.direct import DirectCommunicator
+from megatron_zeppelin.comm.routing import RoutedCommunicator
+from megatron_zeppelin.comm.stream_check import OrderingViolation, RecordingStreams
+from megatron_zeppelin.comm.streams import CudaStreams, HostStreams
+from megatron_zeppelin.plan import Mode
+from megatron_zeppelin.remap.remap import remap_tokens
+from megatron_zeppelin.topology import Topology
+from tests.attention.helpers import make_plan, random_plan, random_sequences, reference
+from tests.distributed import world_fixture
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import stream_checks  # noqa: E402  (benchmarks/ is on the path only now)
+from loopback import Delays  # noqa: E402
+
+world = world_fixture(4)
+
+
+# --------------------------------------------------------------- the checker
+def test_an_unordered_read_of_another_streams_write_is_caught():
+    s = RecordingStreams()
+    a, b = s.new_stream(), s.new_stream()
+    with s.use(a):
+        x = torch.ones(8)
+    with s.use(b):
+        x.sum()
+    with pytest.raises(OrderingViolation, match="reads bytes"):
+        s.check()
+
+
+def test_an_event_wait_orders_the_read():
+    s = RecordingStreams()
+    a, b = s.new_stream(), s.new_stream()
+    with s.use(a):
+        x = torch.ones(8)
+        ev = s.new_event()
+        s.record(ev, a)
+    s.wait_event(b, ev)
+    with s.use(b):
+        y = x[4:] * 2
+    with s.use(a):
+        x[:4].zero_()                       # bytes b never read: no race
+    s.check()
+    with s.use(a):
+        x[4:].zero_()                       # bytes b read, and a never waited on b
+    with pytest.raises(OrderingViolation, match="writes bytes"):
+        s.check()
+    assert s.kernels >= 4 and y.shape == (4,)
+
+
+def test_waiting_on_an_event_never_recorded_orders_nothing():
+    s = RecordingStreams()
+    a, b = s.new_stream(), s.new_stream()
+    with s.use(a):
+        x = torch.ones(8)
+    s.wait_event(b, s.new_event())
+    with s.use(b):
+        x.add_(1)
+    with pytest.raises(OrderingViolation, match="writes bytes"):
+        s.check()
+
+
+def test_a_free_under_another_streams_read_is_caught_unless_record_stream():
+    for record in (False, True):
+        s = RecordingStreams()
+        a, b = s.new_stream(), s.new_stream()
+        with s.use(a):
+            x = torch.ones(8)
+            ev = s.new_event()
+            s.record(ev, a)
+        s.wait_event(b, ev)
+        with s.use(b):
+            x.sum()
+            if record:
+                s.record_stream(x, b)
+        del x
+        if record:
+            s.check()
+        else:
+            with pytest.raises(OrderingViolation, match="freed while"):
+                s.check()
+
+
+class _Fake:
+    def __init__(self) -> None:
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *a: self.calls.append((name, a))
+
+
+def test_the_cuda_implementation_calls_torch_cuda_as_declared():
+    """``CudaStreams`` is torch.cuda itself (no GPU needed to see which call it makes)."""
+    s = CudaStreams(torch.device("cuda", 0))
+    stream, event, tensor = _Fake(), _Fake(), _Fake()
+    s.wait_event(stream, event)
+    s.record(event, stream)
+    s.record_stream(tensor, stream)
+    assert stream.calls == [("wait_event", (event,))]
+    assert event.calls == [("record", (stream,))]
+    assert tensor.calls == [("record_stream", (stream,))]
+    host = HostStreams()
+    assert host.fired(host.new_event()) and host.current_stream() is host.current_stream()
+
+
+# --------------------------------------------------------- the engine on it
+@pytest.mark.parametrize("case", range(6))
+def test_harness_plans_under_delays_have_no_violation(case):
+    """gpu_check's delay plans (local, rings of 2 and 4, Ulysses, two nodes routed,
+    remap both ways) on CPU: equal to fp32 attention, 0 violations."""
+    streams = RecordingStreams()
+    plan_case = stream_checks.cases(3)[case]
+    for delays in (Delays(), Delays(caller_s=0.001, transfer_s=0.001, compute_s=0.001)):
+        h = stream_checks.Harness(plan_case, torch.device("cpu"), torch.float32, streams, delays, (4, 2, 8))
+        errors = h.errors(h.run())
+        assert max(errors.values()) < 1e-4, errors
+    streams.check()
+    assert streams.kernels > 50
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_plans_on_threads_have_no_violation(seed):
+    """Random plans over 2 nodes x 2 GPUs (every tier, Ulysses), routing on and off."""
+    rng = random.Random(seed)
+    topo = Topology(nodes=2, gpus_per_node=2, nics_per_node=2)
+    plan = random_plan(rng, topo, n_seqs=6)
+    case = stream_checks.Case(f"random {seed}", plan, topo, 0.0 if seed % 2 else float("inf"))
+    streams = RecordingStreams()
+    h = stream_checks.Harness(case, torch.device("cpu"), torch.float32, streams, Delays(), (4, 2, 8))
+    assert max(h.errors(h.run()).values()) < 1e-4
+    streams.check()
+
+
+def _gloo_case(rank, world_size, seed, routed):
+    """plan_attention through autograd, then remap there and back, on gloo ranks
+    with the recording streams behind the lanes."""
+    topo = Topology(nodes=2, gpus_per_node=2, nics_per_node=2)
+    plan = random_plan(random.Random(seed), topo, n_seqs=5)
+    streams = RecordingStreams()
+    comm = (RoutedCommunicator(None, topo, None, 0, streams=streams) if routed
+            else DirectCommunicator(None, topo, streams=streams))
+    seqs = random_sequences(plan, 4, 2, 8, torch.float64, seed)
+    spans = plan.attention_spans(rank)
+    q, k, v, dout = (torch.cat([seqs[sp.seq][i][sp.start:sp.end] for sp in spans]) if spans
+                     else seqs[0][i][:0] for i in range(4))
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    with streams.use(streams.caller()):
+        out = plan_attention(q, k, v, plan=plan, rank=rank, comm=comm, backend=TorchBackend())
+        hidden = out.reshape(out.shape[0], -1)
+        padded = torch.cat([hidden, hidden.new_zeros((0 if hidden.shape[0] else 1, hidden.shape[1]))])
+        there = remap_tokens(padded, plan=plan, rank=rank, comm=comm, direction="to_linear")
+        back = remap_tokens(there, plan=plan, rank=rank, comm=comm, direction="to_attention")
+        back[:out.shape[0]].reshape(out.shape).backward(dout)
+    comm.close()
+    refs = reference(seqs)
+    want = [torch.cat([refs[sp.seq][i][sp.start:sp.end] for sp in spans]) if spans else None for i in range(4)]
+    if spans:
+        for got, w in zip((out.detach(), q.grad, k.grad, v.grad), want):
+            torch.testing.assert_close(got, w, rtol=1e-9, atol=1e-9)
+    return streams.violations[:5], streams.kernels
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_gloo_ranks_through_autograd_have_no_violation(world, routed):
+    for seed in (11, 12):
+        for violations, kernels in world.run(_gloo_case, seed, routed):
+            assert violations == [] and kernels > 0
+
+
+# ------------------------------------------------------ transfers in waves
+def test_a_ring_step_is_one_wave_and_tiers_use_their_own_lanes():
+    """Every transfer of a ring step is in one wave (posted as one batch: the
+    step's critical path is one transfer, not k); inter-node transfers travel on
+    the inter lane and intra-node ones on the intra lane, so neither waits for the other."""
+    from megatron_zeppelin.attention import build_schedule
+    from megatron_zeppelin.comm.lanes import lane_of
+    from megatron_zeppelin.comm.rounds import LaneCommunicator
+    from megatron_zeppelin.plan import placement
+    from megatron_zeppelin.schedule.attention import AttnShape, Transport
+
+    comm = LaneCommunicator.__new__(LaneCommunicator)        # only its transport is read
+    comm.transport = Transport(Topology(nodes=2, gpus_per_node=2, nics_per_node=1))
+    plan = make_plan(4, 2, [32, 16], [placement(0, 32, Mode.RING, (0, 1, 2, 3)), placement(1, 16, Mode.RING, (2, 3))])
+    sched = build_schedule(plan, AttnShape(4, 2, 8, 4, 4), comm).forward
+    for index, k in ((0, 4), (1, 2)):
+        for step in range(k - 1):
+            ops = [op for op in sched.ops if op.is_comm and sched.messages[op.key[0]][:3] == ("kv", index, step)]
+            assert len(ops) == k and {sched.wave(op.id) for op in ops} == {step}
+    lanes = {(op.rank // 2 != op.peer // 2, lane_of(op)) for op in sched.ops if op.is_comm}
+    assert lanes == {(True, "inter"), (False, "intra")}
