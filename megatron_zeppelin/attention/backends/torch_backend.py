@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_zeppelin.attention.backends.base import check_block
+from megatron_zeppelin.attention.backends.base import check_block, host_bounds
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -58,9 +58,9 @@ class TorchBackend:
         dk = torch.einsum("hqk,qhd->khd", ds, _acc(q))
         return (dq.to(q.dtype), _sum_groups(dk, group).to(k.dtype), _sum_groups(dv, group).to(v.dtype))
 
-    def varlen_forward(self, q, k, v, *, cu_seqlens, max_seqlen, scale):
-        # max_seqlen sizes fused kernels' launches; this loop reads the bounds themselves.
-        bounds = cu_seqlens.tolist()
+    def varlen_forward(self, q, k, v, *, cu_seqlens, max_seqlen, scale, lengths=None):
+        # max_seqlen sizes fused kernels' launches; this loop needs every bound, on the host.
+        bounds = host_bounds(cu_seqlens, lengths)
         out = torch.empty_like(q)
         lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.promote_types(q.dtype, torch.float32))
         for s, e in zip(bounds[:-1], bounds[1:]):
@@ -68,8 +68,8 @@ class TorchBackend:
                 out[s:e], lse[:, s:e] = self.forward(q[s:e], k[s:e], v[s:e], causal=True, scale=scale)
         return out, lse
 
-    def varlen_backward(self, dout, q, k, v, out, lse, *, cu_seqlens, max_seqlen, scale):
-        bounds = cu_seqlens.tolist()
+    def varlen_backward(self, dout, q, k, v, out, lse, *, cu_seqlens, max_seqlen, scale, lengths=None):
+        bounds = host_bounds(cu_seqlens, lengths)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for s, e in zip(bounds[:-1], bounds[1:]):
             if e > s:
