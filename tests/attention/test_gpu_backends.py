@@ -219,3 +219,20 @@ def test_backends_never_sync_the_host(torch_flash):
         torch_flash.backward(dout[:50], q[:50], k[:70], v[:70], out, lse, causal=False, scale=0.125)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cached_block_offsets_are_ordered_across_streams():
+    """A block's ``[0, n]`` offsets are built once, on the stream of their first
+    caller; a caller on another stream must not read them before that write lands
+    (the cache makes the second stream wait on the write's event)."""
+    from megatron_zeppelin.attention.backends.base import single_sequence_offsets
+    writer, reader = torch.cuda.Stream(), torch.cuda.Stream()
+    n = 987_653                                                    # a size no other test caches
+    with torch.cuda.stream(writer):
+        torch.cuda._sleep(100_000_000)                             # the writer's stream runs late
+        single_sequence_offsets(n, n, torch.device("cuda", torch.cuda.current_device()))
+    with torch.cuda.stream(reader):
+        cu_q, cu_k = single_sequence_offsets(n, n, torch.device("cuda", torch.cuda.current_device()))
+        seen = cu_q.clone()
+    torch.cuda.synchronize()
+    assert seen.tolist() == [0, n] and cu_k is cu_q

@@ -97,10 +97,11 @@ class TorchFlashBackend(FusedKernels):
             activate_fa3(torch.nn.attention, q.device)
 
     def _no_dropout_rng(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        # Never read at dropout 0; cached and never freed, so no stream can race a reuse.
+        # Never read at dropout 0, so never written either (empty: no kernel, nothing for
+        # another stream to wait on); cached and never freed, so no reuse can be raced.
         if device not in self._placeholders:
-            self._placeholders[device] = (torch.zeros(2, dtype=torch.int64, device=device),
-                                          torch.zeros((), dtype=torch.int64, device=device))
+            self._placeholders[device] = (torch.empty(2, dtype=torch.int64, device=device),
+                                          torch.empty((), dtype=torch.int64, device=device))
         return self._placeholders[device]
 
     def _forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
