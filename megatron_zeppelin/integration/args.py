@@ -26,8 +26,9 @@ ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 #: builder taking the model config: native at 0.19, backported by the 0.16.1 patch).
 SPEC = ("megatron_zeppelin.integration.hooks", "zeppelin_layer_spec")
 
-#: Attention kernel backends the engine can be asked for (``auto`` picks the best installed).
-BACKENDS = ("auto", "torch", "flash", "te")
+#: Attention kernel backends the engine can be asked for: ``attention.backends.BACKENDS``
+#: (not imported: this module stays free of torch; a test keeps the two equal).
+BACKENDS = ("auto", "torch", "torch_flash", "flash", "te")
 
 #: Flag defaults; validation reports any ``--zeppelin-*`` flag changed without ``--zeppelin``.
 DEFAULTS = {
@@ -82,8 +83,9 @@ def add_zeppelin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "(docs/results/planner_latency.md); off (default) runs the first plan, "
                         "remapping every batch (the simulator's zeppelin_nodecide).")
     g.add_argument("--zeppelin-backend", choices=BACKENDS, default=DEFAULTS["zeppelin_backend"],
-                   help="Attention kernels: auto picks FlashAttention, then TransformerEngine, "
-                        "then PyTorch.")
+                   help="Attention kernels: auto runs bf16/fp16 CUDA tensors on torch_flash "
+                        "(PyTorch's own FlashAttention) and fp32 or CPU tensors on torch; flash "
+                        "(flash-attn 2.6-2.8) and te (TransformerEngine) only when named.")
     g.add_argument("--zeppelin-data-lengths", default=None,
                    help="Optional document lengths file (.npy or text, datasets in --data-path "
                         "order) the data must match: pins the run to the lengths you simulated.")

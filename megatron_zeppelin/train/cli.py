@@ -92,7 +92,7 @@ class TrainConfig:
     dump_trace: str | None = None
     """Directory to write each step's executed Chrome trace to (``step{k}.json``)."""
     backend: str = "auto"
-    """Attention kernel backend: ``torch``, ``flash``, ``te`` or ``auto``."""
+    """Attention kernel backend: ``auto``, ``torch``, ``torch_flash``, ``flash`` or ``te``."""
     timeout_s: float = 90.0
     """Collective timeout: a dead peer turns into an error after this long."""
     quiet: bool = False
@@ -272,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-trace", metavar="DIR",
                    help="write each step's executed timeline as a Chrome trace DIR/step{k}.json (Perfetto opens "
                         "it; python -m megatron_zeppelin.sim replay re-times it)")
-    p.add_argument("--backend", choices=("torch", "flash", "te", "auto"), default="auto")
+    p.add_argument("--backend", choices=("auto", "torch", "torch_flash", "flash", "te"), default="auto",
+                   help="attention kernels: auto = torch_flash for bf16/fp16 on CUDA, torch otherwise")
     p.add_argument("--timeout", type=float, default=float(os.environ.get("ZEPPELIN_TIMEOUT_S", 90)),
                    help="seconds before a collective waiting on a dead peer fails (default 90)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-step line")

@@ -1,10 +1,11 @@
 """Attention kernels behind one interface (:class:`AttentionBackend`).
 
-``get_backend("torch" | "flash" | "te" | "auto")``: ``torch`` always works (CPU
-and GPU); ``flash`` needs flash-attn, ``te`` TransformerEngine (both CUDA,
-fp16/bf16 only); ``auto`` runs each call on flash-attn, else TransformerEngine,
-when CUDA is present, one of them imports and the tensors are fp16/bf16 CUDA
-tensors, and on the PyTorch kernels otherwise (fp32, CPU).
+``get_backend("auto" | "torch" | "torch_flash" | "flash" | "te")``: ``torch``
+always works (CPU and GPU); ``torch_flash`` is PyTorch's own FlashAttention
+(CUDA, fp16/bf16, nothing to install); ``flash`` needs flash-attn 2.6-2.8, ``te``
+TransformerEngine (both CUDA, fp16/bf16 only, used only when named); ``auto``
+runs fp16/bf16 CUDA tensors on ``torch_flash`` when torch has its ops and CUDA
+is present, and everything else (fp32, CPU) on the PyTorch kernels.
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ from megatron_zeppelin.attention.backends.base import HALF_DTYPES, AttentionBack
 from megatron_zeppelin.attention.backends.torch_backend import TorchBackend
 from megatron_zeppelin.errors import ConfigError, ZeppelinError
 
-BACKENDS = ("torch", "flash", "te", "auto")
+#: Every name :func:`get_backend` takes (the flags' choices list the same).
+BACKENDS = ("auto", "torch", "torch_flash", "flash", "te")
 
 
 class AutoBackend:
     """Fused kernels where they compute (fp16/bf16 on CUDA), PyTorch's elsewhere: a
-    run in fp32 never reaches flash-attn or TransformerEngine, which would refuse it."""
+    run in fp32 never reaches a fused kernel, which would refuse it."""
 
     name = "auto"
 
     def __init__(self, fused: AttentionBackend | None) -> None:
         self.fused = fused
-        """flash-attn or TransformerEngine kernels, None when neither is usable."""
+        """torch's FlashAttention kernels, None without CUDA or without torch's ops."""
         self.torch = TorchBackend()
 
     def pick(self, q: torch.Tensor) -> AttentionBackend:
@@ -53,6 +55,9 @@ def get_backend(name: str = "auto") -> AttentionBackend:
     requested but not installed."""
     if name == "torch":
         return TorchBackend()
+    if name == "torch_flash":
+        from megatron_zeppelin.attention.backends.torch_flash import TorchFlashBackend
+        return TorchFlashBackend()
     if name == "flash":
         from megatron_zeppelin.attention.backends.flash import FlashBackend
         return FlashBackend()
@@ -60,15 +65,10 @@ def get_backend(name: str = "auto") -> AttentionBackend:
         from megatron_zeppelin.attention.backends.te import TeBackend
         return TeBackend()
     if name == "auto":
-        fused = None
-        if torch.cuda.is_available():
-            for candidate in ("flash", "te"):
-                try:
-                    fused = get_backend(candidate)
-                    break
-                except ZeppelinError:
-                    continue
-        return AutoBackend(fused)
+        try:
+            return AutoBackend(get_backend("torch_flash"))
+        except ZeppelinError:      # no CUDA, or a torch without the flash ops
+            return AutoBackend(None)
     raise ConfigError(f"unknown attention backend {name!r}; choose from {', '.join(BACKENDS)}")
 
 

@@ -11,7 +11,8 @@ meets three kinds of (query chunk, key chunk) pairs -- earlier key chunk (no
 mask), the same chunk (diagonal causal mask, ``tq == tk``) and later key chunk
 (skipped by the caller) -- and local / Ulysses sequences are whole diagonal
 blocks.  So ``causal=True`` means "query i sees keys j <= i" on a square block,
-``causal=False`` means "every query sees every key".
+``causal=False`` means "every query sees every key".  On a square block the
+top-left diagonal is also flash-attn's bottom-right one, so every kernel agrees.
 
 Shapes: ``q: [tq, hq, d]``, ``k, v: [tk, hk, d]`` (GQA: ``hq`` a multiple of
 ``hk``; query head ``h`` uses key head ``h // (hq // hk)``), ``out: [tq, hq, d]``
@@ -19,14 +20,20 @@ in ``q.dtype``, ``lse: [hq, tq]`` float32 (the flash-attn varlen convention).
 
 Inputs may be any strided views (a Ulysses head split, one piece of a larger
 buffer, Megatron's ``value`` split out of the fused QKV): a backend whose kernel
-reads raw pointers makes them contiguous first (:func:`contiguous`).  Lengths
-that size a kernel launch (``max_seqlen``) come from the caller as host ints,
-known from the Plan, so no call waits for the GPU to read them back.
+reads raw pointers makes them contiguous first (:func:`contiguous`).
+
+No call waits for the GPU (no host sync on CUDA): lengths that size a kernel
+launch (``max_seqlen``) are host ints from the Plan; ``cu_seqlens`` is already
+on the device (the engine uploads it once per step, pinned and non-blocking);
+a backend that loops on the host reads the host copy ``lengths``, never
+``cu_seqlens``; a fused backend builds the ``[0, n]`` offsets of one block with
+a device kernel (:func:`single_sequence_offsets`), never from a host list.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import re
+from typing import Protocol, Sequence
 
 import torch
 
@@ -37,7 +44,7 @@ class AttentionBackend(Protocol):
     """Block attention kernels with LSE."""
 
     name: str
-    """``torch``, ``flash`` or ``te``."""
+    """``torch``, ``torch_flash``, ``flash`` or ``te`` (``auto`` picks one per call)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,23 +61,27 @@ class AttentionBackend(Protocol):
         ``sum(dout * out)`` -- which makes per-block gradients add up exactly."""
 
     def varlen_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                       cu_seqlens: torch.Tensor, max_seqlen: int,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
+                       lengths: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal attention of many whole sequences packed THD-style:
-        sequence ``i`` is rows ``cu_seqlens[i]:cu_seqlens[i+1]`` of q, k and v
-        (``cu_seqlens``: int32, starts at 0; ``max_seqlen``: the longest, a host
-        int).  Returns ``(out, lse [hq, t])``."""
+        sequence ``i`` is rows ``cu_seqlens[i]:cu_seqlens[i+1]`` of q, k and v.
+
+        ``cu_seqlens``: int32, starts at 0, already on q's device; ``max_seqlen``:
+        the longest, a host int; ``lengths``: the same sequence lengths as a host
+        tuple, or None (then only a ``cu_seqlens`` on the CPU may be read on the
+        host).  Returns ``(out, lse [hq, t])``."""
 
     def varlen_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, *, cu_seqlens: torch.Tensor,
-                        max_seqlen: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gradients of :meth:`varlen_forward`."""
+                        max_seqlen: int, scale: float,
+                        lengths: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients of :meth:`varlen_forward` (same ``cu_seqlens``/``lengths`` rules)."""
 
 
 #: The flags that choose the kernels, for error messages.
 BACKEND_FLAGS = "--zeppelin-backend in Megatron-LM, --backend in python -m megatron_zeppelin.train"
 
-#: Element types the fused kernels (flash-attn, TransformerEngine) compute in.
+#: Element types the fused kernels (torch's flash, flash-attn, TransformerEngine) compute in.
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -102,3 +113,91 @@ def check_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool)
         raise ValueError(f"a causal block must be square (diagonal), got tq={q.shape[0]}, "
                          f"tk={k.shape[0]}")
     return hq // hk
+
+
+def host_bounds(cu_seqlens: torch.Tensor, lengths: Sequence[int] | None) -> list[int]:
+    """Row bounds ``[0, l0, l0+l1, ...]`` of a packed batch, on the host, for a
+    backend that loops over sequences: from ``lengths`` when the caller has them,
+    else from a ``cu_seqlens`` that lives on the CPU (reading a device tensor
+    would stall the stream until the GPU catches up)."""
+    if lengths is not None:
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + int(n))
+        return bounds
+    if cu_seqlens.device.type != "cpu":
+        raise ConfigError(f"varlen attention with cu_seqlens on {cu_seqlens.device} needs the host "
+                          "lengths too (lengths=...): reading cu_seqlens back would sync the GPU")
+    return [int(b) for b in cu_seqlens.tolist()]
+
+
+#: ``(n_q, n_k, device) -> (cu_q, cu_k, written)`` device offsets of one block, and
+#: on CUDA the event recorded after the kernel that wrote them.  Bounded so that
+#: varying block sizes cannot grow it without limit; entries are never freed (no
+#: eviction), so a kernel still reading one on another stream is never raced.
+_SINGLE_OFFSETS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor, object]] = {}
+_SINGLE_OFFSETS_MAX = 4096
+
+
+def _offsets(n: int, device: torch.device) -> torch.Tensor:
+    # [0, n] by a device kernel: arange's step needs n > 0.
+    if n == 0:
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    return torch.arange(0, 2 * n, n, dtype=torch.int32, device=device)
+
+
+def single_sequence_offsets(n_q: int, n_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cu_q, cu_k)`` = ``([0, n_q], [0, n_k])`` int32 on ``device``, built by a
+    device kernel (no host-to-device copy, so no sync) and cached per size; past
+    the cache bound they are built per call (freed in stream order as usual).
+
+    A cached pair was written on the stream current when it was first built: a
+    later caller's stream waits on that write's event (a device-side wait, not a
+    host sync) before its kernels read the pair."""
+    device = torch.device(device)
+    key = (n_q, n_k, device)
+    hit = _SINGLE_OFFSETS.get(key)
+    if hit is not None:
+        cu_q, cu_k, written = hit
+        if written is not None:
+            torch.cuda.current_stream(device).wait_event(written)
+        return cu_q, cu_k
+    cu_q = _offsets(n_q, device)
+    cu_k = cu_q if n_k == n_q else _offsets(n_k, device)
+    if len(_SINGLE_OFFSETS) < _SINGLE_OFFSETS_MAX:
+        written = torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
+        _SINGLE_OFFSETS[key] = (cu_q, cu_k, written)
+    return cu_q, cu_k
+
+
+def release_line(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a release string such as ``2.7.4.post1`` or ``2.8.0+cu12``."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise ConfigError(f"cannot read the release number {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+class FusedKernels:
+    """The four entry points of a backend whose kernels take THD offsets, in terms of
+    two methods the backend defines: ``_forward(q, k, v, cu_q, cu_k, max_q, max_k,
+    causal, scale) -> (out, lse)`` and ``_backward(dout, q, k, v, out, lse, cu_q,
+    cu_k, max_q, max_k, causal, scale) -> (dq, dk, dv)``.  A block pair is a batch
+    of one sequence; a packed batch shares one set of offsets for q and k/v."""
+
+    def varlen_forward(self, q, k, v, *, cu_seqlens, max_seqlen, scale, lengths=None):
+        return self._forward(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True, scale)
+
+    def varlen_backward(self, dout, q, k, v, out, lse, *, cu_seqlens, max_seqlen, scale, lengths=None):
+        return self._backward(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True,
+                              scale)
+
+    def forward(self, q, k, v, *, causal, scale):
+        check_block(q, k, v, causal)
+        cu_q, cu_k = single_sequence_offsets(q.shape[0], k.shape[0], q.device)
+        return self._forward(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0], causal, scale)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+        check_block(q, k, v, causal)
+        cu_q, cu_k = single_sequence_offsets(q.shape[0], k.shape[0], q.device)
+        return self._backward(dout, q, k, v, out, lse, cu_q, cu_k, q.shape[0], k.shape[0], causal, scale)

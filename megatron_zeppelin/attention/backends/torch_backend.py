@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_zeppelin.attention.backends.base import check_block
+from megatron_zeppelin.attention.backends.base import check_block, host_bounds
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -29,17 +29,6 @@ def _sum_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     # [tk, hq, d] -> [tk, hk, d]: query heads h*group .. h*group+group-1 share key head h.
     tk, hq, d = x.shape
     return x.view(tk, hq // group, group, d).sum(dim=2)
-
-
-def _bounds(cu_seqlens: torch.Tensor, lengths) -> list[int]:
-    """Packed sequence bounds on the host: from ``lengths`` when the caller has
-    them (no device read), else read back from ``cu_seqlens``."""
-    if lengths is None:
-        return cu_seqlens.tolist()
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    return bounds
 
 
 class TorchBackend:
@@ -70,8 +59,8 @@ class TorchBackend:
         return (dq.to(q.dtype), _sum_groups(dk, group).to(k.dtype), _sum_groups(dv, group).to(v.dtype))
 
     def varlen_forward(self, q, k, v, *, cu_seqlens, max_seqlen, scale, lengths=None):
-        # max_seqlen sizes fused kernels' launches; this loop needs the bounds on the host.
-        bounds = _bounds(cu_seqlens, lengths)
+        # max_seqlen sizes fused kernels' launches; this loop needs every bound, on the host.
+        bounds = host_bounds(cu_seqlens, lengths)
         out = torch.empty_like(q)
         lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.promote_types(q.dtype, torch.float32))
         for s, e in zip(bounds[:-1], bounds[1:]):
@@ -80,7 +69,7 @@ class TorchBackend:
         return out, lse
 
     def varlen_backward(self, dout, q, k, v, out, lse, *, cu_seqlens, max_seqlen, scale, lengths=None):
-        bounds = _bounds(cu_seqlens, lengths)
+        bounds = host_bounds(cu_seqlens, lengths)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for s, e in zip(bounds[:-1], bounds[1:]):
             if e > s:
