@@ -327,3 +327,37 @@ def section_concurrency(args: Any, dry_run: bool = False) -> SectionResult:
     return SectionResult(total > 0 and overlap > 0, f"{share:.0f} % of transfer time beside compute kernels",
                          f"torch.profiler over *{case.name}*: loopback copies took {total / 1e3:.2f} ms, "
                          f"{overlap / 1e3:.2f} ms of it beside kernels on other streams ({share:.1f} %).")
+
+
+SECTIONS = {"delays": section_delays, "syncs": section_syncs, "overhead": section_overhead,
+            "concurrency": section_concurrency}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/stream_checks.py [--dry-run] [SECTION ...]``: the engine
+    sections alone (``gpu_check`` runs them with the rest)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--dry-run", action="store_true", help="CPU tensors under the recording checker")
+    ap.add_argument("sections", nargs="*", help=f"any of {', '.join(SECTIONS)} (default: all)")
+    args = ap.parse_args(argv)
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    args.sections = args.sections or list(SECTIONS)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("stream_checks: no CUDA GPU here; pass --dry-run to run the sections on CPU")
+        return 0
+    failed = 0
+    for name in args.sections:
+        t0 = time.perf_counter()
+        result = SECTIONS[name](args, dry_run=args.dry_run)
+        failed += not result.passed
+        print(f"## {name}: {'PASS' if result.passed else 'FAIL'} ({time.perf_counter() - t0:.0f} s): "
+              f"{result.figure}\n\n{result.body}\n", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

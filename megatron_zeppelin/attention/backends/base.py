@@ -131,14 +131,6 @@ def host_bounds(cu_seqlens: torch.Tensor, lengths: Sequence[int] | None) -> list
     return [int(b) for b in cu_seqlens.tolist()]
 
 
-#: ``(n_q, n_k, device) -> (cu_q, cu_k, written)`` device offsets of one block, and
-#: on CUDA the event recorded after the kernel that wrote them.  Bounded so that
-#: varying block sizes cannot grow it without limit; entries are never freed (no
-#: eviction), so a kernel still reading one on another stream is never raced.
-_SINGLE_OFFSETS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor, object]] = {}
-_SINGLE_OFFSETS_MAX = 4096
-
-
 def _offsets(n: int, device: torch.device) -> torch.Tensor:
     # [0, n] by a device kernel: arange's step needs n > 0.
     if n == 0:
@@ -148,26 +140,12 @@ def _offsets(n: int, device: torch.device) -> torch.Tensor:
 
 def single_sequence_offsets(n_q: int, n_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cu_q, cu_k)`` = ``([0, n_q], [0, n_k])`` int32 on ``device``, built by a
-    device kernel (no host-to-device copy, so no sync) and cached per size; past
-    the cache bound they are built per call (freed in stream order as usual).
-
-    A cached pair was written on the stream current when it was first built: a
-    later caller's stream waits on that write's event (a device-side wait, not a
-    host sync) before its kernels read the pair."""
+    device kernel on the current stream (no host-to-device copy, so no sync).
+    Built per call rather than cached: a cache shared by every stream would need
+    its own events, and one tiny kernel costs less than that bookkeeping."""
     device = torch.device(device)
-    key = (n_q, n_k, device)
-    hit = _SINGLE_OFFSETS.get(key)
-    if hit is not None:
-        cu_q, cu_k, written = hit
-        if written is not None:
-            torch.cuda.current_stream(device).wait_event(written)
-        return cu_q, cu_k
     cu_q = _offsets(n_q, device)
-    cu_k = cu_q if n_k == n_q else _offsets(n_k, device)
-    if len(_SINGLE_OFFSETS) < _SINGLE_OFFSETS_MAX:
-        written = torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
-        _SINGLE_OFFSETS[key] = (cu_q, cu_k, written)
-    return cu_q, cu_k
+    return cu_q, (cu_q if n_k == n_q else _offsets(n_k, device))
 
 
 def release_line(version: str) -> tuple[int, int]:
