@@ -125,9 +125,11 @@ def run_section(section: Section, argv: list[str], budget: float, dry_run: bool)
             try:
                 status = proc.wait(timeout=budget)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)   # the section and whatever it started
-                proc.wait()
+                stop(proc)
                 status = None
+            except BaseException:   # Ctrl-C or SIGTERM of the check: the section's processes go too
+                stop(proc)
+                raise
         seconds = time.monotonic() - t0
         output = log_path.read_text(errors="replace")
         if result_path.is_file():
@@ -136,6 +138,23 @@ def run_section(section: Section, argv: list[str], budget: float, dry_run: bool)
     lines = "\n".join(output.strip().splitlines()[-30:])
     return SectionResult.failed(f"{section.name} {why}", f"{section.name} {why}; its last output:\n\n{fenced(lines)}"), \
         seconds
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 10) -> None:
+    """End a section's process group: SIGTERM first, which torchrun passes on to its
+    workers (they run in sessions of their own, out of the group's reach), then,
+    after ``grace_s`` or once the group is empty, SIGKILL to whatever is left."""
+    deadline = time.monotonic() + grace_s
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            while sig == signal.SIGTERM and time.monotonic() < deadline:
+                proc.poll()   # reaps the section's process: a zombie still counts in its group
+                os.killpg(proc.pid, 0)
+                time.sleep(0.1)
+        except ProcessLookupError:   # the group is empty
+            break
+    proc.wait()
 
 
 # ------------------------------------------------------------------ report
@@ -186,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else (
         Path(tempfile.mkdtemp(prefix="gpu_check-")) / "gpu-dry-run.md" if args.dry_run
         else ROOT / "docs" / "results" / f"gpu-{__import__('gpu_sections').slug(gpu)}.md")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # unwinds through run_section
     header = header_lines(gpu, argv, args.dry_run)
     done: list[tuple[Section, SectionResult | None, float]] = []
     deadline = time.monotonic() + TOTAL_BUDGET_S

@@ -47,14 +47,31 @@ def slug(name: str) -> str:
 
 
 def shell(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
-    """Run ``cmd`` in the repository; (exit status, stdout + stderr); a timeout is status 124."""
+    """Run ``cmd`` in the repository; (exit status, stdout + stderr); past ``timeout``
+    it is stopped and the status is 124."""
+    return finish(start(cmd, env), time.monotonic() + timeout)
+
+
+def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=None if env is None else {**os.environ, **env})
+
+
+def finish(proc: subprocess.Popen, deadline: float) -> tuple[int, str]:
+    """(exit status, output) of ``proc``; at ``deadline`` it gets SIGTERM, which
+    torchrun passes on to its workers (a SIGKILL would orphan them, in their own
+    sessions, still holding the GPU), and SIGKILL 10 s later; the status is then 124."""
     try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                           env=None if env is None else {**os.environ, **env})
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
-        return 124, out + f"\n(killed after {timeout:.0f} s)"
-    return r.returncode, r.stdout + r.stderr
+        out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        return 124, (out or "") + "\n(stopped at the section's budget)"
 
 
 def tail(text: str, lines: int) -> str:
@@ -307,18 +324,8 @@ def section_training(args: argparse.Namespace, dry_run: bool) -> SectionResult:
 def run_commands(commands: dict, deadline: float, parallel: bool) -> dict:
     """{key: (exit status, output)} of each command, all started at once when
     ``parallel`` (a dry run on a CPU: one step each), else one after another (on a
-    GPU, so that step times are the run's own); past ``deadline`` a command is
-    killed (status 124)."""
+    GPU, so that step times are the run's own); stopped at ``deadline`` (status 124)."""
     if not parallel:
-        return {key: shell(cmd, timeout=max(deadline - time.monotonic(), 1)) for key, cmd in commands.items()}
-    procs = {key: subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for key, cmd in commands.items()}
-    results = {}
-    for key, proc in procs.items():
-        try:
-            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
-            results[key] = (proc.returncode, out)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            results[key] = (124, proc.communicate()[0] + "\n(killed at the section's budget)")
-    return results
+        return {key: finish(start(cmd), deadline) for key, cmd in commands.items()}
+    procs = {key: start(cmd) for key, cmd in commands.items()}
+    return {key: finish(proc, deadline) for key, proc in procs.items()}

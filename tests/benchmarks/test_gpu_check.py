@@ -104,7 +104,7 @@ def test_a_section_over_its_budget_is_killed_and_fails():
     section = next(s for s in gpu_check.SECTIONS if s.name == "training")
     result, seconds = gpu_check.run_section(section, ["--dry-run"], budget=1, dry_run=True)
     assert not result.passed and result.figure == "training over its budget of 1 s, killed"
-    assert seconds < 10
+    assert seconds < 15
 
 
 def test_any_fail_makes_the_exit_status_1_and_heads_the_report(monkeypatch, tmp_path):
