@@ -26,6 +26,7 @@ CUDA (and without ``--dry-run``) it prints one line and exits 0.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 import signal
@@ -37,12 +38,12 @@ import traceback
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the section modules beside this file
 
 from gpu_report import SectionResult, fenced  # noqa: E402
+from gpu_sections import slug  # noqa: E402
 
 NO_GPU = "gpu_check: no CUDA GPU here (torch.cuda.is_available() is False); nothing to check"
 #: Seconds all sections together may take (the whole check, wheel install included, is <= 8 minutes).
@@ -59,8 +60,7 @@ class Section:
     only in the section's own process (a broken module fails that section only)."""
 
     def run(self, args: argparse.Namespace, dry_run: bool) -> SectionResult:
-        module = __import__(self.module)
-        return getattr(module, f"section_{self.name}")(args, dry_run)
+        return getattr(importlib.import_module(self.module), f"section_{self.name}")(args, dry_run)
 
 
 SECTIONS = (Section("tests", 75, "gpu_sections"), Section("calibration", 45, "gpu_sections"),
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else (
         Path(tempfile.mkdtemp(prefix="gpu_check-")) / "gpu-dry-run.md" if args.dry_run
-        else ROOT / "docs" / "results" / f"gpu-{__import__('gpu_sections').slug(gpu)}.md")
+        else ROOT / "docs" / "results" / f"gpu-{slug(gpu)}.md")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # unwinds through run_section
     header = header_lines(gpu, argv, args.dry_run)
     done: list[tuple[Section, SectionResult | None, float]] = []

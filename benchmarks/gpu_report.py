@@ -3,7 +3,11 @@
 Kept apart from gpu_check.py so that a module of sections (``stream_checks.py``)
 imports it without importing the runner.  A section is a function
 ``section_<name>(args, dry_run: bool) -> SectionResult``; ``dry_run`` runs its own
-code on the CPU with every CUDA call left out.
+code on the CPU with every CUDA call left out (its process sees no GPU).  ``args``
+is gpu_check's command line: ``cluster`` (a preset name, or None: the GPU's own),
+``steps``, ``table``, and ``section_budget``, the seconds this section's process
+has before it is stopped.  It runs in a process of its own, with ``benchmarks/``
+on ``sys.path``; an exception it raises is a FAIL carrying the exception's line.
 """
 
 from __future__ import annotations
