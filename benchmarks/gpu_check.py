@@ -44,6 +44,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # the section modules beside this 
 
 from gpu_report import SectionResult, fenced  # noqa: E402
 from gpu_sections import slug  # noqa: E402
+from megatron_zeppelin.errors import exit_on_user_error  # noqa: E402
+from megatron_zeppelin.presets import resolve_preset  # noqa: E402
+from megatron_zeppelin.validation import OneLineParser, check_input_file, check_int, check_output_file  # noqa: E402
 
 NO_GPU = "gpu_check: no CUDA GPU here (torch.cuda.is_available() is False); nothing to check"
 #: Seconds all sections together may take (the whole check, wheel install included, is <= 8 minutes).
@@ -71,7 +74,7 @@ NAMES = tuple(s.name for s in SECTIONS)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--cluster", default=None,
                     help="cluster preset of this GPU, the base of the calibrated presets (default: h200-8x400g "
                          "on an H200, else h100-8x400g)")
@@ -86,8 +89,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--section-budget", type=float, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.steps < 1:
-        ap.error(f"--steps must be >= 1, got {args.steps}")
+    if args.section is None:   # the check itself: bad input is one line now, not a FAIL minutes later
+        check_int(args.steps, "--steps", minimum=1)
+        check_input_file(args.table, "--table", "a JSON file of measured attention tables")
+        if args.cluster is not None:
+            resolve_preset("clusters", args.cluster)
+        if args.out is not None:
+            check_output_file(args.out, "--out")
     return args
 
 
@@ -230,4 +238,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_user_error(main))

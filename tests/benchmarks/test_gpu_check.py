@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.topology import load_cluster
 
@@ -76,8 +77,9 @@ def test_dry_run_passes_every_section(tmp_path):
 def test_arguments():
     args = gpu_check.parse_args(["--cluster", "h200-8x400g", "--skip", "training", "tests", "--steps", "5"])
     assert (args.cluster, args.skip, args.steps, args.dry_run) == ("h200-8x400g", ["training", "tests"], 5, False)
-    for bad in (["--skip", "everything"], ["--steps", "0"]):
-        with pytest.raises(SystemExit):
+    for bad, line in ((["--skip", "everything"], "invalid choice: 'everything'"), (["--steps", "0"], "--steps"),
+                      (["--cluster", "h300"], "unknown cluster preset 'h300'"), (["--table", "nope.json"], "--table")):
+        with pytest.raises(ConfigError, match=line):
             gpu_check.parse_args(bad)
     assert gpu_check.NAMES == ("tests", "calibration", "overhead", "concurrency", "delays", "syncs", "training")
     assert sum(s.budget_s for s in gpu_check.SECTIONS) <= gpu_check.TOTAL_BUDGET_S + 60
