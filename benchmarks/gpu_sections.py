@@ -117,14 +117,29 @@ def gpu_test_files() -> list[str]:
     return sorted(set(GPU_TEST_FILES) | set(marked))
 
 
+#: Optional kernel packages, by import name, and how skip reasons may name them.
+KERNEL_PACKAGES = {"flash_attn": ("flash_attn", "flash-attn"),
+                   "transformer_engine": ("transformer_engine", "transformer-engine", "transformerengine")}
+
+
+def skipped_for(reason: str) -> str | None:
+    """The package a skip reason names: ``pytest.importorskip``'s module, or an
+    optional kernel package named in a hand-written reason."""
+    module = re.search(r"could not import '([\w.]+)'", reason)
+    if module:
+        return module[1]
+    lowered = reason.lower()
+    return next((m for m, names in KERNEL_PACKAGES.items() if any(n in lowered for n in names)), None)
+
+
 def judge_skips(reasons: list[str], dry_run: bool) -> list[str]:
     """The skips a GPU run must not have: any not explained by a package that does not
-    import (``pytest.importorskip``), which is every skip of a kernel that imports.
-    A dry run may also skip for want of CUDA."""
+    import, which is every skip of a kernel that imports.  A dry run may also skip
+    for want of CUDA."""
     bad = []
     for reason in reasons:
-        module = re.search(r"could not import '([\w.]+)'", reason)
-        if module and import_error(module[1]) is not None:
+        module = skipped_for(reason)
+        if module and import_error(module) is not None:
             continue
         if dry_run and "CUDA" in reason:
             continue
@@ -152,7 +167,7 @@ def section_tests(args: argparse.Namespace, dry_run: bool) -> SectionResult:
                 outcome["passed"] += 1
     races = out.count("CSAN detected")
     bad = judge_skips(reasons, dry_run)
-    absent = sorted({m for r in reasons for m in re.findall(r"could not import '([\w.]+)'", r)})
+    absent = sorted({m for m in map(skipped_for, reasons) if m and import_error(m) is not None})
     figure = (f"{outcome['passed']} passed, {outcome['failed']} failed, {outcome['skipped']} skipped"
               + (f" ({', '.join(absent)} absent)" if absent else "") + f", {races} sanitizer reports")
     passed = status == 0 and not bad and races == 0 and (dry_run or outcome["passed"] > 0)

@@ -142,6 +142,8 @@ def test_skips_pass_only_for_a_package_that_does_not_import():
     assert sections.judge_skips([absent], dry_run=False) == []
     assert sections.judge_skips([present, "needs CUDA", "flaky"], dry_run=False) == [present, "needs CUDA", "flaky"]
     assert sections.judge_skips(["needs CUDA"], dry_run=True) == []
+    if importlib.util.find_spec("flash_attn") is None:
+        assert sections.judge_skips(["flash-attn is not installed"], dry_run=False) == []
 
 
 # ------------------------------------------------------------------ calibration
