@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The H200 tables the fit must hold (``../shared/gpu/h200-2026-11-26.md``).
 H200_TABLES = ROOT / "tests" / "benchmarks" / "fixtures" / "h200-2026-11-26.json"
 #: Wheels the training section needs and the GPU machine lacks (docs/gpu-check.md says how to bring them).
-WHEELS = {"megatron.core": "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl (and its import "
-                           "dependencies, docs/gpu-check.md) in .whl/",
-          "highspy": "highspy-1.16.0-cp312-cp312-manylinux_2_28_x86_64.whl in .whl/"}
+WHEELS = {"megatron.core": "megatron_core-0.16.1-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl "
+                           "(it needs packaging>=24.2 too) in .whl/",
+          "highspy": "highspy-1.16.0-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl in .whl/"}
 #: The GPU tests: these files, and every test file that marks tests ``gpu``.
 GPU_TEST_FILES = ("tests/attention/test_gpu_backends.py", "tests/comm/test_lanes_gpu.py")
 #: A ~125M LLaMA-style model (GPT-2 small's width and depth, SwiGLU, no GQA).

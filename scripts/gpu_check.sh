@@ -36,8 +36,9 @@ if [ ${#wheels[@]} -gt 0 ]; then
   fi
 fi
 
-# What the sections import: install only what does not import, and never wait on a registry.
-for mod_pkg in numpy:numpy yaml:pyyaml pytest:pytest hypothesis:hypothesis; do
+# What the sections import (packaging: megatron-core's one pure-Python dependency): install only
+# what does not import, and never wait on a registry.
+for mod_pkg in numpy:numpy yaml:pyyaml pytest:pytest hypothesis:hypothesis packaging:packaging; do
   mod=${mod_pkg%%:*} pkg=${mod_pkg#*:}
   "$PY" -c "import $mod" 2>/dev/null && continue
   if PIP_NO_INPUT=1 "$PY" -m pip install -q --disable-pip-version-check --retries 0 --timeout 5 "$pkg" >/dev/null 2>&1; then
