@@ -85,19 +85,21 @@ class Curve:
 
 
 def fit_curve(lengths: Sequence[int], tflops: Sequence[float], peak: float) -> Curve:
-    """Least squares of ``eff(L)`` against ``tflops / peak``.  For a fixed half
-    block the best efficiency is closed-form; the half block is searched on a log
-    grid, then on a finer grid around the best point (numpy only: no scipy on the
-    GPU machine)."""
+    """Least squares of ``eff(L)`` against ``tflops / peak``, with the efficiency a
+    fraction of peak (<= 1, as a cluster preset requires).  For a fixed half block
+    the best efficiency is closed-form; the half block is searched on a log grid,
+    then on a finer grid around the best point (numpy only: no scipy on the GPU
+    machine)."""
     L = np.asarray(lengths, float)
     y = np.asarray(tflops, float) / peak
-    if L.size < 2 or np.any(L <= 0) or np.any(~np.isfinite(y)) or np.any(y <= 0):
-        raise ValueError(f"a fit needs >= 2 positive lengths and positive TFLOP/s, got {list(lengths)}, {list(tflops)}")
+    if L.size < 2 or np.any(L <= 0) or np.any(~np.isfinite(y)) or np.any(y <= 0) or np.any(y > 1):
+        raise ValueError(f"a fit needs >= 2 positive lengths and TFLOP/s in (0, peak {peak}], got "
+                         f"{list(lengths)}, {list(tflops)}")
 
     def best(halves: np.ndarray) -> tuple[float, float]:
         x = L / (L + halves[:, None])
         e = (x @ y) / np.einsum("ij,ij->i", x, x)
-        residual = ((e[:, None] * x - y) ** 2).sum(axis=1)
+        residual = np.where(e <= 1, ((e[:, None] * x - y) ** 2).sum(axis=1), np.inf)
         i = int(np.argmin(residual))
         return float(halves[i]), float(e[i])
 

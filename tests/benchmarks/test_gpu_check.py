@@ -176,7 +176,9 @@ def test_fit_recovers_an_exact_curve_and_refuses_nonsense():
     tflops = [0.5 * L / (L + 1500) * 989 for L in lengths]
     curve = cal.fit_curve(lengths, tflops, 989)
     assert curve.efficiency == pytest.approx(0.5, rel=1e-3) and curve.half_block == pytest.approx(1500, rel=1e-2)
-    for bad in (([128], [50]), ([128, 256], [50, -1]), ([0, 256], [50, 60])):
+    # Rising faster than L / (L + h) (a CPU at tiny sizes): the efficiency stays a fraction of peak.
+    assert 0 < cal.fit_curve([32, 64, 128], [0.5, 2, 8], 10).efficiency <= 1
+    for bad in (([128], [50]), ([128, 256], [50, -1]), ([0, 256], [50, 60]), ([128, 256], [50, 990])):
         with pytest.raises(ValueError):
             cal.fit_curve(*bad, 989)
 
