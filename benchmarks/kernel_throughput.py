@@ -1,5 +1,6 @@
 """Measure causal attention throughput per sequence length and fit the cost model's
-kernel-efficiency curve ``eff(b) = eff_max * b / (b + b_half)``.
+kernel-efficiency curve ``eff(b) = eff_max * b / (b + b_half)`` (least squares in
+efficiency space, :func:`attn_calibration.fit_curve`).
 
 Run on a GPU node (one GPU is enough):
 
@@ -18,9 +19,9 @@ import argparse
 import sys
 import time
 
-import numpy as np
 import torch
 
+from attn_calibration import fit_curve  # beside this file
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import causal_pairs
@@ -43,7 +44,7 @@ def time_kernel(step, length, heads, kv_heads, head_dim, device, dtype, repeats)
     q = torch.randn(shape(heads), device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(shape(kv_heads), device=device, dtype=dtype, requires_grad=True)
     v = torch.randn(shape(kv_heads), device=device, dtype=dtype, requires_grad=True)
-    step(q, k, v)  # warm-up (kernel selection, autotuning)
+    step(q, k, v)  # warm-up of this shape (kernel selection, autotuning)
     if device == "cuda":
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -57,14 +58,6 @@ def time_kernel(step, length, heads, kv_heads, head_dim, device, dtype, repeats)
     for _ in range(repeats):
         step(q, k, v)
     return (time.perf_counter() - t0) / repeats
-
-
-def fit_efficiency(lengths, tflops, peak) -> tuple[float, float]:
-    """Least squares for eff(b) = e * b / (b + h): 1/eff = 1/e + (h/e) * (1/b) is linear."""
-    eff = np.asarray(tflops) / peak
-    slope, intercept = np.polyfit(1.0 / np.asarray(lengths, float), 1.0 / eff, 1)
-    e = 1.0 / intercept
-    return e, slope * e
 
 
 def main() -> None:
@@ -96,6 +89,10 @@ def main() -> None:
             "| kernel | length | ms (fwd+bwd) | TFLOP/s | % of peak |", "| --- | --- | --- | --- | --- |"]
     fits = []
     for name, step in kernels.items():
+        # The first call of a process loads kernels and grows the allocator: on the first
+        # H200 run it made the shortest length 50x slow.  Pay it before any timing.
+        time_kernel(step, lengths[0], model.num_attention_heads, model.num_query_groups, model.head_dim,
+                    device, dtype, 1)
         measured = []
         for L in lengths:
             s = time_kernel(step, L, model.num_attention_heads, model.num_query_groups, model.head_dim,
@@ -104,8 +101,8 @@ def main() -> None:
             measured.append(tflops)
             rows.append(f"| {name} | {L} | {s * 1e3:.3f} | {tflops:.1f} | "
                         f"{100 * tflops / cluster.gpu.peak_tflops:.1f} |")
-        e, h = fit_efficiency(lengths, measured, cluster.gpu.peak_tflops)
-        fits.append(f"{name}: attn_efficiency = {e:.3f}, attn_half_block = {h:.0f}")
+        curve = fit_curve(lengths, measured, cluster.gpu.peak_tflops)
+        fits.append(f"{name}: attn_efficiency = {curve.efficiency:.3f}, attn_half_block = {curve.half_block:.0f}")
     text = "\n".join(rows + ["", "Fitted (put into the cluster preset):"] + fits)
     text += f"\n\nCommand: python benchmarks/kernel_throughput.py {' '.join(sys.argv[1:])}\n"
     print(text)

@@ -27,8 +27,7 @@ from megatron_zeppelin.errors import InfeasibleError, exit_on_user_error
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.sampler.batch_sampler import PieceTable
-from megatron_zeppelin.sampler.lengths import load_lengths
-from megatron_zeppelin.sim.cli import resolve_lengths
+from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths
 from megatron_zeppelin.sim.timeline import decision_step_s
 from megatron_zeppelin.topology import load_cluster
 

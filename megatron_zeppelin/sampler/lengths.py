@@ -17,11 +17,26 @@ from pathlib import Path
 import numpy as np
 
 from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.presets import CONFIG_ROOT
 
 #: Longest document a lengths file may declare (2**40 tokens, about a trillion):
 #: anything longer is a corrupt or mis-typed file, and the sampler would try to
 #: allocate piece tables for it.
 MAX_DOCUMENT_TOKENS = 2**40
+
+
+def resolve_lengths(name_or_path: str) -> Path:
+    """A lengths file by path, or a bundled sample by name (``configs/lengths/<name>.npy``):
+    the one resolution the simulator, the trainer and the benchmarks share."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    bundled = CONFIG_ROOT / "lengths" / f"{name_or_path}.npy"
+    if bundled.is_file():
+        return bundled
+    names = sorted(p.stem for p in (CONFIG_ROOT / "lengths").glob("*.npy"))
+    raise ConfigError(f"lengths file {name_or_path!r} does not exist; pass a .npy or text file, or a "
+                      f"bundled sample: {', '.join(names)}")
 
 
 def load_lengths(path: str | os.PathLike) -> np.ndarray:

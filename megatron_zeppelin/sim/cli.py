@@ -30,9 +30,8 @@ from megatron_zeppelin.errors import ConfigError, InfeasibleError, exit_on_user_
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split
-from megatron_zeppelin.presets import CONFIG_ROOT
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
-from megatron_zeppelin.sampler.lengths import load_lengths
+from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths
 from megatron_zeppelin.sim.progress import Progress
 from megatron_zeppelin.schedule.trace import read_trace
 from megatron_zeppelin.sim.modeled_trace import (check_fits, from_settings, replay_trace, with_recorded_topology,
@@ -107,19 +106,6 @@ def build_replay_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help="model preset name or YAML file it ran")
     p.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
     return p
-
-
-def resolve_lengths(name_or_path: str) -> Path:
-    """A lengths file by path, or a bundled sample by name (``configs/lengths/<name>.npy``)."""
-    path = Path(name_or_path)
-    if path.exists():
-        return path
-    bundled = CONFIG_ROOT / "lengths" / f"{name_or_path}.npy"
-    if bundled.is_file():
-        return bundled
-    names = sorted(p.stem for p in (CONFIG_ROOT / "lengths").glob("*.npy"))
-    raise ConfigError(f"lengths file {name_or_path!r} does not exist; pass a .npy or text file, or a "
-                      f"bundled sample: {', '.join(names)}")
 
 
 def _check_positive(args: argparse.Namespace, *names: str) -> None:

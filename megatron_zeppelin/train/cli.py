@@ -12,6 +12,7 @@ from typing import Sequence
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
+from megatron_zeppelin.sampler.lengths import resolve_lengths
 from megatron_zeppelin.train.strategy_limits import check_strategy_holds
 from megatron_zeppelin.validation import (OneLineParser, check_float, check_input_file, check_int,
                                           check_output_dir, check_output_file)
@@ -36,7 +37,7 @@ class TrainConfig:
     model: str
     """Model preset name or YAML path."""
     lengths: str | None
-    """Document lengths file (synthetic token ids)."""
+    """Document lengths file (synthetic token ids); a bundled name is resolved to its file."""
     data: str | None
     """Megatron indexed dataset prefix (``PREFIX.bin`` / ``PREFIX.idx``)."""
     max_seq_len: int
@@ -231,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", required=True, choices=STRATEGIES)
     p.add_argument("--model", default="tiny", help="model preset name or YAML (default tiny)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--lengths", help="document lengths file (.npy or text); synthetic token ids")
+    src.add_argument("--lengths", help="document lengths: .npy / text file, or a bundled name under "
+                                       "configs/lengths/ (tiny-longtail, ...); synthetic token ids")
     src.add_argument("--data", help="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
     p.add_argument("--max-seq-len", type=int, required=True)
     p.add_argument("--tokens-per-gpu", type=int, required=True)
@@ -284,7 +286,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     a = build_parser().parse_args(argv)
     return TrainConfig(
         nodes=a.nodes, gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, cluster=a.cluster,
-        strategy=a.strategy, model=a.model, lengths=a.lengths, data=a.data, max_seq_len=a.max_seq_len,
+        strategy=a.strategy, model=a.model,
+        lengths=None if a.lengths is None else str(resolve_lengths(a.lengths)), data=a.data, max_seq_len=a.max_seq_len,
         tokens_per_gpu=a.tokens_per_gpu, steps=a.steps, seed=a.seed, lr=a.lr, dtype=a.dtype,
         routing=a.routing, min_routed_bytes=a.min_routed_bytes, remap=a.remap, batch_fill=a.batch_fill,
         tp=a.tp, sequence_parallel=a.sequence_parallel, ep=a.ep, micro_batches=a.micro_batches,
