@@ -39,9 +39,6 @@ sections = _load("gpu_sections")
 gpu_check = _load("gpu_check")
 TABLES = cal.load_tables(ROOT / "tests" / "benchmarks" / "fixtures" / "h200-2026-11-26.json")
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA path")
-#: The lead engineer's stream sections; expected to FAIL in the dry run ONLY while
-#: benchmarks/stream_checks.py does not exist yet.
-STREAM_SECTIONS = ("overhead", "concurrency", "delays", "syncs")
 
 
 @needs_no_cuda
@@ -65,13 +62,11 @@ def test_dry_run_passes_every_section(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     rows = re.findall(r"(?m)^\| (\w+) \| (PASS|\*\*FAIL\*\*|skipped) \|", out.read_text())
     assert [name for name, _ in rows] == list(gpu_check.NAMES), out.read_text()
-    missing = () if (ROOT / "benchmarks" / "stream_checks.py").is_file() else STREAM_SECTIONS
-    verdicts = {name: verdict for name, verdict in rows}
-    failed = [n for n, v in verdicts.items() if v != "PASS" and n not in missing]
+    failed = [name for name, verdict in rows if verdict != "PASS"]
     assert not failed, r.stdout + r.stderr + out.read_text()
     for name in gpu_check.NAMES:
         assert re.search(rf"(?m)^gpu_check: (PASS|FAIL) {name} \(\d+ s\): \S", r.stdout), r.stdout
-    assert r.returncode == (1 if missing else 0), r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_arguments():
