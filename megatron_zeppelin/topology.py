@@ -172,3 +172,25 @@ def load_cluster(name_or_path: str | os.PathLike, nodes: int | None = None) -> C
     if nodes is not None:
         cfg = cfg.with_nodes(nodes)
     return cfg
+
+
+def plan_topology(topology: Topology, world_size: int, tp: int, tp_rank: int) -> Topology:
+    """The data-parallel ranks of one tensor-parallel rank as a cluster of their own.
+
+    Megatron numbers ranks tensor-parallel-fastest (``rank = dp_rank * tp + tp_rank``
+    with pipeline and context parallel size 1), so a node holds ``gpus_per_node / tp``
+    data-parallel ranks; each keeps the NIC of its GPU.  With TP every per-rank cost
+    (attention, linear, ring bytes) shrinks by the same factor ``tp``, so the planner's
+    choices, which weigh these costs against each other, are those of the DP view.
+    """
+    g = topology.gpus_per_node
+    if world_size % g:
+        raise ConfigError(f"world size {world_size} is not a multiple of the cluster's {g} GPUs per node; "
+                          "pick a --zeppelin-cluster preset matching the nodes you launched")
+    if g % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the cluster's {g} GPUs per "
+                          "node; a TP group must stay inside one node")
+    nics = [topology.nic_affinity[local * tp + tp_rank] for local in range(g // tp)]
+    renumber = {nic: i for i, nic in enumerate(sorted(set(nics)))}
+    return Topology(nodes=world_size // g, gpus_per_node=g // tp, nics_per_node=len(renumber),
+                    nic_affinity=tuple(renumber[n] for n in nics))

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron_zeppelin.comm.base import ByteCounters, Message
 from megatron_zeppelin.comm.collectives import warm_up_nccl
 from megatron_zeppelin.comm.lanes import LaneRunner, StepRecorder, _Call
+from megatron_zeppelin.comm.p2p import TorchP2P
 from megatron_zeppelin.comm.streams import StreamOps
 from megatron_zeppelin.schedule.attention import Transport, add_transfer
 from megatron_zeppelin.schedule.ops import Op, Schedule, ScheduleBuilder
@@ -60,12 +61,15 @@ class LaneCommunicator:
     def __init__(self, group: dist.ProcessGroup | None, topology: Topology,
                  counters: ByteCounters | None = None, min_routed_bytes: float = math.inf, *,
                  dtype: torch.dtype | None = None, device: torch.device | None = None,
-                 timeout: timedelta | None = None, streams: StreamOps | None = None) -> None:
+                 timeout: timedelta | None = None, streams: StreamOps | None = None,
+                 inter_group: dist.ProcessGroup | None = None) -> None:
         """``min_routed_bytes``: messages crossing nodes at least this large are
         routed over every NIC (inf: never).  ``dtype``: element type of messages
         that do not carry their own itemsize (a proxy sizes its buffers from it).
         ``timeout``: the deadline of every wait (default ``lanes.DEFAULT_TIMEOUT``).
-        ``streams``: how the lanes reach streams (default: the device's own)."""
+        ``streams``: how the lanes reach streams (default: the device's own).
+        ``inter_group``: a second group over the same ranks for the inter-node lane
+        (NCCL: its own communicator and stream, ``comm/groups.py``); None: ``group``."""
         self.group = group
         self.topology = topology
         self.counters = counters if counters is not None else ByteCounters()
@@ -77,9 +81,14 @@ class LaneCommunicator:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         warm_up_nccl(group)  # collective: every rank builds the communicator
+        lane_p2p = None
+        if inter_group is not None:
+            warm_up_nccl(inter_group)
+            lane_p2p = {"inter": TorchP2P(inter_group)}
         self.device = device
         self.transport = Transport(topology, min_routed_bytes)
-        self.runner = LaneRunner(group, self.rank, self.counters, device=device, timeout=timeout, streams=streams)
+        self.runner = LaneRunner(group, self.rank, self.counters, device=device, timeout=timeout, streams=streams,
+                                 lane_p2p=lane_p2p)
         self._rounds: OrderedDict[tuple, tuple[Schedule, dict[int, int]]] = OrderedDict()
         """Round schedules by their messages: every layer of a step switches with the
         same ones, and rebuilding a routed round costs milliseconds at 64 ranks."""

@@ -37,11 +37,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.comm.collectives import torch_all_reduce_max
+from megatron_zeppelin.comm.groups import LaneGroups
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.integration.args import check_args, zeppelin_micro_batches
 from megatron_zeppelin.integration.checkpoint import data_state, restore_sampler
 from megatron_zeppelin.integration.data import SPLITS, DocumentBlend, open_blends
+from megatron_zeppelin.megatron.groups import data_parallel_comm_groups
 from megatron_zeppelin.integration.step_report import (StepClock, format_report, megatron_writers,
                                                         report_iteration, sum_over_ranks, write_report)
 from megatron_zeppelin.model_config import ModelConfig
@@ -53,7 +55,7 @@ from megatron_zeppelin.prefetch import Prefetcher
 from megatron_zeppelin.sampler import GlobalBatch, TokenBudgetSampler, batch_budget
 from megatron_zeppelin.sim.timeline import decision_step_s
 from megatron_zeppelin.step_context import StepContext
-from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
+from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster, plan_topology
 from megatron_zeppelin.train.batch import RankBatch, build_rank_batch
 
 
@@ -308,28 +310,6 @@ def model_config_from_args(args: Any) -> ModelConfig:
         dtype_bytes=2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4)
 
 
-def plan_topology(topology: Topology, world_size: int, tp: int, tp_rank: int) -> Topology:
-    """The data-parallel ranks of one tensor-parallel rank as a cluster of their own.
-
-    Megatron numbers ranks tensor-parallel-fastest (``rank = dp_rank * tp + tp_rank``
-    with pipeline and context parallel size 1), so a node holds ``gpus_per_node / tp``
-    data-parallel ranks; each keeps the NIC of its GPU.  With TP every per-rank cost
-    (attention, linear, ring bytes) shrinks by the same factor ``tp``, so the planner's
-    choices, which weigh these costs against each other, are those of the DP view.
-    """
-    g = topology.gpus_per_node
-    if world_size % g:
-        raise ConfigError(f"world size {world_size} is not a multiple of the cluster's {g} GPUs per node; "
-                          "pick a --zeppelin-cluster preset matching the nodes you launched")
-    if g % tp:
-        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the cluster's {g} GPUs per "
-                          "node; a TP group must stay inside one node")
-    nics = [topology.nic_affinity[local * tp + tp_rank] for local in range(g // tp)]
-    renumber = {nic: i for i, nic in enumerate(sorted(set(nics)))}
-    return Topology(nodes=world_size // g, gpus_per_node=g // tp, nics_per_node=len(renumber),
-                    nic_affinity=tuple(renumber[n] for n in nics))
-
-
 def build_plan_fn(planner: str, cost: CostModel, tokens_per_gpu: int, remap: bool,
                   time_limit_s: float, tp_size: int = 1, decide: bool = False) -> Callable[[Sequence[int]], Plan]:
     """``seq_lens -> validated Plan`` (the linear layout is the attention layout without remap).
@@ -344,30 +324,14 @@ def build_plan_fn(planner: str, cost: CostModel, tokens_per_gpu: int, remap: boo
     return lambda seq_lens: impl.plan(list(seq_lens), ctx).validate()
 
 
-def data_parallel_comm_group(tp: int, dp: int, timeout: timedelta | None = None) -> dist.ProcessGroup:
-    """A copy of this rank's data-parallel group for the communicator (its worker
-    thread issues transfers that must not interleave with Megatron's grad reduce).
-    ``timeout``: the group's own (``new_group``'s default is 30 minutes, not the world's)."""
-    from megatron.core import parallel_state as mpu
-
-    groups = [dist.new_group([d * tp + t for d in range(dp)], timeout=timeout)   # collective: all ranks
-              for t in range(tp)]
-    mine = groups[dist.get_rank() % tp]
-    expected = [d * tp + dist.get_rank() % tp for d in range(dp)]
-    if dist.get_process_group_ranks(mpu.get_data_parallel_group()) != expected:
-        raise ConfigError("Megatron's data-parallel group is not ordered tensor-parallel-fastest; run "
-                          "with the default --rank-order / parallelism order (tp-cp-ep-dp-pp)")
-    return mine
-
-
-def _build_communicator(group: dist.ProcessGroup, topology: Topology, cost: CostModel, routing: bool,
+def _build_communicator(groups: LaneGroups, topology: Topology, cost: CostModel, routing: bool,
                         timeout: timedelta, dtype: torch.dtype, device: torch.device) -> Any:
     if routing:
         from megatron_zeppelin.comm.routing import RoutedCommunicator, min_routed_bytes
-        return RoutedCommunicator(group, topology, min_routed_bytes=min_routed_bytes(cost), dtype=dtype,
-                                  device=device, timeout=timeout)
+        return RoutedCommunicator(groups.intra, topology, min_routed_bytes=min_routed_bytes(cost), dtype=dtype,
+                                  device=device, timeout=timeout, inter_group=groups.inter)
     from megatron_zeppelin.comm.direct import DirectCommunicator
-    return DirectCommunicator(group, topology, timeout=timeout, device=device)
+    return DirectCommunicator(groups.intra, topology, timeout=timeout, device=device, inter_group=groups.inter)
 
 
 def _resolve_cluster(args: Any, world_size: int, tp: int, tp_rank: int) -> ClusterConfig:
@@ -420,7 +384,7 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
     broadcast = broadcast_plan_from_rank0(device) if args.zeppelin_planner in PLAN_ON_ONE_RANK else None
     # Every wait on a peer has Megatron's own deadline (--distributed-timeout-minutes).
     timeout = timedelta(minutes=getattr(args, "distributed_timeout_minutes", 10))
-    communicator = _build_communicator(data_parallel_comm_group(tp, dp, timeout), own_cluster.topology, cost,
+    communicator = _build_communicator(data_parallel_comm_groups(tp, dp, timeout), own_cluster.topology, cost,
                                        routing, timeout,
                                        getattr(args, "params_dtype", torch.float32), device)
     backend = get_backend(args.zeppelin_backend)

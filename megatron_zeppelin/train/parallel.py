@@ -5,7 +5,7 @@ Megatron's default order), so a TP group is ``tp`` adjacent GPUs of one node.
 Plans place sequences over the ``world / tp`` data-parallel ranks: every GPU of a
 TP group holds the same tokens and ``1/tp`` of each layer's heads and MLP, and
 its engine and remap talk to the GPUs of the same TP rank in the other
-data-parallel ranks (:func:`~megatron_zeppelin.integration.hooks.data_parallel_comm_group`).
+data-parallel ranks (:func:`~megatron_zeppelin.megatron.groups.data_parallel_comm_groups`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from megatron_zeppelin.integration.hooks import plan_topology
-from megatron_zeppelin.topology import ClusterConfig
+from megatron_zeppelin.topology import ClusterConfig, plan_topology
 
 
 def data_parallel_view(cluster: ClusterConfig, world_size: int, tp: int, tp_rank: int) -> ClusterConfig:

@@ -30,7 +30,7 @@ from megatron_zeppelin.comm.collectives import torch_all_reduce_max
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.comm.deadline import Deadline
 from megatron_zeppelin.errors import ConfigError, PlanError, brief
-from megatron_zeppelin.integration.hooks import data_parallel_comm_group
+from megatron_zeppelin.megatron.groups import data_parallel_comm_groups
 from megatron_zeppelin.megatron import build_gpt_model, build_packed_seq_params
 from megatron_zeppelin.megatron.cpu_compat import apply_cpu_compat
 from megatron_zeppelin.model_config import ModelConfig
@@ -142,16 +142,17 @@ def make_communicator(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: Model
     communicator gets a group of its own so its transfers never interleave with
     the gradient all-reduce."""
     deadline = Deadline(cfg.timeout_s)
-    group = data_parallel_comm_group(cfg.tp, cluster.topology.world_size, timeout=deadline.timedelta)
+    groups = data_parallel_comm_groups(cfg.tp, cluster.topology.world_size, timeout=deadline.timedelta)
     if routing_on(cfg):
         from megatron_zeppelin.comm.routing import RoutedCommunicator, min_routed_bytes
         threshold = cfg.min_routed_bytes
         if threshold is None:
             threshold = 0.0 if device.type == "cpu" else min_routed_bytes(CostModel(cluster, model_cfg))
-        return RoutedCommunicator(group, cluster.topology, counters, threshold, dtype=dtype, device=device,
-                                  timeout=deadline.timedelta)
+        return RoutedCommunicator(groups.intra, cluster.topology, counters, threshold, dtype=dtype, device=device,
+                                  timeout=deadline.timedelta, inter_group=groups.inter)
     from megatron_zeppelin.comm.direct import DirectCommunicator
-    return DirectCommunicator(group, topology=cluster.topology, counters=counters, timeout=deadline.timedelta)
+    return DirectCommunicator(groups.intra, topology=cluster.topology, counters=counters, timeout=deadline.timedelta,
+                              inter_group=groups.inter)
 
 
 def routing_on(cfg: TrainConfig) -> bool:
