@@ -52,7 +52,8 @@ def test_an_unordered_read_of_another_streams_write_is_caught():
         s.check()
 
 
-def test_an_event_wait_orders_the_read():
+def _written_then_awaited() -> tuple[RecordingStreams, object, object, torch.Tensor]:
+    """Stream a writes ``x``; stream b waits on a's event after it."""
     s = RecordingStreams()
     a, b = s.new_stream(), s.new_stream()
     with s.use(a):
@@ -60,6 +61,11 @@ def test_an_event_wait_orders_the_read():
         ev = s.new_event()
         s.record(ev, a)
     s.wait_event(b, ev)
+    return s, a, b, x
+
+
+def test_an_event_wait_orders_the_read():
+    s, a, b, x = _written_then_awaited()
     with s.use(b):
         y = x[4:] * 2
     with s.use(a):
@@ -86,13 +92,7 @@ def test_waiting_on_an_event_never_recorded_orders_nothing():
 
 def test_a_free_under_another_streams_read_is_caught_unless_record_stream():
     for record in (False, True):
-        s = RecordingStreams()
-        a, b = s.new_stream(), s.new_stream()
-        with s.use(a):
-            x = torch.ones(8)
-            ev = s.new_event()
-            s.record(ev, a)
-        s.wait_event(b, ev)
+        s, a, b, x = _written_then_awaited()
         with s.use(b):
             x.sum()
             if record:
