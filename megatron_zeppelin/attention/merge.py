@@ -20,13 +20,18 @@ import torch
 
 def update_out_and_lse(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
                        block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge one block result into the running ``(out [t, h, d] fp32, lse [h, t] fp32)``;
-    ``None`` starts a new accumulator.  Returns the new pair (inputs are not modified)."""
+    """Merge one block result into the running ``(out [t, h, d] fp32, lse [h, t] fp32)``
+    **in place** (views of larger accumulators included); ``None`` starts a new
+    accumulator.  Returns the pair.  In place because a ring merges every block of
+    every step: the functional form cost about four full-size fp32 temporaries each."""
     acc = torch.promote_types(block_out.dtype, torch.float32)
     block_out = block_out.to(acc)
     block_lse = block_lse.to(torch.promote_types(block_lse.dtype, acc))
     if out is None:
         return block_out, block_lse
-    # weight of the new block per row: [h, t] -> [t, h, 1] to broadcast over d
+    # weight of the new block per row: [h, t] -> [t, h, 1] to broadcast over d;
+    # lerp: out + w (block - out) = exp(lse_A - lse) o_A + exp(lse_B - lse) o_B.
     w = torch.sigmoid(block_lse - lse).transpose(0, 1).unsqueeze(-1)
-    return out - w * (out - block_out), torch.logaddexp(lse, block_lse)
+    out.lerp_(block_out, w)
+    torch.logaddexp(lse, block_lse, out=lse)
+    return out, lse

@@ -76,7 +76,7 @@ class RingForward(RingPosition):
         kv = self.kv(step)
         for qs, ks, causal in self.blocks(step):
             bo, bl = backend.forward(self.q[qs], kv[0, ks], kv[1, ks], causal=causal, scale=scale)
-            self.acc[qs], self.lse[:, qs] = update_out_and_lse(self.acc[qs], self.lse[:, qs], bo, bl)
+            update_out_and_lse(self.acc[qs], self.lse[:, qs], bo, bl)          # in place
 
 
 class RingBackward(RingPosition):
