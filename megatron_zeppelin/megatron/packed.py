@@ -40,14 +40,18 @@ def build_packed_seq_params(spans: Sequence[Span], *, context: StepContext, devi
 
     With a plan, ``spans`` must be ``context.plan.attention_spans(context.rank)``;
     without one, each span must be a whole sequence (causal attention runs inside
-    each span).  ``cu_seqlens`` stay in host memory: Megatron's THD RoPE reads them
-    with ``.tolist()`` and one ``.item()`` per span, which on a GPU tensor would
-    stall the stream once per sequence; the position ids go to ``device``.
+    each span).  With a plan the buffer is ONE span: the engine takes its geometry
+    from the plan, and Megatron's THD RoPE, which reads ``cu_seqlens`` back with one
+    ``.item()`` per span, then applies the per-token frequencies in one pass.
+    ``cu_seqlens`` stay in host memory (a device tensor would stall the stream at
+    each read); the position ids go to ``device``, pinned and non-blocking.
     """
     lengths = [sp.length for sp in spans] + ([pad_tokens] if pad_tokens else [])
-    cu = torch.cumsum(torch.tensor([0] + lengths, dtype=torch.int32), 0, dtype=torch.int32)
-    positions = torch.cat([torch.arange(sp.start, sp.end) for sp in spans]
-                          + [torch.arange(pad_tokens)]).to(device)
+    spans_of_rope = [sum(lengths)] if context.plan is not None and lengths else lengths
+    cu = torch.cumsum(torch.tensor([0] + spans_of_rope, dtype=torch.int32), 0, dtype=torch.int32)
+    positions = torch.cat([torch.arange(sp.start, sp.end) for sp in spans] + [torch.arange(pad_tokens)])
+    positions = (positions.pin_memory().to(device, non_blocking=True) if device.type == "cuda"
+                 else positions.to(device))
     max_len = max(lengths, default=0)
     return ZeppelinPackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
