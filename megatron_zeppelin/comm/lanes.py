@@ -264,6 +264,14 @@ class _Call:
         self.held = list(self.landing.values())
         self.start_event = s.new_event()
         s.record(self.start_event, self.caller)
+        self.timed: list[tuple[dict[int, int], int, Any]] = []
+        """(trace.start_ns or trace.end_ns, op id, timed event): on CUDA the trace's
+        times are the device's, read from events once the call is done."""
+        self.zero = None
+        if trace is not None:
+            self.zero = s.new_event(timing=True)
+            s.record(self.zero, self.caller)
+            trace.begin_ns = time.monotonic_ns()
 
     def _what(self, op: Op, doing: str, cause: BaseException | None = None) -> Callable[[], str]:
         """The one line a missed deadline gives: this rank, the op, the peer (and,
@@ -363,8 +371,7 @@ class _Call:
                 landing = []
                 for op, work in zip(batch, works):
                     if op.rank == me:
-                        if self.trace is not None:
-                            self.trace.start_ns[op.id] = time.monotonic_ns()
+                        self._stamp(self.trace and self.trace.start_ns, op, stream)
                         sent.append((op, work))
                         self._count(op)
                     else:
@@ -374,8 +381,7 @@ class _Call:
                     event = s.new_event()
                     s.record(event, stream)
                     self.events[op.id] = event
-                    if self.trace is not None:
-                        self.trace.end_ns[op.id] = time.monotonic_ns()
+                    self._stamp(self.trace and self.trace.end_ns, op, stream)
                     self.done.mark(op.id)
             for op, work in sent:
                 self._wait_work(op, work, "sending")
@@ -424,14 +430,12 @@ class _Call:
             pending.remove(op)
             for d in op.deps:                                # rule 3
                 s.wait_event(self.caller, self.events[d])
-            start = time.monotonic_ns()
+            self._stamp(self.trace and self.trace.start_ns, op, self.caller)
             self.binding.compute(op)
             event = s.new_event()
             s.record(event, self.caller)
             self.events[op.id] = event
-            if self.trace is not None:
-                self.trace.start_ns[op.id] = start
-                self.trace.end_ns[op.id] = time.monotonic_ns()
+            self._stamp(self.trace and self.trace.end_ns, op, self.caller)
             self.done.mark(op.id)
 
     def wait(self) -> None:
@@ -453,4 +457,22 @@ class _Call:
         self.held.clear()
         self.in_transit.clear()
         if self.trace is not None:
+            self._device_times()
             self.trace.finish_ns = time.monotonic_ns()
+
+    def _stamp(self, times: dict[int, int] | None, op: Op, stream: Any) -> None:
+        """``times[op] = now``: the host's clock, and on CUDA a timed event on ``stream``
+        that :meth:`_device_times` turns into the device's time."""
+        if times is None:
+            return
+        times[op.id] = time.monotonic_ns()
+        event = self.r.streams.new_event(timing=True)
+        self.r.streams.record(event, stream)
+        self.timed.append((times, op.id, event))
+
+    def _device_times(self) -> None:
+        """Replace host stamps by device times (CUDA), on the host clock of the call's start."""
+        for times, op_id, event in self.timed:
+            ms = self.r.streams.elapsed_ms(self.zero, event)
+            if ms is not None:
+                times[op_id] = self.trace.begin_ns + round(ms * 1e6)

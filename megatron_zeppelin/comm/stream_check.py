@@ -153,8 +153,11 @@ class RecordingStreams:
             return contextlib.nullcontext()
         return _ThreadMode(self)
 
-    def new_event(self) -> RecordedEvent:
+    def new_event(self, timing: bool = False) -> RecordedEvent:
         return RecordedEvent()
+
+    def elapsed_ms(self, start: RecordedEvent, end: RecordedEvent) -> None:
+        return None
 
     def record(self, event: RecordedEvent, stream: RecordedStream) -> None:
         with self._lock:

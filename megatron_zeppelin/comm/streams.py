@@ -43,8 +43,13 @@ class StreamOps(Protocol):
         """Entered once by every worker thread before it enqueues anything (CUDA:
         selects the device, which a new thread does not inherit)."""
 
-    def new_event(self) -> Any:
-        """An event, not yet recorded."""
+    def new_event(self, timing: bool = False) -> Any:
+        """An event, not yet recorded (``timing``: it can be timed, for ``--dump-trace``)."""
+
+    def elapsed_ms(self, start: Any, end: Any) -> float | None:
+        """Device milliseconds from ``start`` to ``end`` (timed events; waits for
+        ``end``: only a trace dump calls it), or None where the host's clock is the
+        device's (the CPU)."""
 
     def record(self, event: Any, stream: Any) -> None:
         """``event`` marks everything enqueued on ``stream`` so far."""
@@ -82,8 +87,12 @@ class CudaStreams:
     def lane_thread(self) -> ContextManager:
         return torch.cuda.device(self.device)
 
-    def new_event(self) -> torch.cuda.Event:
-        return torch.cuda.Event()
+    def new_event(self, timing: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=timing)
+
+    def elapsed_ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        end.synchronize()
+        return start.elapsed_time(end)
 
     def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
         event.record(stream)
@@ -130,8 +139,11 @@ class HostStreams:
     def lane_thread(self) -> ContextManager:
         return contextlib.nullcontext()
 
-    def new_event(self) -> object:
+    def new_event(self, timing: bool = False) -> object:
         return object()
+
+    def elapsed_ms(self, start: Any, end: Any) -> None:
+        return None
 
     def record(self, event: Any, stream: Any) -> None:
         pass

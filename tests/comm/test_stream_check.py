@@ -212,3 +212,49 @@ def test_a_ring_step_is_one_wave_and_tiers_use_their_own_lanes():
             assert len(ops) == k and {sched.wave(op.id) for op in ops} == {step}
     lanes = {(op.rank // 2 != op.peer // 2, lane_of(op)) for op in sched.ops if op.is_comm}
     assert lanes == {(True, "inter"), (False, "intra")}
+
+
+class _TimedStreams(HostStreams):
+    """Host streams whose events carry a fake device clock: 1 ms per record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ticks = 0
+
+    def new_event(self, timing: bool = False):
+        return SimpleNamespace(t=None)
+
+    def record(self, event, stream) -> None:
+        self.ticks += 1
+        event.t = self.ticks
+
+    def elapsed_ms(self, start, end) -> float:
+        return float(end.t - start.t)
+
+
+def test_traces_take_the_devices_times():
+    """On CUDA a trace's op times come from timed events (the device's clock), not
+    from when the host enqueued the op: every stamp is the call's begin plus the
+    events' elapsed time."""
+    from loopback import LoopbackCommunicator, LoopbackHub, run_ranks
+
+    from megatron_zeppelin.comm.lanes import StepRecorder
+
+    plan = stream_checks.cases(2)[1].plan                       # a ring of 2 and locals
+    streams = _TimedStreams()
+    hub = LoopbackHub(2, torch.device("cpu"), streams)
+    recorders = [StepRecorder() for _ in range(2)]
+    seqs = random_sequences(plan, 4, 2, 8, torch.float32, 0)
+
+    def rank(r):
+        comm = LoopbackCommunicator(hub, r)
+        comm.recorder = recorders[r]
+        spans = plan.attention_spans(r)
+        q, k, v = (torch.cat([seqs[sp.seq][i][sp.start:sp.end] for sp in spans]) for i in range(3))
+        plan_attention(q, k, v, plan=plan, rank=r, comm=comm, backend=TorchBackend())
+
+    run_ranks(hub, rank)
+    for rec in recorders:
+        (trace,) = rec.calls
+        stamps = {**trace.start_ns, **trace.end_ns}.values()
+        assert stamps and all((t - trace.begin_ns) % 1_000_000 == 0 and t > trace.begin_ns for t in stamps)
