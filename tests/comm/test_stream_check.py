@@ -258,3 +258,15 @@ def test_traces_take_the_devices_times():
         (trace,) = rec.calls
         stamps = {**trace.start_ns, **trace.end_ns}.values()
         assert stamps and all((t - trace.begin_ns) % 1_000_000 == 0 and t > trace.begin_ns for t in stamps)
+
+
+def test_stream_overlap_counts_lane_time_beside_compute():
+    """Lane streams are those that copy; their copies and sleep kernels are transfer
+    time; compute is any kernel on another stream."""
+    def event(cat, ts, dur, stream, name="k"):
+        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": name, "args": {"stream": stream}}
+
+    trace = {"traceEvents": [event("kernel", 0, 10, 7), event("kernel", 12, 10, 7),     # compute stream 7
+                             event("gpu_memcpy", 5, 10, 20), event("kernel", 30, 4, 20, "spin_kernel"),
+                             event("kernel", 40, 4, 20, "other")]}                     # not transfer time
+    assert stream_checks.stream_overlap(trace) == (14, 5 + 3)
