@@ -3,7 +3,6 @@ run a two-rank ring exactly as plain attention, and one failed rank stops them a
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -18,9 +17,7 @@ from tests.attention.helpers import make_plan, random_sequences, reference
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-_spec = importlib.util.spec_from_file_location("loopback", ROOT / "benchmarks" / "loopback.py")
-loopback = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(loopback)
+import loopback  # noqa: E402  (benchmarks/ is on the path only now)
 
 
 def test_loopback_ring_equals_plain_attention():
