@@ -1,0 +1,197 @@
+"""Issue 24's five cases: a diverged run stops and never compares equal, a
+checkpoint is never silently replaced or silently wrong, a log never lands in
+an input, and a huge document is refused before any table is built."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_zeppelin.errors import exit_on_user_error
+from megatron_zeppelin.train import compare
+from megatron_zeppelin.train.__main__ import main
+from megatron_zeppelin.train.checkpoint import LATEST
+
+LENGTHS = [300, 40, 20, 200, 140, 5, 12, 5, 200, 30, 5, 40, 12, 30, 30, 200, 8, 380, 64, 30, 12, 90, 200, 250]
+
+
+@pytest.fixture(scope="module")
+def lengths_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "lengths.txt"
+    path.write_text("\n".join(map(str, LENGTHS)) + "\n")
+    return path
+
+
+def argv(lengths_file, *extra: str, steps: int = 2) -> list[str]:
+    """A 2-rank reference run of the tiny model: about 2 s a step on 2 loaded cores."""
+    return ["--nodes", "1", "--gpus-per-node", "2", "--strategy", "reference", "--lengths", str(lengths_file),
+            "--max-seq-len", "256", "--tokens-per-gpu", "192", "--steps", str(steps), "--seed", "3", "--quiet",
+            "--timeout", "30", *extra]
+
+
+def run(capsys, args: list[str]) -> tuple[int, list[str]]:
+    """Exit status and stderr lines of one trainer run."""
+    code = 0
+    try:
+        main(args)
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def log_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def saved(lengths_file, tmp_path_factory):
+    """A finished 2-step run: its checkpoint folder and log."""
+    tmp = tmp_path_factory.mktemp("saved")
+    main(argv(lengths_file, "--save", str(tmp / "ckpt"), "--json-log", str(tmp / "log.jsonl")))
+    return tmp / "ckpt", tmp / "log.jsonl"
+
+
+# ------------------------------------------------------------ 1. divergence
+def test_a_diverged_run_stops_in_that_step_with_one_line(lengths_file, tmp_path, capsys):
+    log = tmp_path / "nan.jsonl"
+    code, err = run(capsys, argv(lengths_file, "--lr", "1e10", "--json-log", str(log), "--save",
+                                 str(tmp_path / "ckpt"), steps=4))
+    assert code == 1 and len(err) == 1, err
+    assert "training diverged at step 1: rank 0's loss is nan" in err[0] and "--lr (now 1e+10)" in err[0]
+    assert [r["step"] for r in log_lines(log)] == [0]              # the diverged step is not logged
+    assert not (tmp_path / "ckpt" / LATEST).exists()               # nor saved
+
+
+def compare_run(capsys, *args: str) -> tuple[int, str]:
+    try:
+        code = exit_on_user_error(lambda: compare.main([str(a) for a in args]))
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def with_losses(source: Path, target: Path, losses: list[float]) -> Path:
+    lines = log_lines(source)
+    target.write_text("".join(json.dumps({**r, "loss": x}) + "\n" for r, x in zip(lines, losses)))
+    return target
+
+
+@pytest.mark.parametrize("ours, theirs", [(math.nan, math.nan), (math.nan, None), (None, math.inf),
+                                          (-math.inf, -math.inf)])
+def test_compare_never_calls_a_non_finite_loss_equal(saved, tmp_path, capsys, ours, theirs):
+    log = saved[1]
+    real = [r["loss"] for r in log_lines(log)]
+    a = with_losses(log, tmp_path / "a.jsonl", [real[0], real[1] if ours is None else ours])
+    b = with_losses(log, tmp_path / "b.jsonl", [real[0], real[1] if theirs is None else theirs])
+    code, out = compare_run(capsys, a, b)
+    assert code == 1 and "not finite" in out and "DIFFERS" in out and "equal to the reference" not in out
+    assert compare_run(capsys, log, log)[0] == 0
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"step": 1, "loss": 2.0}', ":2: not a trainer step record (no 'num_tokens'"),
+    ('[1, 2]', ":2: not a trainer step record (a JSON list, not an object)"),
+    ('{"step": 1, "loss": "2", "num_tokens": 5}', ":2: not a trainer step record ('loss' is '2', not a number)"),
+    ('{"step": 1', ":2: not JSON (Expecting"),
+])
+def test_compare_cites_the_bad_line_without_a_traceback(saved, tmp_path, capsys, line, message):
+    first = saved[1].read_text().splitlines()[0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(f"{first}\n{line}\n")
+    code, out = compare_run(capsys, bad, saved[1])
+    assert code == 2 and out.strip().splitlines() == [out.strip()] and f"{bad}{message}" in out
+
+
+# ----------------------------------------------------------- 2. checkpoints
+def test_saving_over_another_runs_checkpoint_is_refused(lengths_file, saved, tmp_path, capsys):
+    ckpt = saved[0]
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    code, err = run(capsys, argv(lengths_file, "--save", str(ckpt), steps=1))
+    assert code == 2 and len(err) == 1
+    assert f"--save {str(ckpt)!r} already holds a checkpoint (step_000002.pt) of another run" in err[0]
+    assert f"pass --load {ckpt} to resume" in err[0]
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+
+
+def test_damaged_weights_are_refused_naming_the_file(lengths_file, saved, tmp_path, capsys):
+    from tests.reliability.test_checkpoint import overwrite_tensor_data
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for p in saved[0].iterdir():
+        (ckpt / p.name).write_bytes(p.read_bytes())
+    overwrite_tensor_data(ckpt / "step_000002.pt")
+    code, err = run(capsys, argv(lengths_file, "--load", str(ckpt), steps=3))
+    assert code == 2 and err == [f"megatron_zeppelin.train: error: {ckpt}/step_000002.pt: contents do not match "
+                                 "the SHA-256 in step_000002.pt.sha256; the file is damaged -- load another --save "
+                                 "directory or start without --load"]
+
+
+@pytest.mark.parametrize("change, said", [(("--tokens-per-gpu", "256"), "--tokens-per-gpu 192 -> 256"),
+                                          (("--gpus-per-node", "1", "--tokens-per-gpu", "384"),
+                                           "--nodes x --gpus-per-node 2 -> 1; --tokens-per-gpu 192 -> 384"),
+                                          (("--micro-batches", "2"), "--micro-batches 1 -> 2")])
+def test_a_resume_of_another_shape_is_refused(lengths_file, saved, capsys, change, said):
+    args = argv(lengths_file, "--load", str(saved[0]), steps=3)
+    for flag, value in zip(change[::2], change[1::2]):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    code, err = run(capsys, args)
+    assert code == 2 and len(err) == 1 and f"saved by a run of another shape ({said})" in err[0]
+
+
+def test_save_interval_keeps_the_loaded_checkpoint_and_only_this_runs_newest(lengths_file, saved, tmp_path,
+                                                                             capsys):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for p in saved[0].iterdir():
+        (ckpt / p.name).write_bytes(p.read_bytes())
+    log = tmp_path / "resumed.jsonl"
+    code, err = run(capsys, argv(lengths_file, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "1",
+                                 "--json-log", str(log), steps=4))
+    assert (code, err) == (0, [])
+    # step 2 was loaded (not this run's): kept; step 3 was this run's: replaced by step 4.
+    assert sorted(p.name for p in ckpt.iterdir()) == [LATEST, "step_000002.pt", "step_000002.pt.sha256",
+                                                      "step_000004.pt", "step_000004.pt.sha256"]
+    # Saving every step leaves the training as it was: the same losses as an uninterrupted run.
+    whole = tmp_path / "whole.jsonl"
+    assert run(capsys, argv(lengths_file, "--json-log", str(whole), steps=4)) == (0, [])
+    assert [(r["step"], r["loss"]) for r in log_lines(log)] == [(r["step"], r["loss"]) for r in log_lines(whole)[2:]]
+
+
+# ------------------------------------------------------ 3. outputs vs inputs
+def test_a_log_into_the_lengths_file_is_refused(lengths_file, tmp_path, capsys):
+    before = lengths_file.read_bytes()
+    code, err = run(capsys, argv(lengths_file, "--json-log", str(lengths_file)))
+    assert code == 2 and err == [f"megatron_zeppelin.train: error: --json-log {str(lengths_file)!r} is the "
+                                 "--lengths input; writing there would destroy it: pass another path"]
+    assert lengths_file.read_bytes() == before
+
+
+def test_a_second_run_into_a_log_needs_append_and_compare_reads_the_last(lengths_file, saved, tmp_path, capsys):
+    log = tmp_path / "two.jsonl"
+    log.write_text(saved[1].read_text())
+    code, err = run(capsys, argv(lengths_file, "--json-log", str(log), steps=1))
+    assert code == 2 and len(err) == 1 and "already holds" in err[0] and "--append-log" in err[0]
+    assert run(capsys, argv(lengths_file, "--json-log", str(log), "--append-log")) == (0, [])
+    lines = log.read_text().splitlines()
+    assert len(lines) == 5 and "run_start" in json.loads(lines[2])
+    code, out = compare_run(capsys, log, saved[1])
+    assert code == 0 and f"{log} holds 2 appended runs; comparing the last one" in out
+    assert "largest relative loss difference 0.0e+00 over 2 steps" in out   # same seed, same batches
+
+
+# --------------------------------------------------------- 4. sizes bounded
+def test_one_huge_document_is_refused_before_any_table(tmp_path, capsys):
+    huge = tmp_path / "huge.npy"
+    np.save(huge, np.array([10**12], dtype=np.int64))
+    code, err = run(capsys, argv(huge, steps=1))
+    assert code == 2 and len(err) == 1, err
+    assert "3906250000 pieces" in err[0] and "--max-seq-len" in err[0]
