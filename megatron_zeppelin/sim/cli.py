@@ -33,6 +33,7 @@ from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split
 from megatron_zeppelin.presets import CONFIG_ROOT
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
+from megatron_zeppelin.sampler.batch_sampler import check_piece_memory
 from megatron_zeppelin.sampler.lengths import load_lengths
 from megatron_zeppelin.sim.progress import Progress
 from megatron_zeppelin.schedule.trace import read_trace
@@ -307,7 +308,9 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
     tokens_per_batch = args.tokens_per_batch or args.micro_batches * batch_budget(
         args.tokens_per_gpu, world, args.max_seq_len, args.batch_fill)
     check_batch_tokens(tokens_per_batch, "--tokens-per-batch")
-    batches = sample_batches(load_lengths(lengths_path), max_seq_len=args.max_seq_len,
+    lengths = load_lengths(lengths_path)
+    check_piece_memory(lengths, args.max_seq_len, str(lengths_path))
+    batches = sample_batches(lengths, max_seq_len=args.max_seq_len,
                              tokens_per_batch=tokens_per_batch, steps=args.steps, seed=args.seed)
     split = micro_batch_split(args.micro_batches, tokens_per_gpu=args.tokens_per_gpu, data_parallel_size=world,
                               max_seq_len=args.max_seq_len, batch_fill=args.batch_fill, cost=cost)

@@ -127,8 +127,8 @@ def _snapshot(root: Path) -> dict[str, str]:
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
 
 
-def run_case(case: Case, work: Path) -> str | None:
-    """None if the case behaved; else what went wrong."""
+def run_case(case: Case, work: Path) -> tuple[str | None, int | None]:
+    """(None if the case behaved, else what went wrong; its exit status)."""
     err, out = work / f"err-{os.getpid()}.txt", work / f"out-{os.getpid()}.txt"
     inputs = work / "in"
     before = _snapshot(inputs)
@@ -141,25 +141,25 @@ def run_case(case: Case, work: Path) -> str | None:
     if proc.is_alive():
         proc.kill()
         proc.join()
-        return f"still running after {TIME_CAP_S:g} s"
+        return f"still running after {TIME_CAP_S:g} s", None
     text = err.read_text(errors="replace")
     lines = text.strip().splitlines()
     code = proc.exitcode
     allowed = {0, 1} if case.cli == "compare" else {0}
     if code < 0:
-        return f"killed by signal {-code} after {seconds:.1f} s (memory cap?)"
+        return f"killed by signal {-code} after {seconds:.1f} s (memory cap?)", code
     if "Traceback" in text:
-        return f"traceback (exit {code}): {text[-600:]}"
+        return f"traceback (exit {code}): {text[-600:]}", code
     if code == 2 and len(lines) != 1:
-        return f"exit 2 with {len(lines)} stderr lines: {lines[:4]}"
+        return f"exit 2 with {len(lines)} stderr lines: {lines[:4]}", code
     if code != 2 and (code not in allowed or lines):
-        return f"exit {code}, stderr {lines[:3]}"
+        return f"exit {code}, stderr {lines[:3]}", code
     changed = {p for p, h in _snapshot(inputs).items() if before.get(p) != h} | (set(before) - set(_snapshot(inputs)))
     named = {str(Path(o)) for o in case.outputs}
     stray = sorted(p for p in changed if not any(p == o or p.startswith(o + os.sep) for o in named))
     if stray:
-        return f"changed files it does not name as outputs: {stray}"
-    return None
+        return f"changed files it does not name as outputs: {stray}", code
+    return None, code
 
 
 # ------------------------------------------------------------------ mutations
@@ -303,12 +303,13 @@ def preset_cases(rng: random.Random, inp: Inputs) -> list[Case]:
 
 def plan_cases(rng: random.Random, inp: Inputs, plan: dict) -> list[Case]:
     out = []
-    for _ in range(CASES):
+    for k in range(CASES):
         doc, what = mutate_value(rng, plan)
+        data = json.dumps(doc).encode()
         if rng.random() < 0.2:
-            data, what = mutate_bytes(rng, json.dumps(plan).encode())
-        else:
-            data = json.dumps(doc).encode()
+            data, what = mutate_bytes(rng, data)
+        if k == 0:      # the first case of a family is always refused: an empty file
+            data, what = b"", "emptied"
         path = inp.file(".json", data)
         json_out = inp.output("plan-time.json")
         out.append(Case("plans", "sim", ["--plan", path, "--cluster", "cpu-sim", "--model", "tiny", "--json",
@@ -318,9 +319,11 @@ def plan_cases(rng: random.Random, inp: Inputs, plan: dict) -> list[Case]:
 
 def trace_cases(rng: random.Random, inp: Inputs, trace: dict) -> list[Case]:
     out = []
-    for _ in range(CASES):
+    for k in range(CASES):
         doc, what = mutate_value(rng, trace)
-        path = inp.file(".json", json.dumps(doc).encode())
+        data = b"" if k == 0 else json.dumps(doc).encode()
+        what = "emptied" if k == 0 else what
+        path = inp.file(".json", data)
         out.append(Case("traces", "sim", ["replay", path, "--cluster", "cpu-sim", "--model", "tiny"], what=what))
     return out
 
@@ -328,13 +331,15 @@ def trace_cases(rng: random.Random, inp: Inputs, trace: dict) -> list[Case]:
 def log_cases(rng: random.Random, inp: Inputs, log: list[dict]) -> list[Case]:
     out = []
     good = inp.file(".jsonl", "".join(json.dumps(r) + "\n" for r in log).encode())
-    for _ in range(CASES):
+    for k in range(CASES):
         i = rng.randrange(len(log))
         records = copy.deepcopy(log)
         records[i], what = mutate_value(rng, records[i])
         data = "".join(json.dumps(r) + "\n" for r in records).encode()
         if rng.random() < 0.2:
             data, what = mutate_bytes(rng, data)
+        if k == 0:
+            data, what = b"", "emptied"
         bad = inp.file(".jsonl", data)
         out.append(Case("logs", "compare", [bad, good] if rng.random() < 0.5 else [good, bad], what=what))
     return out
@@ -482,5 +487,28 @@ def test_fuzzed_inputs_get_one_line_and_change_nothing(family, seeds, tmp_path, 
     inp = Inputs(tmp_path)
     extra = {"plans": (plan,), "traces": (trace,), "logs": (log,)}.get(family, ())
     cases = FAMILIES[family](rng, inp, *extra)
-    failures = [f"{c.cli} {c.what}: {problem}" for c in cases if (problem := run_case(c, tmp_path))]
+    results = [(c, *run_case(c, tmp_path)) for c in cases]
+    failures = [f"{c.cli} {c.what}: {problem}" for c, problem, _ in results if problem]
     assert not failures, "\n".join(failures)
+    # A family whose mutations all stayed valid would test nothing.
+    assert any(code == 2 for _, _, code in results), [c.what for c in cases]
+
+
+def test_the_harness_sees_a_traceback_a_hang_a_memory_blowup_and_a_stray_write(tmp_path, monkeypatch):
+    inp = Inputs(tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "TIME_CAP_S", 1.0)
+
+    def stray_write(argv: list[str]) -> int:
+        inp.lengths.write_text("1\n")
+        return 0
+
+    fakes = {"boom": lambda argv: 1 // 0, "hang": lambda argv: time.sleep(60),
+             "hog": lambda argv: len(bytearray(4 * MEMORY_HEADROOM)), "stray": stray_write,
+             "two-lines": lambda argv: print("a\nb", file=sys.stderr) or 2}
+    monkeypatch.setattr(sys.modules[__name__], "CLIS", {**CLIS, **fakes})
+    problems = {name: run_case(Case("self-test", name, []), tmp_path)[0] for name in fakes}
+    assert problems["boom"].startswith("traceback (exit 98)") and "ZeroDivisionError" in problems["boom"]
+    assert problems["hang"] == "still running after 1 s"
+    assert "MemoryError" in problems["hog"]
+    assert problems["stray"] == f"changed files it does not name as outputs: {[str(inp.lengths)]}"
+    assert problems["two-lines"] == "exit 2 with 2 stderr lines: ['a', 'b']"
