@@ -97,7 +97,7 @@ def read_trace(path: str | Path) -> tuple[Schedule, dict[str, Any], dict[int, tu
         known = fields.setdefault(op["id"], op)
         if known != op:
             raise ConfigError(f"trace {name!r}: op {op['id']} appears with two different descriptions")
-        sides.setdefault(op["id"], set()).add(ev.get("tid"))
+        sides.setdefault(op["id"], set()).add(str(ev.get("tid")))   # str: a malformed tid may be unhashable
         s0, e0 = times.get(op["id"], (start, end))
         times[op["id"]] = (min(s0, start), max(e0, end))
     ids = sorted(fields)

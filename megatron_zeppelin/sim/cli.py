@@ -171,7 +171,7 @@ def _simulate(args: argparse.Namespace, progress: Progress) -> SimResult:
         if step == args.plot_step and name == traced:
             traced_plan.append(plan)
 
-    progress.total = max(len(batches) * len(strategies), 1)
+    progress.set_total(len(batches) * len(strategies))
     result = simulate(batches, strategies, tokens_per_gpu=args.tokens_per_gpu,
                       time_limit_s=args.flexsp_time_limit, plot_step=args.plot_step,
                       on_plan=on_plan, progress=progress, split=split)
@@ -220,10 +220,10 @@ def run_plan(args: argparse.Namespace) -> float:
 def run_replay(args: argparse.Namespace) -> float:
     """``replay``: re-time a trace's ops and dependencies with the cost model."""
     check_outputs(args, {"trace": args.trace, **preset_files(args)}, flags=("--json",))
-    schedule, meta, _ = read_trace(args.trace)
     gpn = load_cluster(args.cluster).topology.gpus_per_node
-    nodes = args.nodes or max(schedule.world_size // gpn, 1)
     with malformed(f"trace {str(args.trace)!r}", "a Chrome trace written by train --dump-trace or sim --trace"):
+        schedule, meta, _ = read_trace(args.trace)
+        nodes = args.nodes or max(schedule.world_size // gpn, 1)
         cost = with_recorded_topology(CostModel(load_cluster(args.cluster, nodes=nodes), load_model(args.model)),
                                       meta.get("engine"), args.nodes)
         step_s = replay_trace(schedule, meta, cost, str(args.trace))

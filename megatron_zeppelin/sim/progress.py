@@ -23,7 +23,9 @@ class Progress:
 
     def __init__(self, total: int, *, stream: TextIO | None = None, enabled: bool | None = None,
                  width: int = 30, heartbeat_s: float = HEARTBEAT_S) -> None:
-        """``enabled``: True the bar, False nothing, None the bar on a terminal, else the lines."""
+        """``total``: units of work (0: not known yet, see :meth:`set_total`);
+        ``enabled``: True the bar, False nothing, None the bar on a terminal, else the lines."""
+        self.known = total > 0
         self.total = max(total, 1)
         self.done = 0
         self.label = "sampling batches"
@@ -36,10 +38,14 @@ class Progress:
         if enabled is None and not tty:
             threading.Thread(target=self._beat, args=(heartbeat_s,), name="sim-progress", daemon=True).start()
 
+    def set_total(self, total: int) -> None:
+        """The units of work, once known (the lines count them from then on)."""
+        self.total, self.known = max(total, 1), True
+
     def _beat(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
-            self.stream.write(f"progress: {self.done}/{self.total} plans, {time.monotonic() - self._start:.0f} s, "
-                              f"{self.label}\n")
+            counted = f"{self.done}/{self.total} plans, " if self.known else ""
+            self.stream.write(f"progress: {counted}{time.monotonic() - self._start:.0f} s, {self.label}\n")
             self.stream.flush()
 
     def advance(self, label: str = "") -> None:

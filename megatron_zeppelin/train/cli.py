@@ -184,7 +184,7 @@ class TrainConfig:
         return self
 
 
-    def inputs(self) -> dict[str, str | None]:
+    def inputs(self) -> dict[str, str]:
         """Every file this run reads, by the flag that names it."""
         files = {"--lengths": self.lengths, "--model": self.model, "--cluster": self.cluster}
         files = {flag: path for flag, path in files.items() if path is not None and Path(path).is_file()}

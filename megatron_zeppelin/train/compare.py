@@ -166,4 +166,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.argv[0] = "megatron_zeppelin.train.compare"   # error lines name the command, not compare.py
     sys.exit(exit_on_user_error(main))

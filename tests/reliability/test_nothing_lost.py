@@ -35,13 +35,14 @@ def argv(lengths_file, *extra: str, steps: int = 2) -> list[str]:
 
 
 def run(capsys, args: list[str]) -> tuple[int, list[str]]:
-    """Exit status and stderr lines of one trainer run."""
+    """Exit status and stderr lines of one trainer run (an error line without
+    its ``PROG: error: `` prefix, which follows ``sys.argv[0]``)."""
     code = 0
     try:
         main(args)
     except SystemExit as exc:
         code = exc.code
-    return code, capsys.readouterr().err.strip().splitlines()
+    return code, [line.split(": error: ", 1)[-1] for line in capsys.readouterr().err.strip().splitlines()]
 
 
 def log_lines(path: Path) -> list[dict]:
@@ -127,7 +128,7 @@ def test_damaged_weights_are_refused_naming_the_file(lengths_file, saved, tmp_pa
         (ckpt / p.name).write_bytes(p.read_bytes())
     overwrite_tensor_data(ckpt / "step_000002.pt")
     code, err = run(capsys, argv(lengths_file, "--load", str(ckpt), steps=3))
-    assert code == 2 and err == [f"megatron_zeppelin.train: error: {ckpt}/step_000002.pt: contents do not match "
+    assert code == 2 and err == [f"{ckpt}/step_000002.pt: contents do not match "
                                  "the SHA-256 in step_000002.pt.sha256; the file is damaged -- load another --save "
                                  "directory or start without --load"]
 
@@ -170,7 +171,7 @@ def test_save_interval_keeps_the_loaded_checkpoint_and_only_this_runs_newest(len
 def test_a_log_into_the_lengths_file_is_refused(lengths_file, tmp_path, capsys):
     before = lengths_file.read_bytes()
     code, err = run(capsys, argv(lengths_file, "--json-log", str(lengths_file)))
-    assert code == 2 and err == [f"megatron_zeppelin.train: error: --json-log {str(lengths_file)!r} is the "
+    assert code == 2 and err == [f"--json-log {str(lengths_file)!r} is the "
                                  "--lengths input; writing there would destroy it: pass another path"]
     assert lengths_file.read_bytes() == before
 
