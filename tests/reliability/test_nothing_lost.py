@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatron_zeppelin import resources
 from megatron_zeppelin.errors import exit_on_user_error
 from megatron_zeppelin.train import compare
 from megatron_zeppelin.train.__main__ import main
@@ -190,9 +191,24 @@ def test_a_second_run_into_a_log_needs_append_and_compare_reads_the_last(lengths
 
 
 # --------------------------------------------------------- 4. sizes bounded
-def test_one_huge_document_is_refused_before_any_table(tmp_path, capsys):
+def test_one_huge_document_trains_without_a_piece_table(tmp_path, capsys):
+    """The issue's case: one 10**12-token document (3.9e9 pieces at --max-seq-len 256) used to
+    build a 10**9-piece table per rank and get a rank OOM-killed; now each rank lists no piece
+    (sampler/long_documents.py) and the run trains (its memory: tests/sampler/test_long_documents.py)."""
     huge = tmp_path / "huge.npy"
     np.save(huge, np.array([10**12], dtype=np.int64))
-    code, err = run(capsys, argv(huge, steps=1))
-    assert code == 2 and len(err) == 1, err
-    assert "3906250000 pieces" in err[0] and "--max-seq-len" in err[0]
+    log = tmp_path / "huge.jsonl"
+    assert run(capsys, argv(huge, "--json-log", str(log), steps=2)) == (0, [])
+    assert [(r["step"], r["num_tokens"]) for r in log_lines(log)] == [(0, 256), (1, 256)]
+
+
+def test_a_machine_too_small_for_the_run_is_one_line_with_the_numbers(lengths_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(resources, "available_memory_bytes", lambda: 300 * 2**20)
+    monkeypatch.setattr(resources, "usable_cores", lambda: 2)
+    code, err = run(capsys, argv(lengths_file, "--gpus-per-node", "4", "--tokens-per-gpu", "96"))
+    assert code == 2 and err == ["forking 4 ranks would take about 0.4 GiB of memory, more than 50% of the 0.3 GiB "
+                                 "this machine has available; simulate fewer GPUs, or launch on real GPUs with "
+                                 "torchrun/srun"]
+    code, err = run(capsys, argv(lengths_file, "--nodes", "8", "--gpus-per-node", "8", "--tokens-per-gpu", "4"))
+    assert code == 2 and err[0].startswith("--nodes x --gpus-per-node = 64 ranks is more than this machine's 2 cores "
+                                           "can run as forked processes (at most 32)")
