@@ -110,6 +110,15 @@ def test_compare_cites_the_bad_line_without_a_traceback(saved, tmp_path, capsys,
     assert code == 2 and out.strip().splitlines() == [out.strip()] and f"{bad}{message}" in out
 
 
+def test_the_megatron_lm_launches_keep_megatrons_nan_check():
+    """pretrain_gpt.py --zeppelin runs with Megatron-LM's own --check-for-nan-in-loss-and-grad
+    (on unless --no-check-for-nan-in-loss-and-grad): no rendered launch turns it off
+    (tests/launch/test_render.py proves the goldens are what the presets render)."""
+    goldens = sorted((Path(__file__).parents[1] / "launch" / "golden").glob("*.txt"))
+    assert goldens and all("pretrain_gpt.py" in g.read_text() for g in goldens)
+    assert not [g.name for g in goldens if "no-check-for-nan" in g.read_text()]
+
+
 # ----------------------------------------------------------- 2. checkpoints
 def test_saving_over_another_runs_checkpoint_is_refused(lengths_file, saved, tmp_path, capsys):
     ckpt = saved[0]
