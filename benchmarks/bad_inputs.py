@@ -285,6 +285,8 @@ def build_cases(d: Path) -> list[Case]:
         ("non-string text", ["--input", lengths_file("num.jsonl", lambda p: p.write_text('{"text": 5}\n')),
                              "--output-prefix", str(d / "p6")], ""),
         ("input is a folder", ["--input", str(d), "--output-prefix", str(d / "p7")], ""),
+        ("--output-prefix over its --input", ["--input", lengths_file("corpus.idx", lambda p: p.write_text(
+            '{"text": "x"}\n')), "--output-prefix", str(d / "corpus")], " (issue 24)"),
     ]:
         add(f"prepare {name}{tag}", "prepare", argv)
     return cases

@@ -172,8 +172,8 @@ def check_not_an_input(path: str | os.PathLike, flag: str, inputs: Mapping[str, 
     target = Path(path)
     for source_flag, source in inputs.items():
         if source is not None and _same_file(target, Path(source)):
-            raise ConfigError(f"{flag} {str(target)!r} is the {source_flag} input; writing there would destroy "
-                              "it: pass another path")
+            raise ConfigError(f"{flag} {str(target)!r} is an input of this run ({source_flag}); writing there "
+                              "would destroy it: pass another path")
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -150,7 +150,7 @@ def run(argv: Sequence[str]) -> None:
     if args.plot is not None:   # before any reading: writable, a format matplotlib writes, not the source
         from megatron_zeppelin.sim.plot import check_plot_path
         sources = [Path(args.source), Path(f"{args.source}.idx"), Path(f"{args.source}.bin")]
-        check_not_an_input(args.plot, "--plot", {f"source ({p.name})": p for p in sources if p.exists()})
+        check_not_an_input(args.plot, "--plot", {f"the source {p.name}": p for p in sources if p.exists()})
         check_plot_path(args.plot)
         check_output_file(args.plot, "--plot")
     lengths = read_lengths(args.source)

@@ -219,7 +219,7 @@ def run_plan(args: argparse.Namespace) -> float:
 
 def run_replay(args: argparse.Namespace) -> float:
     """``replay``: re-time a trace's ops and dependencies with the cost model."""
-    check_outputs(args, {"trace": args.trace, **preset_files(args)}, flags=("--json",))
+    check_outputs(args, {"the trace": args.trace, **preset_files(args)}, flags=("--json",))
     gpn = load_cluster(args.cluster).topology.gpus_per_node
     with malformed(f"trace {str(args.trace)!r}", "a Chrome trace written by train --dump-trace or sim --trace"):
         schedule, meta, _ = read_trace(args.trace)

@@ -47,6 +47,7 @@ import torch
 import yaml
 
 from megatron_zeppelin.data import lengths as lengths_cli
+from megatron_zeppelin.data import prepare as prepare_cli
 from megatron_zeppelin.errors import exit_on_user_error
 from megatron_zeppelin.presets import CONFIG_ROOT
 from megatron_zeppelin.sim.cli import main as sim_main
@@ -83,6 +84,7 @@ CLIS: dict[str, Callable[[list[str]], int]] = {
     "sim": lambda argv: _exit_of(lambda: sim_main(argv)),
     "compare": lambda argv: _exit_of(lambda: exit_on_user_error(lambda: compare.main(argv))),
     "lengths": lambda argv: _exit_of(lambda: lengths_cli.main(argv)),
+    "prepare": lambda argv: _exit_of(lambda: prepare_cli.main(argv)),
 }
 
 
@@ -442,6 +444,12 @@ def output_cases(rng: random.Random, inp: Inputs) -> list[Case]:
             (target, writable), flag = rng.choice(targets), rng.choice(flags)
             argv = inp.train(flag, target) if cli == "train" else inp.sim(flag, target)
             out.append(Case("outputs", cli, argv, outputs=[target] if writable else [], what=f"{flag} {target}"))
+        # data.prepare writes PREFIX.bin/.idx: over its own input, into a folder, or somewhere new.
+        source = inp.file(".idx", b'{"text": "hello"}\n')
+        prefix, writes = rng.choice([(source[:-4], False), (str(inp.dir) + os.sep, False),
+                                     ("/proc/zeppelin-out/p", False), (inp.output("corpus"), True)])
+        out.append(Case("outputs", "prepare", ["--input", source, "--output-prefix", prefix],
+                        outputs=[prefix + ".bin", prefix + ".idx"] if writes else [], what=f"--output-prefix {prefix}"))
     return out
 
 

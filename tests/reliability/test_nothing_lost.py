@@ -181,8 +181,8 @@ def test_save_interval_keeps_the_loaded_checkpoint_and_only_this_runs_newest(len
 def test_a_log_into_the_lengths_file_is_refused(lengths_file, tmp_path, capsys):
     before = lengths_file.read_bytes()
     code, err = run(capsys, argv(lengths_file, "--json-log", str(lengths_file)))
-    assert code == 2 and err == [f"--json-log {str(lengths_file)!r} is the "
-                                 "--lengths input; writing there would destroy it: pass another path"]
+    assert code == 2 and err == [f"--json-log {str(lengths_file)!r} is an input of this run (--lengths); writing "
+                                 "there would destroy it: pass another path"]
     assert lengths_file.read_bytes() == before
 
 

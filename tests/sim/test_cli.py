@@ -183,7 +183,7 @@ def _bad_inputs(tmp: Path, lengths_file: Path) -> dict[str, tuple[list[str], str
         "flag": ([*ok, "--colour"], "--colour"),
         "not-a-number": ([*ok, "--nodes", "two"], "--nodes"),
         "json-dir": ([*ok, "--strategies", "te_cp", "--json", str(tmp / "neg.txt" / "r.json")], "cannot be written"),
-        "json-input": ([*ok, "--json", str(lengths_file)], "is the --lengths input"),
+        "json-input": ([*ok, "--json", str(lengths_file)], "is an input of this run (--lengths)"),
         "one-token": ([*ok, "--max-seq-len", "1"], "--max-seq-len must be >= 2"),
         "micro-zero": ([*ok, "--micro-batches", "0"], "--micro-batches"),
         "micro-empty": ([*ok, "--tokens-per-batch", "16384", "--micro-batches", "200"], "empty"),
