@@ -216,10 +216,11 @@ class TrainConfig:
                                   "--load = --save), or another --save directory")
         if self.json_log is not None:
             check_not_an_input(self.json_log, "--json-log", inputs)
-            for flag, folder in (("--save", self.save), ("--load", self.load)):
+            for flag, folder in (("--save", self.save), ("--load", self.load), ("--dump-plans", self.dump_plans),
+                                 ("--dump-trace", self.dump_trace)):
                 if folder is not None and Path(self.json_log).resolve().parent == Path(folder).resolve():
-                    raise ConfigError(f"--json-log {self.json_log!r} is inside the {flag} checkpoint folder; "
-                                      "pass a path outside it")
+                    raise ConfigError(f"--json-log {self.json_log!r} is inside the {flag} folder, whose files the "
+                                      "run writes; pass a path outside it")
             check_fresh_log(self.json_log, "--json-log", self.append_log, "--append-log")
             check_output_file(self.json_log, "--json-log")
         elif self.append_log:

@@ -57,7 +57,13 @@ def read_log(path: str) -> tuple[list[Step], int]:
                 if isinstance(record, dict) and RUN_START in record:
                     runs.append([])
                     continue
-                runs[-1].append(Step(number, _checked(record, f"{path}:{number}")))
+                step = Step(number, _checked(record, f"{path}:{number}"))
+                if runs[-1] and step.record["step"] <= runs[-1][-1].record["step"]:
+                    raise ConfigError(f"{path}:{number}: step {step.record['step']} follows step "
+                                      f"{runs[-1][-1].record['step']} (line {runs[-1][-1].line}): the file holds "
+                                      "several runs with no run_start line between them; split it, or write each "
+                                      "run to its own --json-log")
+                runs[-1].append(step)
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot be read as text ({exc}); {_EXPECTED}") from None
     held = [r for r in runs if r] or [[]]

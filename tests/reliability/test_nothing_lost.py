@@ -96,6 +96,13 @@ def test_compare_never_calls_a_non_finite_loss_equal(saved, tmp_path, capsys, ou
     assert compare_run(capsys, log, log)[0] == 0
 
 
+def test_compare_refuses_two_runs_mixed_in_one_log(saved, tmp_path, capsys):
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(saved[1].read_text() * 2)         # a second run appended with no run_start line
+    code, out = compare_run(capsys, mixed, mixed)
+    assert code == 2 and f"{mixed}:3: step 0 follows step 1 (line 2): the file holds several runs" in out
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"step": 1, "loss": 2.0}', ":2: not a trainer step record (no 'num_tokens'"),
     ('[1, 2]', ":2: not a trainer step record (a JSON list, not an object)"),
