@@ -243,12 +243,19 @@ def preset_files(args: argparse.Namespace) -> dict[str, Path]:
 
 def check_outputs(args: argparse.Namespace, inputs: dict[str, Path],
                   flags: Sequence[str] = ("--json", "--plot", "--trace", "--dump-plans")) -> None:
-    """Before any work: every output ``flags`` of ``args`` can be written and is none of ``inputs``."""
+    """Before any work: every output ``flags`` of ``args`` can be written, is none
+    of ``inputs`` and none of the other outputs."""
+    written: dict[str, Path] = {}
     for flag in flags:
         path = getattr(args, flag[2:].replace("-", "_"), None)
         if path is None:
             continue
         check_not_an_input(path, flag, inputs)
+        clash = next((other for other, p in written.items() if Path(p).resolve() == Path(path).resolve()), None)
+        if clash is not None:
+            raise ConfigError(f"{flag} and {clash} both write {str(path)!r}; one would overwrite the other: pass "
+                              "two paths")
+        written[flag] = path
         if flag == "--dump-plans":
             check_output_dir(path, flag)
             continue

@@ -107,6 +107,12 @@ def relative_difference(loss: float, reference: float) -> float:
     return abs(loss - reference) / abs(reference) if reference else math.inf
 
 
+def _norms(record: dict[str, Any]) -> list[float]:
+    """The record's gradient norm, if it has one as a number (older logs may lack it)."""
+    norm = record.get("grad_norm")
+    return [norm] if isinstance(norm, numbers.Real) and not isinstance(norm, bool) else []
+
+
 def imbalance(values: list[int]) -> float:
     """max / mean (1.0 is perfect balance)."""
     mean = sum(values) / len(values) if values else 0
@@ -152,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     worst, diverged = 0.0, []
     for run, ref in ((a.record, b.record) for a, b in zip(runs, refs)):
         diff = relative_difference(run["loss"], ref["loss"])
-        if math.isnan(diff):
+        if math.isnan(diff) or not all(map(math.isfinite, _norms(run) + _norms(ref))):
             diverged.append(run["step"])
         else:
             worst = max(worst, diff)
@@ -162,8 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{imbalance(run['attn_pairs_per_rank']):.2f} | {imbalance(run['linear_tokens_per_rank']):.2f} | "
               f"{mib(run['bytes']['intra_node'])} | {nics} |")
     if diverged:
-        print(f"\na loss is not finite (NaN or infinite) at step {', '.join(map(str, diverged))}: a diverged run "
-              "DIFFERS from the reference")
+        print(f"\na loss or gradient norm is not finite (NaN or infinite) at step {', '.join(map(str, diverged))}: "
+              "a diverged run DIFFERS from the reference")
         return 1
     ok = worst <= args.rtol
     print(f"\nlargest relative loss difference {worst:.1e} over {len(runs)} steps: "

@@ -96,6 +96,15 @@ def test_compare_never_calls_a_non_finite_loss_equal(saved, tmp_path, capsys, ou
     assert compare_run(capsys, log, log)[0] == 0
 
 
+def test_compare_never_calls_a_non_finite_gradient_norm_equal(saved, tmp_path, capsys):
+    lines = log_lines(saved[1])
+    lines[1]["grad_norm"] = math.nan
+    nan_norm = tmp_path / "nan-norm.jsonl"
+    nan_norm.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    code, out = compare_run(capsys, nan_norm, saved[1])
+    assert code == 1 and "loss or gradient norm is not finite (NaN or infinite) at step 1" in out
+
+
 def test_compare_refuses_two_runs_mixed_in_one_log(saved, tmp_path, capsys):
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text(saved[1].read_text() * 2)         # a second run appended with no run_start line

@@ -185,6 +185,7 @@ def _bad_inputs(tmp: Path, lengths_file: Path) -> dict[str, tuple[list[str], str
         "json-dir": ([*ok, "--strategies", "te_cp", "--json", str(tmp / "neg.txt" / "r.json")], "cannot be written"),
         "json-input": ([*ok, "--json", str(lengths_file)], "is an input of this run (--lengths)"),
         "one-token": ([*ok, "--max-seq-len", "1"], "--max-seq-len must be >= 2"),
+        "same-outputs": ([*ok, "--json", str(tmp / "r.png"), "--plot", str(tmp / "r.png")], "both write"),
         "micro-zero": ([*ok, "--micro-batches", "0"], "--micro-batches"),
         "micro-empty": ([*ok, "--tokens-per-batch", "16384", "--micro-batches", "200"], "empty"),
     }
@@ -193,7 +194,8 @@ def _bad_inputs(tmp: Path, lengths_file: Path) -> dict[str, tuple[list[str], str
 @pytest.mark.parametrize("case", ["empty", "negative", "non-integer", "float-npy", "missing", "cluster",
                                   "model", "strategy", "cap", "nics", "steps", "fill", "plot-step", "flag",
                                   "not-a-number",
-                                  "json-dir", "micro-zero", "micro-empty"])
+                                  "json-dir", "micro-zero", "micro-empty", "json-input", "one-token",
+                                  "same-outputs"])
 def test_bad_inputs_exit_2_with_one_line(case, lengths_file, tmp_path, capsys):
     """In-process for speed: any exception but SystemExit(2) fails the test."""
     args, fragment = _bad_inputs(tmp_path, lengths_file)[case]
