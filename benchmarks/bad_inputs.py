@@ -11,7 +11,7 @@ Megatron are imported once), with its stderr captured, and is classed as
 * ``hang``: still running after the case's time limit (then killed).
 
 Prints one line per case that is not clear (all with --verbose) and the counts.
-Cases marked ``(issue 13)`` or ``(issue 12)`` are the inputs listed in that issue.
+Cases marked ``(issue 13)``, ``(issue 12)`` or ``(issue 24)`` are the inputs listed in that issue.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from megatron_zeppelin.launch.__main__ import main as launch_main  # noqa: E402
 from megatron_zeppelin.presets import CONFIG_ROOT  # noqa: E402
 from megatron_zeppelin.sim.cli import main as sim_main  # noqa: E402
 from megatron_zeppelin.train.__main__ import main as train_main  # noqa: E402
+from megatron_zeppelin.train.cli import parse_args  # noqa: E402
 
 CLIS: dict[str, Callable[[list[str]], object]] = {
     "train": train_main,
@@ -57,7 +58,7 @@ CLIS: dict[str, Callable[[list[str]], object]] = {
 
 
 #: Issues whose listed bad inputs are tagged ``(issue N)`` in the case names and counted apart.
-ISSUES = (13, 12)
+ISSUES = (13, 12, 24)
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ def build_cases(d: Path) -> list[Case]:
                             ("--dump-plans", str(d / "a_file" / "x"), "")]:
         add(f"train {flag} {path.replace(str(d), 'TMP')}{tag}", "train", train(flag, path))
     # checkpoints
-    ckpt_cases = _checkpoints(d)
+    ckpt_cases = _checkpoints(d, parse_args(train()))
     for name, path, tag, steps in ckpt_cases:
         add(f"train --load {name}{tag}", "train", train("--load", path, steps=steps))
     # YAML presets given to the trainer
@@ -247,6 +248,21 @@ def build_cases(d: Path) -> list[Case]:
     nan_cluster = _write_variant(d, "clusters", "cpu-sim", {"nic": {"bandwidth_GBps": math.nan}}, "sim_nan_nic")
     add("sim NaN NIC bandwidth in a cluster YAML (issue 13)", "sim", sim_base + ["--cluster", nan_cluster])
 
+    # --- the issue-24 cases: lost data, false equality, unbounded sizes
+    log = d / "one-run.jsonl"
+    log.write_text('{"step": 0}\n')
+    for name, argv in [("--lr 1e10 (diverges)", train("--lr", "1e10", steps="4")),
+                       ("--save into another run's checkpoint folder", train("--save", ckpt_cases[3][1])),
+                       ("--json-log at the --lengths file", train("--json-log", str(good))),
+                       ("--json-log into a non-empty log", train("--json-log", str(log))),
+                       ("--nodes 64 --gpus-per-node 8", train("--nodes", "64", "--gpus-per-node", "8"))]:
+        add(f"train {name} (issue 24)", "train", argv)
+    for name, extra in [("--max-seq-len 1", ["--max-seq-len", "1"]), ("--json at the --lengths file",
+                                                                      ["--json", str(good)]),
+                        ("--plot OUT.jsonl", ["--plot", str(d / "out.jsonl")]),
+                        ("--steps 2**63", ["--steps", str(2**63)])]:
+        add(f"sim {name} (issue 24)", "sim", sim_base + extra)
+
     # --- indexed datasets (data.lengths) and prepare
     for name, prefix, tag in _datasets(d):
         add(f"lengths {name}{tag}", "lengths", [prefix])
@@ -269,6 +285,8 @@ def build_cases(d: Path) -> list[Case]:
         ("non-string text", ["--input", lengths_file("num.jsonl", lambda p: p.write_text('{"text": 5}\n')),
                              "--output-prefix", str(d / "p6")], ""),
         ("input is a folder", ["--input", str(d), "--output-prefix", str(d / "p7")], ""),
+        ("--output-prefix over its --input", ["--input", lengths_file("corpus.idx", lambda p: p.write_text(
+            '{"text": "x"}\n')), "--output-prefix", str(d / "corpus")], " (issue 24)"),
     ]:
         add(f"prepare {name}{tag}", "prepare", argv)
     return cases
@@ -308,14 +326,18 @@ def _write_variant(d: Path, kind: str, base: str, change: dict, name: str) -> st
     return str(path)
 
 
-def _checkpoints(d: Path) -> list[tuple[str, str, str, str]]:
-    """Damaged checkpoint folders: (name, path, tag, --steps)."""
+def _checkpoints(d: Path, cfg) -> list[tuple[str, str, str, str]]:
+    """Damaged checkpoint folders of a run of ``cfg``: (name, path, tag, --steps)."""
+    from megatron_zeppelin.sampler import load_lengths
     from megatron_zeppelin.train.checkpoint import checkpoint_name, save_state
+    from megatron_zeppelin.train.micro import make_sampler
+    from megatron_zeppelin.train.trainer import run_shape
 
     # Damage is found before the weights are used, except "wrong shapes" (the point of that case).
     state = {"step": 1, "shards": {"tp0-ep0": {"model": {"embedding.word_embeddings.weight": torch.zeros(3)},
                                                "optimizer": {}}},
-             "layout": {"tp": 1, "ep": 1}, "sampler": {}, "strategy": "zeppelin", "model_preset": "tiny"}
+             "layout": {"tp": 1, "ep": 1}, "sampler": make_sampler(cfg, load_lengths(cfg.lengths)).state_dict(),
+             "strategy": "zeppelin", "model_preset": "tiny", "shape": run_shape(cfg)}
     out = []
 
     def folder(name: str, damage: Callable[[Path], None], tag: str = "", steps: str = "2", st=None) -> None:
@@ -336,8 +358,18 @@ def _checkpoints(d: Path) -> list[tuple[str, str, str, str]]:
     folder("latest garbage", lambda p: (p.parent / "latest").write_text("../../etc/passwd"))
     folder("no latest", lambda p: (p.parent / "latest").unlink())
     folder("not a trainer checkpoint", lambda p: torch.save({"weights": torch.zeros(2)}, p))
+    folder("1 KiB of the weights overwritten, zip intact (issue 24)", _overwrite_weights)
+    folder("saved at --tokens-per-gpu 256 (issue 24)", lambda p: None,
+           st=dict(state, shape={**state["shape"], "--tokens-per-gpu": 256}))
     out.append(("missing folder", str(d / "no-such-ckpt"), "", "2"))
     return out
+
+
+def _overwrite_weights(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    at = data.index(b"/data/0") + 64
+    data[at:at + 1024] = os.urandom(1024)
+    path.write_bytes(bytes(data))
 
 
 def _datasets(d: Path) -> list[tuple[str, str, str]]:

@@ -70,6 +70,31 @@ def check_choice(value: Any, name: str, choices: typing.Iterable[str]) -> str:
     return value
 
 
+#: Most tokens a global batch may hold (2**40, the longest document a lengths
+#: file may declare): past it, token counts overflow the sampler's int64 sums.
+MAX_BATCH_TOKENS = 2**40
+
+
+def check_batch_tokens(tokens: int, said: str) -> None:
+    """A global batch of ``tokens`` (``said`` names the flags behind it) is countable."""
+    if tokens > MAX_BATCH_TOKENS:
+        raise ConfigError(f"a global batch of {said} = {tokens} tokens is more than {MAX_BATCH_TOKENS} (2**40); "
+                          "lower them")
+
+
+def check_sequence_limits(max_seq_len: Any, tokens_per_gpu: Any, ranks: int, ranks_said: str) -> None:
+    """The trainer's and the simulator's one check of ``--max-seq-len`` and
+    ``--tokens-per-gpu``: a piece holds a label (>= 2 tokens) and the ``ranks``
+    (``ranks_said`` names them) hold one full-length piece."""
+    check_int(tokens_per_gpu, "--tokens-per-gpu", minimum=1)
+    check_int(max_seq_len, "--max-seq-len", minimum=2)   # one token has no label
+    capacity = tokens_per_gpu * ranks
+    if max_seq_len > capacity:
+        raise ConfigError(f"--max-seq-len {max_seq_len} is longer than the cluster can hold ({ranks_said} x "
+                          f"{tokens_per_gpu} tokens per GPU = {capacity}); raise --tokens-per-gpu or the rank "
+                          "count, or lower --max-seq-len")
+
+
 # ------------------------------------------------------------- dataclasses
 def check_fields(cls: type, data: Mapping[str, Any], source: str) -> None:
     """Check each value of ``data`` against the type of ``cls``'s field of that
@@ -139,6 +164,31 @@ def check_output_file(path: str | os.PathLike, flag: str) -> Path:
         raise ConfigError(f"{flag} {str(target)!r} cannot be written ({exc.strerror or exc}); pass a "
                           "writable file path") from None
     return target
+
+
+def check_not_an_input(path: str | os.PathLike, flag: str, inputs: Mapping[str, Any]) -> None:
+    """Output ``path`` is none of ``inputs`` (flag -> path, None skipped): writing
+    it would destroy what the run reads."""
+    target = Path(path)
+    for source_flag, source in inputs.items():
+        if source is not None and _same_file(target, Path(source)):
+            raise ConfigError(f"{flag} {str(target)!r} is an input of this run ({source_flag}); writing there "
+                              "would destroy it: pass another path")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b) if a.exists() and b.exists() else a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def check_fresh_log(path: str | os.PathLike, flag: str, append: bool, append_flag: str) -> None:
+    """A log goes into an empty or new file unless ``append`` (the user's ``append_flag``)."""
+    target = Path(path)
+    if not append and target.is_file() and target.stat().st_size > 0:
+        raise ConfigError(f"{flag} {str(target)!r} already holds {target.stat().st_size} bytes (another run's "
+                          f"log?); pass a new file, or {append_flag} to add this run after a run_start line")
 
 
 def check_input_file(path: str | os.PathLike, flag: str, what: str) -> Path:

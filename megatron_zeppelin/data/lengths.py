@@ -25,7 +25,7 @@ import numpy as np
 from megatron_zeppelin.data.indexed import document_lengths, is_indexed_prefix
 from megatron_zeppelin.errors import ConfigError, exit_on_user_error
 from megatron_zeppelin.sampler.lengths import load_lengths
-from megatron_zeppelin.validation import OneLineParser
+from megatron_zeppelin.validation import OneLineParser, check_not_an_input, check_output_file
 
 PERCENTILES = (50, 90, 99, 99.9)
 
@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(argv: Sequence[str]) -> None:
     args = build_parser().parse_args(argv)
+    if args.plot is not None:   # before any reading: writable, a format matplotlib writes, not the source
+        from megatron_zeppelin.sim.plot import check_plot_path
+        sources = [Path(args.source), Path(f"{args.source}.idx"), Path(f"{args.source}.bin")]
+        check_not_an_input(args.plot, "--plot", {f"the source {p.name}": p for p in sources if p.exists()})
+        check_plot_path(args.plot)
+        check_output_file(args.plot, "--plot")
     lengths = read_lengths(args.source)
     print(summary(lengths))
     if args.plot is not None:

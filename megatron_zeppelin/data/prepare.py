@@ -24,7 +24,7 @@ import numpy as np
 
 from megatron_zeppelin.data.indexed import megatron_indexed_dataset
 from megatron_zeppelin.errors import ConfigError, exit_on_user_error
-from megatron_zeppelin.validation import OneLineParser, check_output_dir
+from megatron_zeppelin.validation import OneLineParser, check_not_an_input, check_output_dir
 
 
 @dataclass(frozen=True)
@@ -102,13 +102,16 @@ def read_documents(path: str | os.PathLike, json_key: str) -> Iterator[str]:
             yield record[json_key]
 
 
-def check_output_prefix(output_prefix: str | os.PathLike) -> str:
+def check_output_prefix(output_prefix: str | os.PathLike, input_path: str | os.PathLike) -> str:
     """``PREFIX`` whose ``.bin`` and ``.idx`` can be written (its folder is
-    created); a prefix naming a folder would write hidden ``.bin``/``.idx`` files."""
+    created) and are not ``input_path``; a prefix naming a folder would write
+    hidden ``.bin``/``.idx`` files."""
     prefix = os.fspath(output_prefix)
     if not Path(prefix).name or prefix.endswith(os.sep) or Path(prefix).is_dir():
         raise ConfigError(f"--output-prefix {prefix!r} names a folder; add a file name, e.g. "
                           f"{os.path.join(prefix, 'corpus')!r} (writes corpus.bin and corpus.idx)")
+    for ext in (".bin", ".idx"):
+        check_not_an_input(prefix + ext, f"--output-prefix's {ext}", {"--input": input_path})
     check_output_dir(Path(prefix).parent, "--output-prefix's folder")   # probes, writes nothing else
     return prefix
 
@@ -127,7 +130,7 @@ def prepare(input_path: str | os.PathLike, output_prefix: str | os.PathLike, *, 
             tokenizer: Tokenizer = BYTE_TOKENIZER) -> PrepareStats:
     """Tokenize every document of ``input_path`` into ``output_prefix.{bin,idx}``."""
     megatron = megatron_indexed_dataset()
-    prefix = check_output_prefix(output_prefix)
+    prefix = check_output_prefix(output_prefix, input_path)
     documents = read_documents(input_path, json_key)  # opened first: a bad input writes nothing
     first = next(documents, None)
     if first is None:

@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence
 from megatron_zeppelin.errors import ConfigError, ZeppelinError
 from megatron_zeppelin.planner.base import PLANNERS
 from megatron_zeppelin.topology import load_cluster
+from megatron_zeppelin.validation import check_float, check_int, check_output_dir
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -187,6 +188,7 @@ def validate_zeppelin_args(args: argparse.Namespace) -> argparse.Namespace:
             flag = "--" + changed[0].replace("_", "-")
             raise ConfigError(f"{flag} has no effect without --zeppelin; add --zeppelin or drop it")
         return args
+    _check_numbers(args)
     _check_megatron_conflicts(args)
     _check_model_parallel(args)
     _check_batch_shape(args)
@@ -340,6 +342,22 @@ def _check_batch_shape(args: argparse.Namespace) -> None:
                           f"placed on at most the {dp} data-parallel ranks x --zeppelin-tokens-per-gpu "
                           f"{tpg} = {tpg * dp} tokens; raise --zeppelin-tokens-per-gpu to at least "
                           f"{-(-seq // dp)} or lower --seq-length")
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Every size and limit the checks below divide by or compare with is a
+    number in range (a TP size of 0 was a ZeroDivisionError; a NaN limit passed)."""
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size", "expert_tensor_parallel_size", "num_attention_heads",
+                 "num_query_groups", "num_experts", "seq_length", "zeppelin_tokens_per_gpu", "micro_batch_size",
+                 "global_batch_size"):
+        if getattr(args, name, None) is not None:
+            check_int(getattr(args, name), "--" + name.replace("_", "-"), minimum=1)
+    check_int(args.zeppelin_log_interval, "--zeppelin-log-interval", minimum=0)
+    check_float(args.zeppelin_batch_fill, "--zeppelin-batch-fill", positive=True, maximum=1)
+    check_float(args.zeppelin_planner_time_limit, "--zeppelin-planner-time-limit", positive=True)
+    if args.zeppelin_plan_dump_dir is not None:
+        check_output_dir(args.zeppelin_plan_dump_dir, "--zeppelin-plan-dump-dir")
 
 
 def _check_zeppelin_values(args: argparse.Namespace) -> None:

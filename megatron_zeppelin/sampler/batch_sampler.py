@@ -12,7 +12,8 @@ that does not fit closes the batch and opens the next one (no piece is ever cut
 to fit, none is skipped).  The order is a pure function of the seed and the
 epoch, so every rank computes the same batches without talking to the others,
 and the state -- (epoch, pieces consumed in the epoch, batches yielded) -- is
-enough to resume exactly where an interrupted run stopped.
+enough to resume exactly where an interrupted run stopped.  A dataset of more
+than :data:`LAZY_PIECES` pieces is never tabulated (``long_documents.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,17 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.resources import check_memory
 
+
+#: Bytes the sampler holds per piece at its peak (the table, an epoch's order and
+#: their temporaries; 80 measured with tracemalloc on 10**7 pieces, rounded up).
+BYTES_PER_PIECE = 96
+#: Datasets with more pieces than this list none (``sampler/long_documents.py``):
+#: the table would take 1.5 GiB per sampler.
+LAZY_PIECES = 2**24
+#: Bytes such a dataset holds per document (its length, first piece, a temporary).
+BYTES_PER_DOCUMENT = 24
 
 #: Fraction of the cluster's token capacity (tokens per GPU x GPUs) a global batch
 #: fills.  A little slack lets whole-sequence packers (te_cp's THD replicas,
@@ -119,6 +130,40 @@ class PieceTable:
         return self.end - self.start
 
 
+def piece_count(lengths: np.ndarray, max_seq_len: int) -> int:
+    """Pieces ``lengths`` cut into at ``max_seq_len`` tokens (Python ints: no overflow)."""
+    return int((-(-lengths // max_seq_len)).sum(dtype=object))
+
+
+def check_piece_memory(lengths: np.ndarray, max_seq_len: int, name: str = "doc_lengths", copies: int = 1,
+                       long_documents: bool = True) -> None:
+    """The piece tables of ``copies`` samplers over ``lengths`` fit this machine's
+    memory, or one line with the numbers (before any table is built).
+    ``long_documents``: over :data:`LAZY_PIECES` pieces the sampler keeps only
+    the documents (``sampler/long_documents.py``)."""
+    pieces = piece_count(lengths, max_seq_len)
+    held = (f"{lengths.size} documents" if long_documents and pieces > LAZY_PIECES else f"{pieces} pieces")
+    need = lengths.size * BYTES_PER_DOCUMENT if long_documents and pieces > LAZY_PIECES else pieces * BYTES_PER_PIECE
+    copies_said = f" in each of {copies} ranks" if copies > 1 else ""
+    check_memory(need * copies,
+                 f"{name}: {int(lengths.sum(dtype=object))} tokens cut at --max-seq-len {max_seq_len} make "
+                 f"{pieces} pieces; the sampler's tables of {held}{copies_said}",
+                 "raise --max-seq-len, or use fewer or shorter documents")
+
+
+def make_piece_table(doc_lengths: Any, max_seq_len: int, name: str, long_documents: bool) -> Any:
+    """A :class:`PieceTable`, or over :data:`LAZY_PIECES` pieces (``long_documents``)
+    a ``LongPieceTable`` that lists no piece; its size checked first."""
+    if max_seq_len <= 0:
+        raise ConfigError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+    lengths = validate_lengths(doc_lengths, name)
+    check_piece_memory(lengths, max_seq_len, name, long_documents=long_documents)
+    if long_documents and piece_count(lengths, max_seq_len) > LAZY_PIECES:
+        from megatron_zeppelin.sampler.long_documents import LongPieceTable   # it imports Piece from here
+        return LongPieceTable.from_lengths(lengths, max_seq_len)
+    return PieceTable.from_lengths(lengths, max_seq_len, name)
+
+
 def validate_lengths(doc_lengths: Any, name: str = "doc_lengths") -> np.ndarray:
     """Document lengths as a 1-D int64 array: non-negative, at least one token in all.
 
@@ -189,6 +234,9 @@ class TokenBudgetSampler(ABC):
     ``datasets`` holds one document-lengths array per dataset.
     """
 
+    long_documents = False
+    """The subclass orders a ``LongPieceTable`` (datasets of over :data:`LAZY_PIECES` pieces)."""
+
     def __init__(self, datasets: Sequence[Any], *, max_seq_len: int, tokens_per_batch: int, seed: int,
                  shuffle: bool, drop_last: bool, num_batches: int | None) -> None:
         for name, value in (("max_seq_len", max_seq_len), ("tokens_per_batch", tokens_per_batch)):
@@ -200,7 +248,7 @@ class TokenBudgetSampler(ABC):
                               "tokens per GPU x world size or lower max_seq_len")
         if num_batches is not None and num_batches < 0:
             raise ConfigError(f"num_batches must be >= 0 or None, got {num_batches}")
-        self.tables = tuple(PieceTable.from_lengths(lengths, max_seq_len, f"dataset {i} lengths")
+        self.tables = tuple(make_piece_table(lengths, max_seq_len, f"dataset {i} lengths", self.long_documents)
                             for i, lengths in enumerate(datasets))
         self.max_seq_len = max_seq_len
         self.tokens_per_batch = tokens_per_batch
@@ -290,11 +338,17 @@ class TokenBudgetSampler(ABC):
         size): the sampler resumes at the first piece not yet consumed, so no piece is
         lost or repeated, though batch boundaries then differ from the old run's.
         """
+        if not isinstance(state, dict):
+            raise ConfigError(f"sampler checkpoint: a {type(state).__name__}, not a state; the checkpoint is damaged")
         for key, want in self._fingerprint().items():
             if state.get(key) != want:
                 raise ConfigError(f"sampler checkpoint was made with {key}={state.get(key)!r}, this run has "
                                   f"{key}={want!r}; resume with the same data, seed, shuffle and max_seq_len")
-        epoch, offset, index = int(state["epoch"]), int(state["offset"]), int(state["index"])
+        try:
+            epoch, offset, index = (int(state[k]) for k in ("epoch", "offset", "index"))
+        except (KeyError, TypeError, ValueError, OverflowError):
+            raise ConfigError("sampler checkpoint: epoch, offset and index must be whole numbers; the checkpoint "
+                              "is damaged") from None
         if epoch < 0 or index < 0 or not 0 <= offset < max(1, self._order(epoch).num_pieces):
             raise ConfigError(f"sampler checkpoint position (epoch {epoch}, offset {offset}) is out of range")
         self._epoch, self._offset, self._index = epoch, offset, index
@@ -312,8 +366,14 @@ class ZeppelinBatchSampler(TokenBudgetSampler):
         super().__init__([doc_lengths], max_seq_len=max_seq_len, tokens_per_batch=tokens_per_batch, seed=seed,
                          shuffle=shuffle, drop_last=drop_last, num_batches=num_batches)
 
+    long_documents = True
+
     def epoch_order(self, epoch: int) -> EpochOrder:
         table = self.tables[0]
+        if not isinstance(table, PieceTable):   # a LongPieceTable: the order is evaluated on demand
+            from megatron_zeppelin.sampler.long_documents import FeistelPermutation, LongEpochOrder
+            shuffle = FeistelPermutation(table.num_pieces, (self.seed, 0, epoch)) if self.shuffle else None
+            return LongEpochOrder(table, shuffle)
         perm = pass_order(table, self.seed, 0, epoch, self.shuffle)
         return EpochOrder(np.zeros(perm.size, dtype=np.int64), table.doc[perm], table.start[perm],
                           table.end[perm])

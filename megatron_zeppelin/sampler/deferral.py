@@ -71,6 +71,8 @@ class DeferringSampler(Generic[P]):
                 "carried": [[p.doc, p.start, p.end, p.dataset] for p in self.carried]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict):
+            raise ConfigError(f"sampler checkpoint: a {type(state).__name__}, not a state; the checkpoint is damaged")
         carried = state.get("carried", [])
         try:
             pieces = [Piece(int(d), int(s), int(e), int(ds)) for d, s, e, ds in carried]

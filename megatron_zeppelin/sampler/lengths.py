@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.errors import ConfigError, brief
 from megatron_zeppelin.presets import CONFIG_ROOT
 
 #: Longest document a lengths file may declare (2**40 tokens, about a trillion):
@@ -61,8 +61,8 @@ def load_lengths(path: str | os.PathLike) -> np.ndarray:
 def _load_npy(path: Path) -> np.ndarray:
     try:
         data = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as exc:
-        raise ConfigError(f"{path}: not a readable .npy array ({exc}); write it with "
+    except Exception as exc:  # noqa: BLE001 -- numpy's header parser raises EOF, token and value errors
+        raise ConfigError(f"{path}: not a readable .npy array ({brief(exc, 160)}); write it with "
                           "numpy.save(path, lengths.astype('int64'))") from None
     if not isinstance(data, np.ndarray):  # an .npz archive loads as a mapping
         raise ConfigError(f"{path}: expected a single .npy array, got {type(data).__name__}")

@@ -91,18 +91,21 @@ def read_trace(path: str | Path) -> tuple[Schedule, dict[str, Any], dict[int, tu
         try:
             op = _op_fields(ev)
             start, end = float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"trace {name!r}: event {i} ({ev.get('name')!r}) is malformed ({exc!r} missing or "
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:   # OverflowError: int(inf)
+            raise ConfigError(f"trace {name!r}: event {i} ({str(ev.get('name'))[:40]!r}) is malformed ({exc!r} missing or "
                               "wrong); it must carry args op, kind, tier, bytes, deps") from None
         known = fields.setdefault(op["id"], op)
         if known != op:
             raise ConfigError(f"trace {name!r}: op {op['id']} appears with two different descriptions")
-        sides.setdefault(op["id"], set()).add(ev.get("tid"))
+        sides.setdefault(op["id"], set()).add(str(ev.get("tid")))   # str: a malformed tid may be unhashable
         s0, e0 = times.get(op["id"], (start, end))
         times[op["id"]] = (min(s0, start), max(e0, end))
     ids = sorted(fields)
     if ids != list(range(len(ids))):
-        missing = sorted(set(range(max(ids, default=-1) + 1)) - set(ids))
+        if ids and (ids[0] < 0 or ids[-1] >= 2 * len(ids)):   # never list a range an op id made up
+            raise ConfigError(f"trace {name!r}: op ids run from {ids[0]} to {ids[-1]} over {len(ids)} ops; the "
+                              "trace is damaged: dump it again")
+        missing = sorted(set(range(ids[-1] + 1)) - set(ids))
         raise ConfigError(f"trace {name!r} lacks op(s) {missing[:8]}: the step is incomplete; dump it again")
     for oid in ids:
         if fields[oid]["kind"] == COMM and sides[oid] != {"send", "recv"}:

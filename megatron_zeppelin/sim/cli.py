@@ -19,18 +19,20 @@ modeled Chrome trace (Perfetto opens it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from megatron_zeppelin.cost import CostModel
-from megatron_zeppelin.errors import ConfigError, InfeasibleError, exit_on_user_error
+from megatron_zeppelin.errors import ConfigError, InfeasibleError, ZeppelinError, brief, exit_on_user_error
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
+from megatron_zeppelin.sampler.batch_sampler import check_piece_memory
 from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths
 from megatron_zeppelin.sim.progress import Progress
 from megatron_zeppelin.schedule.trace import read_trace
@@ -42,10 +44,15 @@ from megatron_zeppelin.sim.simulate import (BASELINE, STATIC, STRATEGY_NAMES, VA
 from megatron_zeppelin.sim.static_layout import TRIAL_BATCHES
 from megatron_zeppelin.sim.timeline import step_timeline, transport_of
 from megatron_zeppelin.topology import load_cluster
-from megatron_zeppelin.validation import OneLineParser as _Parser, check_float, check_int
+from megatron_zeppelin.validation import OneLineParser as _Parser
+from megatron_zeppelin.validation import (check_batch_tokens, check_float, check_int, check_not_an_input,
+                                          check_output_dir, check_output_file, check_sequence_limits)
 
 DEFAULT_LENGTHS = "synthetic-longtail"
 DEFAULT_NODES = 4
+#: Most global batches one simulation samples (they are all held in memory, and
+#: each takes every strategy's planner; a million is days of planning).
+MAX_STEPS = 10**6
 #: Baseline first, then the other baselines, then Zeppelin's ablation variants and Zeppelin.
 DEFAULT_STRATEGIES = ",".join(STRATEGY_NAMES)
 
@@ -121,7 +128,18 @@ def run(argv: Sequence[str]) -> SimResult | float:
         return run_replay(build_replay_parser().parse_args(argv[1:]))
     args = build_parser().parse_args(argv)
     if args.plan is not None:
+        check_outputs(args, {"--plan": args.plan, **preset_files(args)})
         return run_plan(args)
+    check_outputs(args, {"--lengths": resolve_lengths(args.lengths), **preset_files(args)})
+    # From here on a non-terminal stderr gets a line every 10 s (sampling included).
+    progress = Progress(0, enabled=False if args.no_progress else None)
+    try:
+        return _simulate(args, progress)
+    finally:
+        progress.close()
+
+
+def _simulate(args: argparse.Namespace, progress: Progress) -> SimResult:
     config, strategies, batches, split = _setup(args)
     names = [s.name for s in strategies]
     traced = args.trace_strategy or ("zeppelin" if "zeppelin" in names else names[0])
@@ -130,8 +148,6 @@ def run(argv: Sequence[str]) -> SimResult | float:
     plot_timelines = None
     if args.plot is not None:   # import (and fail on a missing matplotlib) before the long part
         from megatron_zeppelin.sim.plot import plot_timelines
-    if args.dump_plans is not None:
-        _mkdir(args.dump_plans)
 
     traced_plan: list[Plan] = []
 
@@ -141,7 +157,7 @@ def run(argv: Sequence[str]) -> SimResult | float:
         if step == args.plot_step and name == traced:
             traced_plan.append(plan)
 
-    progress = Progress(len(batches) * len(strategies), enabled=False if args.no_progress else None)
+    progress.set_total(len(batches) * len(strategies))
     result = simulate(batches, strategies, tokens_per_gpu=args.tokens_per_gpu,
                       time_limit_s=args.flexsp_time_limit, plot_step=args.plot_step,
                       on_plan=on_plan, progress=progress, split=split)
@@ -166,9 +182,10 @@ def run_plan(args: argparse.Namespace) -> float:
     _check_positive(args, "nodes")
     cluster = load_cluster(args.cluster, nodes=args.nodes)
     doc = _read_json(args.plan, "plan", "a Plan JSON written by --dump-plans")
-    plan = Plan.from_dict(doc).validate()
-    cost = with_recorded_topology(CostModel(cluster, load_model(args.model), routing=True), doc.get("engine"),
-                                  args.nodes)
+    with malformed(f"plan file {str(args.plan)!r}", "a Plan JSON written by --dump-plans"):
+        plan = Plan.from_dict(doc).validate()
+        cost = with_recorded_topology(CostModel(cluster, load_model(args.model), routing=True), doc.get("engine"),
+                                      args.nodes)
     check_fits(plan.world_size, cost, f"plan {str(args.plan)!r}")
     attn, transport = from_settings(doc.get("engine"), cost)
     if doc.get("engine") is None and plan.strategy not in VARIANTS:
@@ -188,18 +205,63 @@ def run_plan(args: argparse.Namespace) -> float:
 
 def run_replay(args: argparse.Namespace) -> float:
     """``replay``: re-time a trace's ops and dependencies with the cost model."""
-    schedule, meta, _ = read_trace(args.trace)
+    check_outputs(args, {"the trace": args.trace, **preset_files(args)}, flags=("--json",))
     gpn = load_cluster(args.cluster).topology.gpus_per_node
-    nodes = args.nodes or max(schedule.world_size // gpn, 1)
-    cost = with_recorded_topology(CostModel(load_cluster(args.cluster, nodes=nodes), load_model(args.model)),
-                                  meta.get("engine"), args.nodes)
-    step_s = replay_trace(schedule, meta, cost, str(args.trace))
+    with malformed(f"trace {str(args.trace)!r}", "a Chrome trace written by train --dump-trace or sim --trace"):
+        schedule, meta, _ = read_trace(args.trace)
+        nodes = args.nodes or max(schedule.world_size // gpn, 1)
+        cost = with_recorded_topology(CostModel(load_cluster(args.cluster, nodes=nodes), load_model(args.model)),
+                                      meta.get("engine"), args.nodes)
+        step_s = replay_trace(schedule, meta, cost, str(args.trace))
     print(f"{args.trace}: {len(schedule.ops)} ops on {schedule.world_size} ranks, "
           f"{meta.get('source', 'executed')} trace of {meta.get('strategy', '?')}")
     if args.json is not None:
         _write(args.json, json.dumps({"trace": str(args.trace), "step_time_s": step_s}, indent=2))
     print(f"step_time_s={step_s!r}")
     return step_s
+
+
+def preset_files(args: argparse.Namespace) -> dict[str, Path]:
+    """The --cluster and --model inputs that are files (not bundled preset names)."""
+    return {flag: Path(value) for flag, value in (("--cluster", args.cluster), ("--model", args.model))
+            if Path(value).is_file()}
+
+
+def check_outputs(args: argparse.Namespace, inputs: dict[str, Path],
+                  flags: Sequence[str] = ("--json", "--plot", "--trace", "--dump-plans")) -> None:
+    """Before any work: every output ``flags`` of ``args`` can be written, is none
+    of ``inputs`` and none of the other outputs."""
+    written: dict[str, Path] = {}
+    for flag in flags:
+        path = getattr(args, flag[2:].replace("-", "_"), None)
+        if path is None:
+            continue
+        check_not_an_input(path, flag, inputs)
+        clash = next((other for other, p in written.items() if Path(p).resolve() == Path(path).resolve()), None)
+        if clash is not None:
+            raise ConfigError(f"{flag} and {clash} both write {str(path)!r}; one would overwrite the other: pass "
+                              "two paths")
+        written[flag] = path
+        if flag == "--dump-plans":
+            check_output_dir(path, flag)
+            continue
+        if flag == "--plot":
+            from megatron_zeppelin.sim.plot import check_plot_path   # matplotlib only when plotting
+            check_plot_path(path)
+        check_output_file(path, flag)
+
+
+@contextlib.contextmanager
+def malformed(what: str, expected: str) -> Iterator[None]:
+    """Reading a user's file: a value of the wrong type or range deep inside
+    (a string where a rank goes, 1e308 tokens) becomes one line naming the file."""
+    try:
+        yield
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError) as exc:
+        if isinstance(exc, ZeppelinError):
+            raise
+        raise ConfigError(f"{what} holds a malformed value ({type(exc).__name__}: {brief(exc, 160)}); pass "
+                          f"{expected}") from None
 
 
 def _read_json(path: Path, what: str, expected: str) -> dict:
@@ -217,8 +279,8 @@ def _read_json(path: Path, what: str, expected: str) -> dict:
 def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], list[list[int]], Split]:
     """Check the flags; build the strategies, sample the batches and fix their
     micro-batch split.  Returns the JSON ``config`` record too."""
-    _check_positive(args, "nodes", "max_seq_len", "tokens_per_gpu", "tokens_per_batch", "steps", "cp_size",
-                    "micro_batches")
+    _check_positive(args, "nodes", "tokens_per_batch", "steps", "cp_size", "micro_batches")
+    check_int(args.steps, "--steps", maximum=MAX_STEPS)
     check_float(args.flexsp_time_limit, "--flexsp-time-limit", positive=True)
     check_int(args.seed, "--seed", minimum=0)
     if not 0 <= args.plot_step < args.steps:
@@ -228,18 +290,20 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
     cluster = load_cluster(args.cluster, nodes=args.nodes)
     cost = CostModel(cluster, load_model(args.model))
     world = cluster.topology.world_size
-    if args.max_seq_len > args.tokens_per_gpu * world:
-        raise ConfigError(f"--tokens-per-gpu {args.tokens_per_gpu} x {world} GPUs cannot hold one "
-                          f"{args.max_seq_len}-token sequence; raise --tokens-per-gpu or --nodes, or "
-                          "lower --max-seq-len")
+    check_sequence_limits(args.max_seq_len, args.tokens_per_gpu, world, f"{world} GPUs")
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
     if args.cp_size is not None and world % args.cp_size:
         raise ConfigError(f"--cp-size {args.cp_size} does not divide {world} GPUs; pick a divisor or leave "
                           "it out to let the static baselines search their layouts")
     lengths_path = resolve_lengths(args.lengths)
+    check_batch_tokens(args.micro_batches * args.tokens_per_gpu * world,
+                       "--micro-batches x --tokens-per-gpu x GPUs")
     tokens_per_batch = args.tokens_per_batch or args.micro_batches * batch_budget(
         args.tokens_per_gpu, world, args.max_seq_len, args.batch_fill)
-    batches = sample_batches(load_lengths(lengths_path), max_seq_len=args.max_seq_len,
+    check_batch_tokens(tokens_per_batch, "--tokens-per-batch")
+    lengths = load_lengths(lengths_path)
+    check_piece_memory(lengths, args.max_seq_len, str(lengths_path))
+    batches = sample_batches(lengths, max_seq_len=args.max_seq_len,
                              tokens_per_batch=tokens_per_batch, steps=args.steps, seed=args.seed)
     split = micro_batch_split(args.micro_batches, tokens_per_gpu=args.tokens_per_gpu, data_parallel_size=world,
                               max_seq_len=args.max_seq_len, batch_fill=args.batch_fill, cost=cost)
@@ -287,13 +351,6 @@ def _summary(config: dict[str, Any], result: SimResult) -> str:
 def _tp_sizes(config: dict[str, Any]) -> str:
     sizes = set(config["tp_sizes"].values())
     return str(sizes.pop()) if len(sizes) == 1 else ", ".join(f"{n} {t}" for n, t in config["tp_sizes"].items())
-
-
-def _mkdir(path: Path) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create folder {str(path)!r}: {exc.strerror}; pick a writable path") from None
 
 
 def _write(path: Path, text: str) -> None:

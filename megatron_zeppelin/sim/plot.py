@@ -30,6 +30,20 @@ def pyplot():
     return plt
 
 
+def check_plot_path(path: Path, flag: str = "--plot") -> None:
+    """Before any work: matplotlib writes the format ``path``'s suffix names."""
+    fmt = Path(path).suffix[1:].lower()
+    if not fmt:
+        return      # matplotlib writes its default format (PNG)
+    plt = pyplot()
+    fig = plt.figure()
+    formats = sorted(fig.canvas.get_supported_filetypes())
+    plt.close(fig)
+    if fmt not in formats:
+        raise ConfigError(f"{flag} {str(path)!r}: matplotlib writes no .{fmt[:20]} files; end the name with one of "
+                          f"{', '.join('.' + f for f in formats)}")
+
+
 def save_figure(fig, path: str | Path) -> None:
     """Write ``fig`` (format from the suffix) and close it; an unwritable path is
     a one-line error, not a traceback."""

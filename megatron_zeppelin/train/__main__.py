@@ -19,6 +19,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS")
     from megatron_zeppelin.train.cli import parse_args
     from megatron_zeppelin.comm.deadline import CommTimeoutError
+    from megatron_zeppelin.train.divergence import Diverged
     from megatron_zeppelin.train.launch import ChildFailed, launch
     from megatron_zeppelin.train.lifetime import Interrupted
 
@@ -26,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cfg = parse_args(argv)
         try:
             launch(cfg)
-        except (ChildFailed, CommTimeoutError) as exc:   # CommTimeoutError: under torchrun/srun
+        except (ChildFailed, CommTimeoutError, Diverged) as exc:   # the last two: under torchrun/srun
             print(f"megatron_zeppelin.train: {exc}", file=sys.stderr)
             raise SystemExit(1) from None
         except Interrupted as exc:

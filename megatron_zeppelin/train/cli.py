@@ -14,8 +14,10 @@ from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 from megatron_zeppelin.sampler.lengths import resolve_lengths
 from megatron_zeppelin.train.strategy_limits import check_strategy_holds
-from megatron_zeppelin.validation import (OneLineParser, check_float, check_input_file, check_int,
-                                          check_output_dir, check_output_file)
+from megatron_zeppelin.train.checkpoint import held_checkpoint
+from megatron_zeppelin.validation import (OneLineParser, check_batch_tokens, check_float, check_fresh_log, check_input_file, check_int,
+                                          check_not_an_input, check_output_dir, check_output_file,
+                                          check_sequence_limits)
 
 STRATEGIES = ("zeppelin", "reference", "te_cp", "packing_dp", "megatron_hybrid_cp", "flexsp", "ulysses_sp")
 
@@ -83,9 +85,15 @@ class TrainConfig:
     is planned with it too, so a piece it defers to the next step waits here as
     well); None: the sampler's batches, which every strategy that defers nothing trains."""
     json_log: str | None = None
-    """Append one JSON line per step to this file."""
+    """Write one JSON line per step to this file (new or empty, unless ``append_log``)."""
+    append_log: bool = False
+    """Add to a ``json_log`` that holds lines already, after a ``run_start`` line
+    (``train.compare`` reads the last run of such a log)."""
     save: str | None = None
-    """Directory to write the checkpoint to after the last step."""
+    """Directory to write the checkpoint to after the last step (and every
+    ``save_interval`` steps).  It must hold no checkpoint but the ``--load`` one."""
+    save_interval: int | None = None
+    """Also save after every this many steps (None: at the end only)."""
     load: str | None = None
     """Directory to resume from (model, optimizer and sampler state)."""
     dump_plans: str | None = None
@@ -128,7 +136,6 @@ class TrainConfig:
         and then fails to save."""
         for name in ("nodes", "gpus_per_node", "tokens_per_gpu", "micro_batches", "tp"):
             check_int(getattr(self, name), f"--{name.replace('_', '-')}", minimum=1)
-        check_int(self.max_seq_len, "--max-seq-len", minimum=2)   # one token has no label
         if self.nics_per_node is not None:
             check_int(self.nics_per_node, "--nics-per-node", minimum=1, maximum=self.gpus_per_node)
         check_int(self.steps, "--steps", minimum=0)
@@ -154,11 +161,10 @@ class TrainConfig:
             if missing:
                 raise ConfigError(f"dataset prefix {self.data!r} has no {' / '.join(missing)}; pass the "
                                   "prefix of an existing Megatron indexed dataset (without .bin/.idx)")
-        capacity = self.tokens_per_gpu * self.data_parallel_size
-        if self.max_seq_len > capacity:
-            raise ConfigError(f"--max-seq-len {self.max_seq_len} is longer than the cluster can hold "
-                              f"({self.data_parallel_size} data-parallel ranks x {self.tokens_per_gpu} tokens per GPU = "
-                              f"{capacity}); raise --tokens-per-gpu or the rank count, or lower --max-seq-len")
+        check_sequence_limits(self.max_seq_len, self.tokens_per_gpu, self.data_parallel_size,
+                              f"{self.data_parallel_size} data-parallel ranks")
+        check_batch_tokens(self.micro_batches * self.tokens_per_gpu * self.data_parallel_size,
+                           "--micro-batches x --tokens-per-gpu x data-parallel ranks")
         if self.batches_of is not None and self.strategy != "reference":
             raise ConfigError(f"--batches-of makes the reference train another strategy's batches; with --strategy "
                               f"{self.strategy} drop it (or use --strategy reference --batches-of {self.batches_of})")
@@ -168,12 +174,7 @@ class TrainConfig:
         if self.load is not None and not Path(self.load).is_dir():
             raise ConfigError(f"--load {self.load!r} is not a directory; pass the --save directory "
                               "of an earlier run")
-        for flag, path in (("--save", self.save), ("--dump-plans", self.dump_plans),
-                           ("--dump-trace", self.dump_trace)):
-            if path is not None:
-                check_output_dir(path, flag)
-        if self.json_log is not None:
-            check_output_file(self.json_log, "--json-log")
+        self._check_outputs()
         batch_budget(self.tokens_per_gpu, self.data_parallel_size, self.max_seq_len, self.batch_fill)  # checks the fill
         if self.dump_trace and self.strategy == "reference":
             raise ConfigError("--dump-trace records the Zeppelin engine's ops; the reference strategy runs plain "
@@ -182,6 +183,49 @@ class TrainConfig:
             raise ConfigError("--dump-trace lays one Plan's ranks onto the trace, and under --tp the ranks of a "
                               "TP group share a Plan rank: run it with --tp 1")
         return self
+
+
+    def inputs(self) -> dict[str, str]:
+        """Every file this run reads, by the flag that names it."""
+        files = {"--lengths": self.lengths, "--model": self.model, "--cluster": self.cluster}
+        files = {flag: path for flag, path in files.items() if path is not None and Path(path).is_file()}
+        if self.data is not None:
+            files.update({"--data (.bin)": self.data + ".bin", "--data (.idx)": self.data + ".idx"})
+        if self.load is not None:
+            files.update({f"--load ({p.name})": str(p) for p in Path(self.load).iterdir() if p.is_file()})
+        return files
+
+    def _check_outputs(self) -> None:
+        """Every output is writable and none is an input; --save holds no
+        checkpoint of another run; a log is new unless --append-log."""
+        if self.save_interval is not None:
+            check_int(self.save_interval, "--save-interval", minimum=1)
+            if self.save is None:
+                raise ConfigError("--save-interval saves checkpoints into --save DIR; add --save")
+        inputs = self.inputs()
+        for flag, path in (("--save", self.save), ("--dump-plans", self.dump_plans),
+                           ("--dump-trace", self.dump_trace)):
+            if path is not None:
+                check_not_an_input(path, flag, inputs)
+                check_output_dir(path, flag)
+        if self.save is not None:
+            held = held_checkpoint(Path(self.save))
+            resumes = self.load is not None and os.path.samefile(self.load, self.save)
+            if held is not None and not resumes:
+                raise ConfigError(f"--save {self.save!r} already holds a checkpoint ({held}) of another run, which "
+                                  f"this run would replace; pass --load {self.save} to resume from it (Megatron's "
+                                  "--load = --save), or another --save directory")
+        if self.json_log is not None:
+            check_not_an_input(self.json_log, "--json-log", inputs)
+            for flag, folder in (("--save", self.save), ("--load", self.load), ("--dump-plans", self.dump_plans),
+                                 ("--dump-trace", self.dump_trace)):
+                if folder is not None and Path(self.json_log).resolve().parent == Path(folder).resolve():
+                    raise ConfigError(f"--json-log {self.json_log!r} is inside the {flag} folder, whose files the "
+                                      "run writes; pass a path outside it")
+            check_fresh_log(self.json_log, "--json-log", self.append_log, "--append-log")
+            check_output_file(self.json_log, "--json-log")
+        elif self.append_log:
+            raise ConfigError("--append-log adds to the --json-log file; add --json-log FILE")
 
 
 def check_tensor_parallel(tp: int, sequence_parallel: bool, gpus_per_node: int, model: ModelConfig) -> None:
@@ -267,8 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches-of", choices=[s for s in STRATEGIES if s != "reference"], metavar="STRATEGY",
                    help="with --strategy reference: train the batches STRATEGY trains (a piece it defers to the "
                         "next step waits here too), so the two logs compare step by step")
-    p.add_argument("--json-log", metavar="OUT.jsonl")
-    p.add_argument("--save", metavar="DIR")
+    p.add_argument("--json-log", metavar="OUT.jsonl", help="one JSON line per step (a new or empty file)")
+    p.add_argument("--append-log", action="store_true",
+                   help="add to a --json-log that holds lines, after a run_start line (compare reads the last run)")
+    p.add_argument("--save", metavar="DIR",
+                   help="checkpoint at the end (and every --save-interval steps); DIR holds no other run's "
+                        "checkpoint unless it is also --load")
+    p.add_argument("--save-interval", type=int, default=None, metavar="N", help="also save every N steps")
     p.add_argument("--load", metavar="DIR")
     p.add_argument("--dump-plans", metavar="DIR")
     p.add_argument("--dump-trace", metavar="DIR",
@@ -291,5 +340,6 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         tokens_per_gpu=a.tokens_per_gpu, steps=a.steps, seed=a.seed, lr=a.lr, dtype=a.dtype,
         routing=a.routing, min_routed_bytes=a.min_routed_bytes, remap=a.remap, batch_fill=a.batch_fill,
         tp=a.tp, sequence_parallel=a.sequence_parallel, ep=a.ep, micro_batches=a.micro_batches,
-        batches_of=a.batches_of, json_log=a.json_log, save=a.save, load=a.load,
+        batches_of=a.batches_of, json_log=a.json_log, append_log=a.append_log, save=a.save,
+        save_interval=a.save_interval, load=a.load,
         dump_plans=a.dump_plans, dump_trace=a.dump_trace, backend=a.backend, timeout_s=a.timeout, quiet=a.quiet).check()

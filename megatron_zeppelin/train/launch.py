@@ -25,13 +25,16 @@ import torch.distributed as dist
 
 from megatron_zeppelin.comm.deadline import CommTimeoutError
 from megatron_zeppelin.errors import ConfigError, ZeppelinError
+from megatron_zeppelin.resources import check_forkable
+from megatron_zeppelin.sampler.batch_sampler import check_piece_memory
 from megatron_zeppelin.train.cli import TrainConfig
+from megatron_zeppelin.train.divergence import Diverged
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.train.batch import make_token_source
 from megatron_zeppelin.train.checkpoint import load_state
 from megatron_zeppelin.train.lifetime import die_with_parent, rank_signals, signals_interrupt
-from megatron_zeppelin.train.micro import check_micro_batches
-from megatron_zeppelin.train.trainer import resolve_cluster, run_rank
+from megatron_zeppelin.train.micro import check_micro_batches, make_sampler
+from megatron_zeppelin.train.trainer import check_resume, resolve_cluster, run_rank
 
 #: Exit status of a child that failed on a user error (the parent re-raises it).
 USER_ERROR = 2
@@ -47,11 +50,20 @@ def launch(cfg: TrainConfig) -> None:
     """Run ``cfg`` under torchrun/srun when their environment is set, else spawn locally."""
     cluster = resolve_cluster(cfg)
     cluster.topology.check_world_size(cfg.world_size)  # preset errors before any fork
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not launched:
+        check_forkable(cfg.world_size)
+    _, doc_lengths = make_token_source(cfg.lengths, cfg.data, cfg.seed, load_model(cfg.model).vocab_size)
+    # Every forked rank builds its own sampler (under torchrun, this process is one rank).
+    check_piece_memory(doc_lengths, cfg.max_seq_len, cfg.lengths or cfg.data, copies=1 if launched else cfg.world_size)
+    resume = None
+    if cfg.load:   # a damaged or mismatched checkpoint is one line before any fork
+        path, resume = load_state(Path(cfg.load), torch.device("cpu"))
+        check_resume(cfg, load_model(cfg.model).name, path, resume)
+        make_sampler(cfg, doc_lengths).load_state_dict(resume["sampler"])
     if cfg.micro_batches > 1:  # every global batch splits, or one line before any process group
-        _, doc_lengths = make_token_source(cfg.lengths, cfg.data, cfg.seed, load_model(cfg.model).vocab_size)
-        resume = load_state(Path(cfg.load), torch.device("cpu"))[1]["sampler"] if cfg.load else None
-        check_micro_batches(cfg, cluster, doc_lengths, resume)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        check_micro_batches(cfg, cluster, doc_lengths, resume["sampler"] if resume else None)
+    if launched:
         run_launched(cfg)
     else:
         spawn_local(cfg)
@@ -128,8 +140,8 @@ def _raise_child_error(rank: int, child, errors) -> None:
         raise ZeppelinError(text)
     if kind == "crash":
         raise ChildFailed(f"rank {rank} failed:\n{text}")
-    if kind == "comm":
-        raise ChildFailed(text)   # one line already naming the rank, the operation and the peer
+    if kind == "one-line":
+        raise ChildFailed(text)   # one line already naming the rank and the operation, peer or value
     code = child.exitcode
     how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
     raise ChildFailed(f"{child.name} {how} without reporting an error; the other ranks were stopped")
@@ -167,8 +179,8 @@ def _child(cfg: TrainConfig, rank: int, port: int, errors, parent_pid: int) -> N
     except ZeppelinError as exc:
         errors.put((rank, "user", str(exc)))
         status = USER_ERROR
-    except CommTimeoutError as exc:
-        errors.put((rank, "comm", str(exc)))
+    except (CommTimeoutError, Diverged) as exc:
+        errors.put((rank, "one-line", str(exc)))
         status = 1
     except BaseException:  # noqa: BLE001 -- everything must reach the parent
         # Bounded: a report larger than the pipe buffer would block until the parent reads.

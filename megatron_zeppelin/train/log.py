@@ -9,6 +9,10 @@ from typing import IO, Sequence
 
 from megatron_zeppelin.plan import TierCounts
 
+RUN_START = "run_start"
+"""Key of the line ``--append-log`` writes before a run's first step record, so a
+reader of a log holding several runs (``train.compare``) takes one of them."""
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -105,9 +109,13 @@ class StepLogger:
     """Writes JSON lines and console summaries (rank 0 only)."""
 
     def __init__(self, json_path: str | None, total_steps: int, quiet: bool,
-                 console: IO[str] | None = None) -> None:
+                 console: IO[str] | None = None, run_start: dict | None = None) -> None:
+        """``run_start``: written as the log's ``{"run_start": ...}`` line first (``--append-log``)."""
         console = console or sys.stderr   # looked up now: a default bound at import would miss redirections
         self._json = open(json_path, "a", encoding="utf-8") if json_path else None
+        if self._json is not None and run_start is not None:
+            self._json.write(json.dumps({RUN_START: run_start}) + "\n")
+            self._json.flush()
         self._total = total_steps
         self._console = None if quiet else console
         self._warnings = console

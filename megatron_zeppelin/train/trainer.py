@@ -51,6 +51,7 @@ from megatron_zeppelin.train.batch import (TokenSource, build_rank_batch, make_t
                                            num_label_tokens)
 from megatron_zeppelin.train.checkpoint import load_state, save_state
 from megatron_zeppelin.train.cli import TrainConfig
+from megatron_zeppelin.train.divergence import check_finite
 from megatron_zeppelin.train.log import StepLogger, StepRecord
 from megatron_zeppelin.train.micro import MicroBatch, iter_micro_batches, make_sampler, make_split
 from megatron_zeppelin.train.passes import Pass, planned_passes
@@ -100,6 +101,8 @@ class Run:
     sampler_state: dict | None = None
     """Sampler state after the last global batch trained on (the sampler itself
     runs ahead: the next micro-batch is planned while this one computes)."""
+    saved: str | None = None
+    """Name of the last checkpoint this run wrote (the next save replaces it; rank 0)."""
 
     @property
     def topology(self) -> Topology:
@@ -214,7 +217,7 @@ def make_reference_planner(cfg: TrainConfig, cluster: ClusterConfig,
 
 def train_step(run: Run, micro_batches: Iterator[MicroBatch]) -> StepRecord:
     """Forward and backward of every micro-batch of one global batch, then one
-    all-reduce and optimizer update."""
+    all-reduce and, when the loss and the gradient norm are finite, the optimizer update."""
     t0 = time.perf_counter()
     run.counters.reset()
     run.remap_counters.reset()
@@ -228,8 +231,6 @@ def train_step(run: Run, micro_batches: Iterator[MicroBatch]) -> StepRecord:
             break
     with _collective(run, "gradient all-reduce"):
         grad_norm = allreduce_grads(run.model, run.cfg.sequence_parallel)
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=False)
     # The GPUs of a TP group hold the same tokens: their loss is counted once.
     first_tp_rank = run.rank % run.cfg.tp == 0
     stats = torch.tensor([loss_sum if first_tp_rank else 0.0, pairs.forward_pairs // run.model_cfg.num_layers,
@@ -240,6 +241,10 @@ def train_step(run: Run, micro_batches: Iterator[MicroBatch]) -> StepRecord:
     with _collective(run, "step statistics all-gather"):
         dist.all_gather(gathered, stats)
     rows = torch.stack(gathered).cpu()
+    # Every rank sees every rank's loss and the same norm: all stop here, before the update.
+    check_finite(run.step, rows[:, 0].tolist(), grad_norm, run.cfg.lr)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=False)
     run.step += 1
     run.sampler_state = micro.sampler_state
     return _record(run, plans, micro, rows, grad_norm, time.perf_counter() - t0)
@@ -367,10 +372,21 @@ def save_checkpoint(run: Run, directory: Path) -> None:
     with _collective(run, "checkpoint shard gather"):
         dist.gather_object(mine, shards, dst=0)
     if run.rank == 0:
-        save_state(directory, {"step": run.step, "shards": dict(s for s in shards if s is not None),
-                               "layout": model_parallel_layout(run),
-                               "sampler": run.sampler_state or run.sampler.state_dict(),
-                               "strategy": run.cfg.strategy, "model_preset": run.model_cfg.name})
+        path = save_state(directory, {"step": run.step, "shards": dict(s for s in shards if s is not None),
+                                      "layout": model_parallel_layout(run.cfg),
+                                      "sampler": run.sampler_state or run.sampler.state_dict(),
+                                      "strategy": run.cfg.strategy, "model_preset": run.model_cfg.name,
+                                      "shape": run_shape(run.cfg)}, replaces=run.saved)
+        run.saved = path.name
+
+
+def run_shape(cfg: TrainConfig) -> dict[str, object]:
+    """The flags that decide which global batches a run trains and how they are
+    planned (a resume that changed one would train other batches than the run
+    it continues)."""
+    return {"--nodes x --gpus-per-node": cfg.world_size, "--tokens-per-gpu": cfg.tokens_per_gpu,
+            "--micro-batches": cfg.micro_batches, "--strategy": cfg.strategy, "--batch-fill": cfg.batch_fill,
+            "--batches-of": cfg.batches_of}
 
 
 def shard_name() -> str:
@@ -379,9 +395,9 @@ def shard_name() -> str:
     return f"tp{mpu.get_tensor_model_parallel_rank()}-ep{mpu.get_expert_model_parallel_rank()}"
 
 
-def model_parallel_layout(run: Run) -> dict[str, int]:
+def model_parallel_layout(cfg: TrainConfig) -> dict[str, int]:
     """The TP and EP sizes a checkpoint's shards are cut at."""
-    return {"tp": run.cfg.tp, "ep": run.model_cfg.expert_parallel_size}
+    return {"tp": cfg.tp, "ep": cfg.expert_parallel_size}
 
 
 def _on_cpu(state):
@@ -395,20 +411,35 @@ def _on_cpu(state):
     return state
 
 
-def load_checkpoint(run: Run, directory: Path) -> None:
-    path, state = load_state(directory, run.device)
-    if state["model_preset"] != run.model_cfg.name:
+def check_resume(cfg: TrainConfig, model_name: str, path: Path, state: dict) -> int:
+    """``state`` (loaded from ``path``) continues this run: same model, layout
+    and shape, and steps left to train; returns its step.  One line if not."""
+    if state["model_preset"] != model_name:
         raise ConfigError(f"{path} is of model {state['model_preset']!r}, this run builds "
-                          f"{run.model_cfg.name!r}; pass the same --model")
-    layout = model_parallel_layout(run)
+                          f"{model_name!r}; pass the same --model")
+    layout = model_parallel_layout(cfg)
     if state["layout"] != layout:
         saved = state["layout"] if isinstance(state["layout"], dict) else {}
         raise ConfigError(f"{path} holds shards of --tp {saved.get('tp')} --ep {saved.get('ep')}, this run is "
                           f"--tp {layout['tp']} --ep {layout['ep']}; resume with the layout it was saved at")
-    step = int(state["step"])
-    if step >= run.cfg.steps:
-        raise ConfigError(f"{path} is at step {step} and --steps {run.cfg.steps} counts from the start: "
+    saved, now = state["shape"] if isinstance(state["shape"], dict) else {}, run_shape(cfg)
+    changed = [f"{flag} {saved.get(flag)} -> {value}" for flag, value in now.items() if saved.get(flag) != value]
+    if changed:
+        raise ConfigError(f"{path} was saved by a run of another shape ({'; '.join(changed)}): resumed so, it "
+                          "would train other batches than the run it continues; resume with the saved values")
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"{path}: its step is {str(step)[:40]!r}, not a whole number >= 0; the checkpoint is "
+                          "damaged -- load another --save directory or start without --load")
+    if step >= cfg.steps:
+        raise ConfigError(f"{path} is at step {step} and --steps {cfg.steps} counts from the start: "
                           f"nothing left to train; pass --steps greater than {step}")
+    return step
+
+
+def load_checkpoint(run: Run, directory: Path) -> None:
+    path, state = load_state(directory, run.device)
+    step = check_resume(run.cfg, run.model_cfg.name, path, state)
     try:
         shard = state["shards"][shard_name()]
         run.model.load_state_dict(shard["model"])
@@ -444,6 +475,12 @@ def describe(run: Run) -> str:
             + f", cap {cfg.tokens_per_gpu} per GPU")
 
 
+def run_start_record(cfg: TrainConfig) -> dict[str, object]:
+    """What an appended log's ``run_start`` line says about the run."""
+    return {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": cfg.steps, "seed": cfg.seed,
+            "load": cfg.load, **run_shape(cfg)}
+
+
 def run_rank(cfg: TrainConfig, rank: int, world_size: int, device: torch.device) -> None:
     """Train ``cfg.steps`` steps in total (a ``--load`` run continues up to it)."""
     from megatron.core import parallel_state, tensor_parallel
@@ -457,7 +494,8 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, device: torch.device)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)  # Megatron's CUDA RNG tracker
     else:
         apply_cpu_compat(cfg.seed)  # Megatron's TP/SP code on gloo: buffers and RNG tracker on the CPU
-    logger = StepLogger(cfg.json_log if rank == 0 else None, cfg.steps, quiet=cfg.quiet or rank != 0)
+    logger = StepLogger(cfg.json_log if rank == 0 else None, cfg.steps, quiet=cfg.quiet or rank != 0,
+                        run_start=run_start_record(cfg) if cfg.append_log else None)
     try:
         run = build_run(cfg, rank, world_size, device)
         logger.header(describe(run))
@@ -471,9 +509,11 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, device: torch.device)
                 record = train_step(run, micro_batches)
                 if rank == 0:
                     logger.log(record)
+                if cfg.save and (run.step == cfg.steps or cfg.save_interval and run.step % cfg.save_interval == 0):
+                    save_checkpoint(run, Path(cfg.save))
         finally:
             micro_batches.close()
-        if cfg.save:
+        if cfg.save and run.step == 0:   # --steps 0: the initial state
             save_checkpoint(run, Path(cfg.save))
         close = getattr(run.comm, "close", None)
         if close is not None:

@@ -106,3 +106,14 @@ def test_tokenizers():
     else:
         with pytest.raises(ConfigError, match="not available locally"):
             load_tokenizer("/nonexistent/tokenizer/dir")
+
+
+@pytest.mark.parametrize("input_name, prefix", [("corpus.idx", "corpus"), ("corpus.bin", "corpus")])
+def test_an_output_prefix_that_would_overwrite_the_input_is_refused(tmp_path, input_name, prefix):
+    """Issue 24: --input corpus.idx --output-prefix corpus wrote the index over the JSON lines."""
+    source = tmp_path / input_name
+    source.write_text('{"text": "hello"}\n')
+    with pytest.raises(ConfigError, match=rf"--output-prefix's {source.suffix} '.*{input_name}' is an input of this "
+                                          r"run \(--input\)"):
+        prepare(source, tmp_path / prefix)
+    assert source.read_text() == '{"text": "hello"}\n'

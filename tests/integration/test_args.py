@@ -134,6 +134,24 @@ def test_conflicts_name_the_flag_and_fix(overrides, words):
         assert word in str(exc.value)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    ({"tensor_model_parallel_size": 0}, "--tensor-model-parallel-size must be >= 1, got 0"),   # was ZeroDivisionError
+    ({"expert_model_parallel_size": 0, "num_experts": 8}, "--expert-model-parallel-size must be >= 1, got 0"),
+    ({"zeppelin_planner_time_limit": float("nan")}, "--zeppelin-planner-time-limit must be a finite number, got nan"),
+    ({"zeppelin_planner_time_limit": float("inf")}, "--zeppelin-planner-time-limit must be a finite number, got inf"),
+    ({"zeppelin_batch_fill": float("nan")}, "--zeppelin-batch-fill must be a finite number, got nan"),
+    ({"seq_length": 0}, "--seq-length must be >= 1, got 0"),
+    ({"seq_length": -4096}, "--seq-length must be >= 1, got -4096"),
+    ({"zeppelin_tokens_per_gpu": 0}, "--zeppelin-tokens-per-gpu must be >= 1, got 0"),
+    ({"zeppelin_plan_dump_dir": "/proc/zeppelin-plans"}, "--zeppelin-plan-dump-dir '/proc/zeppelin-plans' cannot be "
+                                                         "written"),
+])
+def test_every_bad_value_is_a_config_error(overrides, message):
+    with pytest.raises(ConfigError) as exc:
+        validate_zeppelin_args(megatron_args(**overrides))
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
 def test_moe_without_token_dropping_is_accepted():
     validate_zeppelin_args(megatron_args(num_experts=8))
     # Megatron-LM's defaults: the aux_loss balancing type with coefficient 0 adds nothing.

@@ -20,7 +20,7 @@ def state(step: int) -> dict:
     return {"step": step, "shards": {"tp0-ep0": {"model": {"w": torch.randn(64, 64, generator=g)},
                                                  "optimizer": {"lr": 0.1 * step}}},
             "layout": {"tp": 1, "ep": 1}, "sampler": {"epoch": 0, "offset": step, "carried": []}, "strategy": "zeppelin",
-            "model_preset": "tiny"}
+            "model_preset": "tiny", "shape": {"--strategy": "zeppelin"}}
 
 
 def same(a: dict, b: dict) -> bool:
@@ -67,23 +67,37 @@ def test_a_save_killed_at_any_point_leaves_the_previous_checkpoint(tmp_path, fra
     path, loaded = load_state(tmp_path, torch.device("cpu"))
     assert path.name == checkpoint.checkpoint_name(2) and same(loaded, state(2))
     # The next save into the same folder completes and cleans up what the kill left.
-    save_state(tmp_path, state(4))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, checkpoint.checkpoint_name(4)]
+    save_state(tmp_path, state(4), replaces=checkpoint.checkpoint_name(2))
+    # (A step-3 file renamed into place before the kill is no checkpoint of this run: it stays.)
+    left = [LATEST, "step_000004.pt", "step_000004.pt.sha256"] + (["step_000003.pt"] if offset is None else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(left)
     assert same(load_state(tmp_path, torch.device("cpu"))[1], state(4))
 
 
-def test_saving_replaces_the_previous_checkpoint_only_when_complete(tmp_path):
-    save_state(tmp_path, state(1))
-    save_state(tmp_path, state(2))
-    assert (tmp_path / LATEST).read_text() == "step_000002.pt\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000002.pt"]
+def test_saving_replaces_only_the_checkpoint_the_run_wrote(tmp_path):
+    save_state(tmp_path, state(1))                               # another run's (or the --load one)
+    first = save_state(tmp_path, state(2))
+    save_state(tmp_path, state(3), replaces=first.name)
+    assert (tmp_path / LATEST).read_text() == "step_000003.pt\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000001.pt", "step_000001.pt.sha256",
+                                                          "step_000003.pt", "step_000003.pt.sha256"]
+
+
+def overwrite_tensor_data(path, size=1024):
+    """1 KiB of the weights overwritten, the zip structure intact (the file still loads)."""
+    data = bytearray(path.read_bytes())
+    at = data.index(b"/data/0") + 64 + 512      # inside the first tensor's stored bytes
+    data[at:at + size] = os.urandom(size)
+    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda p: p.write_bytes(p.read_bytes()[:1000]), "not a readable checkpoint"),
+    (lambda p: p.write_bytes(p.read_bytes()[:1000]), r"contents do not match the SHA-256 in step_000005.pt.sha256"),
+    (overwrite_tensor_data, r"contents do not match the SHA-256 in step_000005.pt.sha256; the file is damaged"),
+    (lambda p: p.with_name(p.name + ".sha256").unlink(), "checksum file step_000005.pt.sha256 is missing"),
     (lambda p: p.write_bytes(b""), r"not a checkpoint written by torch.save \(0 bytes"),
     (lambda p: p.write_bytes(b"\0" + os.urandom(4999)), r"not a checkpoint written by torch.save \(5000 bytes"),
-    (lambda p: torch.save({"weights": torch.zeros(3)}, p), "not a trainer checkpoint"),
+    (lambda p: torch.save({"weights": torch.zeros(3)}, p), "contents do not match"),
     (lambda p: p.unlink(), "which is missing"),
     (lambda p: (p.parent / LATEST).write_text("../../etc/passwd\n"), "not a checkpoint file"),
     (lambda p: (p.parent / LATEST).unlink(), "no complete checkpoint"),
@@ -100,3 +114,14 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, damage, mess
 def test_latest_names_the_complete_file(tmp_path):
     save_state(tmp_path, state(7))
     assert latest_path(tmp_path) == tmp_path / "step_000007.pt"
+
+
+def test_1kib_overwritten_inside_the_weights_still_unzips_but_is_refused(tmp_path):
+    """The issue's case: the damage leaves a loadable zip, so only the checksum sees it."""
+    path = save_state(tmp_path, state(5))
+    overwrite_tensor_data(path)
+    damaged = torch.load(path, weights_only=True)             # torch itself notices nothing
+    assert not torch.equal(damaged["shards"]["tp0-ep0"]["model"]["w"], state(5)["shards"]["tp0-ep0"]["model"]["w"])
+    with pytest.raises(ConfigError) as exc:
+        load_state(tmp_path, torch.device("cpu"))
+    assert str(exc.value).startswith(f"{path}: contents do not match the SHA-256")

@@ -6,6 +6,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -181,7 +182,10 @@ def _bad_inputs(tmp: Path, lengths_file: Path) -> dict[str, tuple[list[str], str
         "plot-step": ([*ok, "--plot-step", "5"], "--plot-step"),
         "flag": ([*ok, "--colour"], "--colour"),
         "not-a-number": ([*ok, "--nodes", "two"], "--nodes"),
-        "json-dir": ([*ok, "--strategies", "te_cp", "--json", str(tmp / "no" / "dir" / "r.json")], "cannot write"),
+        "json-dir": ([*ok, "--strategies", "te_cp", "--json", str(tmp / "neg.txt" / "r.json")], "cannot be written"),
+        "json-input": ([*ok, "--json", str(lengths_file)], "is an input of this run (--lengths)"),
+        "one-token": ([*ok, "--max-seq-len", "1"], "--max-seq-len must be >= 2"),
+        "same-outputs": ([*ok, "--json", str(tmp / "r.png"), "--plot", str(tmp / "r.png")], "both write"),
         "micro-zero": ([*ok, "--micro-batches", "0"], "--micro-batches"),
         "micro-empty": ([*ok, "--tokens-per-batch", "16384", "--micro-batches", "200"], "empty"),
     }
@@ -190,7 +194,8 @@ def _bad_inputs(tmp: Path, lengths_file: Path) -> dict[str, tuple[list[str], str
 @pytest.mark.parametrize("case", ["empty", "negative", "non-integer", "float-npy", "missing", "cluster",
                                   "model", "strategy", "cap", "nics", "steps", "fill", "plot-step", "flag",
                                   "not-a-number",
-                                  "json-dir", "micro-zero", "micro-empty"])
+                                  "json-dir", "micro-zero", "micro-empty", "json-input", "one-token",
+                                  "same-outputs"])
 def test_bad_inputs_exit_2_with_one_line(case, lengths_file, tmp_path, capsys):
     """In-process for speed: any exception but SystemExit(2) fails the test."""
     args, fragment = _bad_inputs(tmp_path, lengths_file)[case]
@@ -222,11 +227,23 @@ def test_progress_bar_draws_only_when_enabled():
     frames = out.getvalue().split("\r")[1:]
     assert frames[0].startswith("[##------] 1/4") and "step 0 te_cp" in frames[0]
     assert frames[1].startswith("[####----] 2/4") and out.getvalue().endswith("\n")
-    quiet = io.StringIO()       # StringIO is no terminal: off by default
+    quiet = io.StringIO()       # StringIO is no terminal: no bar, and no line within the heartbeat
     bar = Progress(4, stream=quiet)
     bar.advance("x")
     bar.close()
     assert quiet.getvalue() == ""
+
+
+def test_a_non_terminal_gets_a_progress_line_every_heartbeat():
+    out = io.StringIO()
+    bar = Progress(4, stream=out, heartbeat_s=0.05)
+    bar.advance("step 0 flexsp")
+    time.sleep(0.3)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 2 and lines[0].startswith("progress: 1/4 plans, ") and lines[0].endswith("step 0 flexsp")
+    time.sleep(0.2)
+    assert out.getvalue().splitlines() == lines          # closed: no more lines
 
 
 def test_modeled_trace_holds_every_rank_and_replays(lengths_file, tmp_path):
