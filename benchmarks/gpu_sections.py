@@ -302,6 +302,8 @@ def section_training(args: argparse.Namespace, dry_run: bool) -> SectionResult:
             model = model if model == "tiny" else str(Path(tmp) / model)
             for strategy in ("zeppelin", "reference"):
                 argv = trainer_args(model, lengths, strategy, logs[name, strategy], args, dry_run, cluster)
+                if (name, strategy) == ("tiny", "zeppelin"):     # the executed trace, timed by CUDA events
+                    argv += ["--dump-trace", str(Path(tmp) / "trace")]
                 if dry_run and name != "tiny":
                     trainer_parse_args(argv)   # raises on an argument the trainer would refuse
                     notes.append(f"{name} {strategy}: arguments accepted by the trainer (not run in a dry run)")
@@ -327,13 +329,32 @@ def section_training(args: argparse.Namespace, dry_run: bool) -> SectionResult:
             compared.append((name, status, worst[1] if worst else "?"))
             notes.append(f"{name}: `python -m megatron_zeppelin.train.compare ... --rtol {rtol:g}` -> exit {status}"
                          f"\n\n{fenced(tail(out, 6))}")
+        traced = trace_ops(Path(tmp) / "trace")
+        notes.append(f"tiny zeppelin `--dump-trace`: {traced}")
     expected = 1 if dry_run else len(TRAINING_RUNS)
-    passed = len(compared) == expected and all(status == 0 for _, status, _ in compared)
+    passed = len(compared) == expected and all(status == 0 for _, status, _ in compared) and "ops" in traced
     figure = ", ".join(f"{name} loss diff {worst}" for name, _, worst in compared) or "no pair finished"
+    figure += f"; trace {traced.split(':')[0]}"
     figure += f" ({dtype}, rtol {rtol:g}; {sum(1 for s, _ in statuses.values() if s == 0)}/{len(runs)} runs)"
     return SectionResult(passed, figure, "\n".join(rows) + "\n\n" + "\n\n".join(notes) + (
         "\n\nOne GPU is one rank: every plan is local, so this compares the kernels and the engine's local "
         "queue with the reference, not rings or remap over NCCL."))
+
+
+def trace_ops(folder: Path) -> str:
+    """What the trainer's ``--dump-trace`` wrote, read back by the simulator's reader
+    (on CUDA its op times come from CUDA events)."""
+    from megatron_zeppelin.errors import ZeppelinError
+    from megatron_zeppelin.schedule.trace import read_trace
+
+    steps = sorted(folder.glob("step*.json"))
+    if not steps:
+        return "no step trace written"
+    try:
+        schedule, _, times = read_trace(steps[-1])
+    except ZeppelinError as exc:
+        return f"{steps[-1].name} unreadable: {exc}"
+    return f"{len(times)} ops timed: {len(steps)} step trace(s), {steps[-1].name} holds {len(schedule.ops)} ops"
 
 
 def run_commands(commands: dict, deadline: float, parallel: bool) -> dict:
