@@ -185,7 +185,9 @@ def validate_zeppelin_args(args: argparse.Namespace) -> argparse.Namespace:
             flag = "--" + changed[0].replace("_", "-")
             raise ConfigError(f"{flag} has no effect without --zeppelin; add --zeppelin or drop it")
         return args
+    _resolve_megatron_aliases(args)
     _check_megatron_conflicts(args)
+    _check_unsupported_features(args)
     _check_model_parallel(args)
     _check_batch_shape(args)
     _check_zeppelin_values(args)
@@ -252,6 +254,71 @@ def _check_megatron_conflicts(args: argparse.Namespace) -> None:
         if _flag(args, name, False):
             raise ConfigError(f"--zeppelin conflicts with --{name.replace('_', '-')} ({why}); drop it"
                               + (" and pass --data-path PREFIX" if name == "mock_data" else ""))
+
+
+def _resolve_megatron_aliases(args: argparse.Namespace) -> None:
+    """Megatron-LM's own name for the per-rank token cap: ``--max-seqlen-per-dp-cp-rank``
+    (what ``--hybrid-context-parallel`` packs each rank up to) means what
+    ``--zeppelin-tokens-per-gpu`` means, so either flag sets it; both with different
+    values is refused."""
+    megatron_cap = getattr(args, "max_seqlen_per_dp_cp_rank", None)
+    if megatron_cap is None:
+        return
+    ours = getattr(args, "zeppelin_tokens_per_gpu", None)
+    if ours is None:
+        args.zeppelin_tokens_per_gpu = megatron_cap
+    elif ours != megatron_cap:
+        raise ConfigError(f"--max-seqlen-per-dp-cp-rank {megatron_cap} and --zeppelin-tokens-per-gpu {ours} "
+                          "both set the per-rank token cap; pass one of them")
+
+
+#: Megatron-LM features ``--zeppelin`` cannot honour, refused before anything is built:
+#: (attribute, flag, is it on?, why).  Each is a "refused" row of docs/compatibility.md.
+SHAPES_CHANGE = "per-rank token counts change every step"
+UNSUPPORTED: tuple[tuple[str, str, Callable[[object], bool], str], ...] = (
+    ("rampup_batch_size", "--rampup-batch-size", bool,
+     "a ramp changes the micro-batches per step mid-run, and a Zeppelin checkpoint records the sampler's "
+     "position per global batch; warm up with --lr-warmup-iters instead"),
+    ("fp8", "--fp8-format", lambda v: v is not None,
+     "Zeppelin's attention kernels and ring transfers run in bf16/fp16/fp32, and per-rank token counts are "
+     "not multiples of 16; train in --bf16"),
+    ("fp8_param_gather", "--fp8-param-gather", bool, "it needs fp8 training"),
+    ("fp4", "--fp4-format", lambda v: v is not None, "Zeppelin's kernels run in bf16/fp16/fp32"),
+    ("tp_comm_overlap", "--tp-comm-overlap", bool,
+     f"TransformerEngine's userbuffers are sized for --seq-length x --micro-batch-size tokens, and {SHAPES_CHANGE}"),
+    ("enable_cuda_graph", "--enable-cuda-graph", bool, f"a CUDA graph replays fixed shapes, {SHAPES_CHANGE}"),
+    ("external_cuda_graph", "--external-cuda-graph", bool, f"a CUDA graph replays fixed shapes, {SHAPES_CHANGE}"),
+    ("cuda_graph_impl", "--cuda-graph-impl", lambda v: v not in (None, "none"),
+     f"a CUDA graph replays fixed shapes, {SHAPES_CHANGE}"),
+    ("window_size", "--window-size", lambda v: v is not None,
+     "Zeppelin's attention is full causal attention inside each document"),
+    ("softmax_type", "--softmax-type", lambda v: v not in (None, "vanilla"),
+     "Zeppelin's attention kernels compute the vanilla softmax"),
+    ("multi_latent_attention", "--multi-latent-attention", bool,
+     "Zeppelin's layer spec builds standard (grouped-query) attention"),
+    ("experimental_attention_variant", "--experimental-attention-variant", lambda v: v is not None,
+     "Zeppelin's layer spec builds standard attention"),
+    ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path", lambda v: v is not None,
+     "Zeppelin's layer spec builds one layer type"),
+    ("mtp_num_layers", "--mtp-num-layers", bool, "multi-token-prediction layers are not Zeppelin layers"),
+    ("eod_mask_loss", "--eod-mask-loss", bool,
+     "Zeppelin trains on whole documents, never across an end-of-document token, and would ignore it"),
+    ("phase_transition_iterations", "--phase-transition-iterations", bool,
+     "it changes the global batch between phases, and a Zeppelin checkpoint records the sampler's "
+     "position per global batch"),
+    ("full_validation", "--full-validation", bool,
+     "Zeppelin's validation loader has no fixed length; use --eval-iters"),
+    ("multiple_validation_sets", "--multiple-validation-sets", bool,
+     "Zeppelin validates on the documents --split gives the validation split"),
+    ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm", bool,
+     "it overlaps two micro-batches of equal shape"),
+)
+
+
+def _check_unsupported_features(args: argparse.Namespace) -> None:
+    for name, flag, is_on, why in UNSUPPORTED:
+        if is_on(getattr(args, name, None)):
+            raise ConfigError(f"--zeppelin does not support {flag} ({why}); drop {flag}")
 
 
 def _check_model_parallel(args: argparse.Namespace) -> None:
@@ -327,8 +394,8 @@ def _check_batch_shape(args: argparse.Namespace) -> None:
     seq = getattr(args, "seq_length", None)
     tpg = getattr(args, "zeppelin_tokens_per_gpu", None)
     if tpg is None:
-        raise ConfigError("--zeppelin needs --zeppelin-tokens-per-gpu (per-rank token budget, e.g. "
-                          "2x --seq-length)")
+        raise ConfigError("--zeppelin needs --zeppelin-tokens-per-gpu (or Megatron's --max-seqlen-per-dp-cp-rank): "
+                          "the per-rank token budget, e.g. 2x --seq-length")
     if seq is None:
         raise ConfigError("--zeppelin needs --seq-length: the longest piece a document is cut into")
     if tpg < 1:

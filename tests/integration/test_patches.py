@@ -180,8 +180,14 @@ def test_patched_pretrain_gpt_steps_on_cpu(mlm_copy, tmp_path):
      "--num-experts 3 does not divide over --expert-model-parallel-size 2"),
     (["--num-experts", "4", "--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "2"],
      "--expert-model-parallel-size 4 x expert TP 2 does not divide the 4 ranks"),
+    (["--rampup-batch-size", "4", "4", "100"], "--zeppelin does not support --rampup-batch-size"),
+    (["--fp8-format", "hybrid"], "--zeppelin does not support --fp8-format"),
+    (["--tp-comm-overlap"], "--zeppelin does not support --tp-comm-overlap"),
+    (["--enable-cuda-graph"], "--zeppelin does not support --enable-cuda-graph"),
+    (["--cuda-graph-impl", "transformer_engine"], "--zeppelin does not support --cuda-graph-impl"),
 ], ids=["sp-without-tp", "tp-over-node", "moe-aux-loss", "tp-over-heads", "tp-over-kv-heads",
-        "experts-over-ep", "ep-over-ranks"])
+        "experts-over-ep", "ep-over-ranks", "rampup", "fp8", "tp-comm-overlap", "enable-cuda-graph",
+        "cuda-graph-impl"])
 def test_patched_pretrain_gpt_refuses_before_any_process_group(mlm_copy, flags, message):
     """core_v0.16.1's ``pretrain()`` builds its process groups right after parsing: the
     patched script checks the ``--zeppelin`` flags before calling it.  No
