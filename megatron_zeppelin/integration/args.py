@@ -137,7 +137,68 @@ def check_args_before_launch(extra_args_provider: ArgsProvider) -> None:
     with TP 1, which it turns off)."""
     from megatron.training.arguments import parse_args
 
-    check_args(parse_args(extra_args_provider))
+    check_run_before_launch(parse_args(extra_args_provider))
+
+
+def check_run_before_launch(args: argparse.Namespace) -> argparse.Namespace:
+    """:func:`check_args`, then under ``--zeppelin`` the data and checkpoint-folder checks
+    (``integration/preflight.py``), each a one-line exit 2; later Zeppelin errors are
+    reported in one line too (:func:`report_zeppelin_errors_in_one_line`)."""
+    check_args(args)
+    if args.zeppelin:
+        from megatron_zeppelin.integration.preflight import check_before_launch
+
+        _one_line_or_exit(check_before_launch, args)
+        report_zeppelin_errors_in_one_line()
+    return args
+
+
+def report_zeppelin_errors_in_one_line() -> None:
+    """A :class:`ZeppelinError` that ends the run later (a batch no plan holds, a peer
+    that stopped answering) prints as one ``pretrain_gpt.py: error:`` line in
+    ``pretrain_gpt.py``'s terms instead of a traceback; every other exception keeps
+    Python's report."""
+    previous = sys.excepthook
+
+    def hook(kind, exc, traceback):
+        if issubclass(kind, ZeppelinError):
+            print(f"pretrain_gpt.py: error: {megatron_terms(str(exc))}", file=sys.stderr, flush=True)
+        else:
+            previous(kind, exc, traceback)
+    sys.excepthook = hook
+
+
+#: Flags of the project's own trainer that shared code (planner, sampler, communication
+#: lanes) names in its messages, and what ``pretrain_gpt.py`` calls the same thing.
+MEGATRON_TERMS = (
+    (re.compile(r"\(--micro-batches; --global-batch-size / DP under --zeppelin\)"),
+     "(--global-batch-size / data-parallel size)"),
+    (re.compile(r"(?<![\w-])--micro-batches\b"), "--global-batch-size / data-parallel size"),
+    (re.compile(r"(?<![\w-])--tokens-per-gpu\b"), "--zeppelin-tokens-per-gpu"),
+    (re.compile(r"(?<![\w-])--max-seq-len\b"), "--seq-length"),
+    (re.compile(r"(?<![\w-])--batch-fill\b"), "--zeppelin-batch-fill"),
+    (re.compile(r"(?<![\w-])--lengths\b"), "--zeppelin-data-lengths"),
+    (re.compile(r"(?<![\w-])--timeout ([0-9.]+) s\b"),
+     lambda m: f"--distributed-timeout-minutes ({float(m.group(1)) / 60:g} min)"),
+    (re.compile(r"(?<![\w-])--timeout\b"), "--distributed-timeout-minutes"),
+    (re.compile(r"use_te=False"), "--transformer-impl local"),
+    (re.compile(r"use_te=True"), "--transformer-impl transformer_engine"),
+)
+
+
+def megatron_terms(message: str) -> str:
+    """``message`` with the trainer's flag names replaced by ``pretrain_gpt.py``'s."""
+    for pattern, replacement in MEGATRON_TERMS:
+        message = pattern.sub(replacement, message)
+    return message
+
+
+def _one_line_or_exit(check: Callable[[argparse.Namespace], object], args: argparse.Namespace) -> None:
+    try:
+        check(args)
+    except ZeppelinError as exc:
+        print(f"pretrain_gpt.py: error: {megatron_terms(str(exc))}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def escape_help_percent(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -197,11 +258,8 @@ def validate_zeppelin_args(args: argparse.Namespace) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> argparse.Namespace:
     """:func:`validate_zeppelin_args` for a launched job: one line on stderr and exit 2
     on every rank (all ranks parse the same flags, so none is left waiting)."""
-    try:
-        return validate_zeppelin_args(args)
-    except ZeppelinError as exc:
-        print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    _one_line_or_exit(validate_zeppelin_args, args)
+    return args
 
 
 def _flag(args: argparse.Namespace, name: str, default=None):

@@ -169,6 +169,7 @@ def _broadcast_case(rank, world_size, prefix, broadcast):
     from megatron_zeppelin.model_config import load_model
     from megatron_zeppelin.plan.agreement import PlanMismatchError
     from megatron_zeppelin.sampler import batch_budget
+    from megatron_zeppelin.sampler.deferral import DeferringSampler
     from megatron_zeppelin.topology import load_cluster
 
     cpu = torch.device("cpu")
@@ -177,7 +178,8 @@ def _broadcast_case(rank, world_size, prefix, broadcast):
     make_plan = build_plan_fn("zeppelin" if rank == 0 else "packing_dp", cost, 600, False, 5.0)
     planned = []
     loader = ZeppelinLoader(
-        sampler=blend.sampler(max_seq_len=512, tokens_per_batch=batch_budget(600, 4, 512), seed=2), blend=blend,
+        sampler=DeferringSampler(blend.sampler(max_seq_len=512, tokens_per_batch=batch_budget(600, 4, 512), seed=2)),
+        blend=blend,
         make_plan=lambda lens: planned.append(1) or make_plan(lens), rank=rank, device=cpu, communicator=None,
         backend=None, all_reduce_max=torch_all_reduce_max(cpu), prefetch=True,
         broadcast_plan=broadcast_plan_from_rank0(cpu) if broadcast else None)
