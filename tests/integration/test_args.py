@@ -233,3 +233,27 @@ def test_max_seqlen_per_dp_cp_rank_is_the_token_cap():
     assert validate_zeppelin_args(megatron_args(max_seqlen_per_dp_cp_rank=4096)).zeppelin_tokens_per_gpu == 4096
     with pytest.raises(ConfigError, match="--max-seqlen-per-dp-cp-rank 2048 and --zeppelin-tokens-per-gpu 4096"):
         validate_zeppelin_args(megatron_args(max_seqlen_per_dp_cp_rank=2048))
+
+
+def test_messages_from_shared_code_name_pretrain_gpt_flags():
+    from megatron_zeppelin.integration.args import megatron_terms
+
+    assert megatron_terms("lanes did not complete within --timeout 600 s: a peer stopped") == \
+        "lanes did not complete within --distributed-timeout-minutes (10 min): a peer stopped"
+    assert megatron_terms("raise --tokens-per-gpu or lower --max-seq-len; --zeppelin-tokens-per-gpu stays") == \
+        "raise --zeppelin-tokens-per-gpu or lower --seq-length; --zeppelin-tokens-per-gpu stays"
+    assert megatron_terms("use fewer micro-batches (--micro-batches; --global-batch-size / DP under --zeppelin)") == \
+        "use fewer micro-batches (--global-batch-size / data-parallel size)"
+    assert megatron_terms("pass use_te=False for local modules") == "pass --transformer-impl local for local modules"
+
+
+def test_a_zeppelin_error_that_ends_a_run_is_one_line(capsys, monkeypatch):
+    import sys
+
+    from megatron_zeppelin.errors import InfeasibleError
+    from megatron_zeppelin.integration.args import report_zeppelin_errors_in_one_line
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    report_zeppelin_errors_in_one_line()
+    sys.excepthook(InfeasibleError, InfeasibleError("no plan; raise --tokens-per-gpu"), None)
+    assert capsys.readouterr().err == "pretrain_gpt.py: error: no plan; raise --zeppelin-tokens-per-gpu\n"
