@@ -6,12 +6,14 @@ right after the flag checks, on every rank; no process group exists yet).
   (its ``.idx`` well formed, its ``.bin`` as long as the index says), a
   ``--zeppelin-data-lengths`` file matches them, and ``--split`` leaves the
   training split some documents;
-* the attention backend ``--zeppelin-backend`` names is installed, and so is psutil
+* the attention backend ``--zeppelin-backend`` names is installed, TransformerEngine
+  under ``--transformer-impl transformer_engine``, and psutil
   when ``--save`` writes ``torch_dist`` checkpoints;
 * the batches: the training and validation batches the run will draw each hold at
   least one sequence per micro-batch (``--global-batch-size`` / data-parallel
   size), so no evaluation or epoch end fails hours into the run;
-* the checkpoint folders: a ``--load`` checkpoint drew its batches from the same
+* the checkpoint folders: every shard of a ``--load`` checkpoint is there and as long
+  as its index says; the checkpoint drew its batches from the same
   documents, ``--seq-length`` and seed (else its position cannot be continued);
   ``--save`` never overwrites a checkpoint of another run (other data, seed or
   model) unless ``--load`` points there too.
@@ -52,8 +54,10 @@ def check_before_launch(args: argparse.Namespace) -> None:
         from megatron_zeppelin.attention.backends import get_backend
 
         get_backend(args.zeppelin_backend)
+    check_transformer_impl(args)
     check_batches_fill_micro_batches(args, blends)
     check_checkpoint_writer(args)
+    check_checkpoint_files(getattr(args, "load", None), args)
     saved = saved_data_state_on_disk(getattr(args, "load", None), args)
     if saved is not None:
         from megatron_zeppelin.integration.checkpoint import check_same_pieces
@@ -113,6 +117,20 @@ def check_batches_fill_micro_batches(args: argparse.Namespace, blends: dict[str,
             index, epoch = index + len(bounds), epoch + 1
 
 
+def check_transformer_impl(args: argparse.Namespace) -> None:
+    """``--transformer-impl transformer_engine`` (Megatron-LM's default) builds Zeppelin's
+    layer on TransformerEngine's modules; without TE the layer spec would fail after
+    the process groups exist."""
+    if getattr(args, "transformer_impl", "transformer_engine") != "transformer_engine":
+        return
+    try:
+        import transformer_engine  # noqa: F401  (the check is the import)
+    except ImportError:
+        raise ConfigError("--transformer-impl transformer_engine (Megatron-LM's default) needs TransformerEngine, "
+                          "which is not installed; install it, or pass --transformer-impl local --normalization "
+                          "RMSNorm --no-persist-layer-norm for Megatron-Core's local modules") from None
+
+
 def check_checkpoint_writer(args: argparse.Namespace) -> None:
     """``--save`` in the ``torch_dist`` format needs psutil: Megatron-Core 0.16.1's
     writer calls it first thing in each forked writer process, outside its error
@@ -132,26 +150,64 @@ def checkpoint_common_args(folder: str | None, args: argparse.Namespace) -> argp
     """The ``args`` a ``torch_dist`` checkpoint in ``folder`` was saved with (its small
     ``common.pt``, read as Megatron's ``load_args_from_checkpoint`` reads it); None
     when the folder holds no checkpoint or one of another format."""
-    if not folder or not (Path(folder) / "latest_checkpointed_iteration.txt").is_file():
+    directory = _checkpoint_directory(folder, args)
+    if directory is None:
         return None
-    from megatron.training.checkpointing import _load_base_checkpoint, get_checkpoint_name, read_metadata
+    from megatron.training.checkpointing import _load_base_checkpoint
 
-    iteration, release = read_metadata(str(Path(folder) / "latest_checkpointed_iteration.txt"))
-    if not (Path(get_checkpoint_name(folder, iteration, release, return_base_dir=True)) / "common.pt").is_file():
-        return None
     try:
         state_dict = _load_base_checkpoint(folder, args, rank0=True)[0]
     except Exception as exc:  # noqa: BLE001 -- any unreadable file: name it, in one line
-        raise ConfigError(f"the checkpoint in {folder} (iteration {iteration}) cannot be read: "
-                          f"{type(exc).__name__}: {str(exc)[:200]}; point --load/--save elsewhere or "
-                          "remove the damaged iteration folder") from None
+        raise ConfigError(f"{directory / 'common.pt'} cannot be read ({type(exc).__name__}: {str(exc)[:160]}): "
+                          "the checkpoint is damaged; point --load/--save elsewhere or load an earlier "
+                          "iteration (--ckpt-step)") from None
     return (state_dict or {}).get("args")
+
+
+def check_checkpoint_files(folder: str | None, args: argparse.Namespace) -> None:
+    """Every shard file of the ``torch_dist`` checkpoint ``--load`` resumes from is
+    there and as long as its index (``.metadata``) says: a missing or truncated
+    shard is named here instead of deep in the load on every rank."""
+    directory = _checkpoint_directory(folder, args)
+    if directory is None:
+        return
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(directory)).read_metadata().storage_data
+    except Exception as exc:  # noqa: BLE001 -- any unreadable index: name it, in one line
+        raise ConfigError(f"{directory / '.metadata'} cannot be read ({type(exc).__name__}: {str(exc)[:160]}): the "
+                          "--load checkpoint is damaged; load an earlier iteration (--ckpt-step) or another "
+                          "--load") from None
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        have = (directory / name).stat().st_size if (directory / name).is_file() else None
+        if have is None or have < size:
+            got = "is missing" if have is None else f"holds {have} bytes"
+            raise ConfigError(f"{directory / name} {got}, its index (.metadata) needs {size}: the --load checkpoint "
+                              "is damaged (a save that did not finish?); load an earlier iteration (--ckpt-step) "
+                              "or another --load")
+
+
+def _checkpoint_directory(folder: str | None, args: argparse.Namespace) -> Path | None:
+    """The iteration directory of the ``torch_dist`` checkpoint in ``folder`` that a
+    ``--load`` of it reads (None: none there, or another format)."""
+    tracker = Path(folder or "") / "latest_checkpointed_iteration.txt"
+    if not folder or getattr(args, "ckpt_step", None) or not tracker.is_file():
+        return None
+    from megatron.training.checkpointing import get_checkpoint_name, read_metadata
+
+    iteration, release = read_metadata(str(tracker))
+    directory = Path(get_checkpoint_name(folder, iteration, release, return_base_dir=True))
+    return directory if (directory / "common.pt").is_file() else None
 
 
 def saved_data_state_on_disk(folder: str | None, args: argparse.Namespace) -> dict | None:
     """The Zeppelin data state of the ``torch_dist`` checkpoint ``--load`` resumes from
     (None: no such checkpoint, ``--finetune``, or one written without ``--zeppelin``)."""
-    if getattr(args, "finetune", False) or getattr(args, "ckpt_step", None):
+    if getattr(args, "finetune", False):
         return None
     return getattr(checkpoint_common_args(folder, args), "zeppelin_data_state", None)
 

@@ -114,3 +114,15 @@ def test_a_validation_batch_smaller_than_the_micro_batches_is_refused_before_lau
         check_batches_fill_micro_batches(args, blends)
     args.eval_iters = 0
     check_batches_fill_micro_batches(args, blends)
+
+
+def test_transformer_engine_layers_without_transformer_engine_are_refused(monkeypatch):
+    import argparse
+    import sys
+
+    from megatron_zeppelin.integration.preflight import check_transformer_impl
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    with pytest.raises(ConfigError, match="--transformer-impl transformer_engine .* pass --transformer-impl local"):
+        check_transformer_impl(argparse.Namespace(transformer_impl="transformer_engine"))
+    check_transformer_impl(argparse.Namespace(transformer_impl="local"))

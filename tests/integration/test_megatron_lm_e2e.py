@@ -198,8 +198,9 @@ def test_resume_with_another_token_budget_trains_every_piece_once(patched, tmp_p
     and resumed at 600 goes on at the first piece it had not trained: each iteration
     of both runs trains the next pieces of the sampler's order (its global batch;
     micro-batches reorder pieces inside it), none skipped or repeated.  A resume with
-    another seed, and a --save onto that checkpoint by another run, are refused in
-    one line by the real pretrain_gpt.py before any process group."""
+    another seed, a --save onto that checkpoint by another run, and a resume from a
+    copy with a truncated shard are refused in one line by the real pretrain_gpt.py
+    before any process group."""
     from megatron_zeppelin.integration.data import open_blends
 
     prefix, cluster = _dataset(tmp_path), _one_node_cluster(tmp_path, 2)
@@ -226,7 +227,14 @@ def test_resume_with_another_token_budget_trains_every_piece_once(patched, tmp_p
     argv = subprocess.run([sys.executable, "-m", "megatron_zeppelin.launch", "--preset", "tiny-cpu", "--print-args",
                            "--only", "megatron"], capture_output=True, text=True, check=True).stdout.split()
     env = {**_env(patched), "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "", "MASTER_PORT": ""}
+    damaged = tmp_path / "damaged"
+    shutil.copytree(ckpt, damaged)
+    latest = int((damaged / "latest_checkpointed_iteration.txt").read_text())
+    shard = damaged / f"iter_{latest:07d}" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
     for extra, message in (
+            (("--load", str(damaged), "--save", str(damaged)),
+             f"{shard} holds 1000 bytes, its index (.metadata) needs"),
             (("--load", ckpt, "--save", ckpt, "--seed", "7"),
              "the --load checkpoint drew its batches with seed (--zeppelin-seed, else --seed) = 1234, this run has 7"),
             (("--load", str(tmp_path / "new"), "--save", ckpt, "--seed", "7"),
