@@ -11,6 +11,7 @@ the fix.  Nothing here imports Megatron, so the flags are testable anywhere.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -149,23 +150,38 @@ def check_run_before_launch(args: argparse.Namespace) -> argparse.Namespace:
         from megatron_zeppelin.integration.preflight import check_before_launch
 
         _one_line_or_exit(check_before_launch, args)
-        report_zeppelin_errors_in_one_line()
+        report_zeppelin_errors_in_one_line(getattr(args, "save", None))
     return args
 
 
-def report_zeppelin_errors_in_one_line() -> None:
+def report_zeppelin_errors_in_one_line(save: str | None = None) -> None:
     """A :class:`ZeppelinError` that ends the run later (a batch no plan holds, a peer
     that stopped answering) prints as one ``pretrain_gpt.py: error:`` line in
-    ``pretrain_gpt.py``'s terms instead of a traceback; every other exception keeps
-    Python's report."""
+    ``pretrain_gpt.py``'s terms instead of a traceback.  Every other exception (a
+    failed save, a lost peer) keeps Python's report, followed by one line naming this
+    rank and the last complete checkpoint in ``save`` (``--save``), which stays
+    loadable: Megatron-LM writes its tracker file only after every rank saved."""
     previous = sys.excepthook
 
     def hook(kind, exc, traceback):
         if issubclass(kind, ZeppelinError):
             print(f"pretrain_gpt.py: error: {megatron_terms(str(exc))}", file=sys.stderr, flush=True)
-        else:
-            previous(kind, exc, traceback)
+            return
+        previous(kind, exc, traceback)
+        # The first line of the message, without a C++ source location ("[.../pair.cc:553] ").
+        why = re.sub(r"^\[[^\]]*:\d+\] ", "", (str(exc).splitlines() or [""])[0])[:160]
+        print(f"pretrain_gpt.py: error: rank {os.environ.get('RANK', '0')} stopped: {kind.__name__}: {why}"
+              f"{last_checkpoint(save)}", file=sys.stderr, flush=True)
     sys.excepthook = hook
+
+
+def last_checkpoint(save: str | None) -> str:
+    """``; ...`` naming the last complete checkpoint in ``save``, or nothing."""
+    tracker = Path(save or "") / "latest_checkpointed_iteration.txt"
+    if not save or not tracker.is_file():
+        return f"; no complete checkpoint in --save {save}" if save else ""
+    return (f"; the last complete checkpoint, iteration {tracker.read_text().strip()} in --save {save}, stays "
+            f"loadable: resume with --load {save}")
 
 
 #: Flags of the project's own trainer that shared code (planner, sampler, communication

@@ -257,3 +257,13 @@ def test_a_zeppelin_error_that_ends_a_run_is_one_line(capsys, monkeypatch):
     report_zeppelin_errors_in_one_line()
     sys.excepthook(InfeasibleError, InfeasibleError("no plan; raise --tokens-per-gpu"), None)
     assert capsys.readouterr().err == "pretrain_gpt.py: error: no plan; raise --zeppelin-tokens-per-gpu\n"
+
+
+def test_the_last_complete_checkpoint_is_named(tmp_path):
+    from megatron_zeppelin.integration.args import last_checkpoint
+
+    assert last_checkpoint(None) == ""
+    assert last_checkpoint(str(tmp_path)) == f"; no complete checkpoint in --save {tmp_path}"
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("20\n")
+    assert last_checkpoint(str(tmp_path)) == (f"; the last complete checkpoint, iteration 20 in --save {tmp_path}, "
+                                              f"stays loadable: resume with --load {tmp_path}")

@@ -295,6 +295,11 @@ def test_a_save_that_fails_on_one_rank_ends_the_run(patched, tmp_path):
     seconds = time.monotonic() - start
     assert [p.returncode != 0 for p in procs] == [True, True], [o[1][-1500:] for o in outs]
     assert "OSError: [Errno 28] No space left on device" in outs[1][1]
+    # After Python's report, each rank's last line names it and the checkpoint that stays loadable.
+    for rank, (_, err) in enumerate(outs):
+        last = re.sub(r"^\[rank\d\]: ", "", err.strip().splitlines()[-1])  # torch prefixes a rank's stderr
+        assert last.startswith(f"pretrain_gpt.py: error: rank {rank} stopped: "), last
+        assert last.endswith(f"; no complete checkpoint in --save {ckpt}"), last
     assert "PIECES 1 " in outs[0][0] and seconds < 60, seconds
-    print(f"both ranks ended {seconds:.1f} s after the start; rank 0: "
-          f"{[line for line in outs[0][1].splitlines() if 'Error' in line][-1][:160]}")
+    print(f"both ranks ended {seconds:.1f} s after the start; their last lines:")
+    print("\n".join(err.strip().splitlines()[-1] for _, err in outs))
