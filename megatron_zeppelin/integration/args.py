@@ -155,8 +155,8 @@ def check_run_before_launch(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def report_zeppelin_errors_in_one_line(save: str | None = None) -> None:
-    """A :class:`ZeppelinError` that ends the run later (a batch no plan holds, a peer
-    that stopped answering) prints as one ``pretrain_gpt.py: error:`` line in
+    """An error of the project's own that ends the run later (a batch no plan holds, a
+    peer that stopped answering within the deadline) prints as one ``pretrain_gpt.py: error:`` line in
     ``pretrain_gpt.py``'s terms instead of a traceback.  Every other exception (a
     failed save, a lost peer) keeps Python's report, followed by one line naming this
     rank and the last complete checkpoint in ``save`` (``--save``), which stays
@@ -164,12 +164,13 @@ def report_zeppelin_errors_in_one_line(save: str | None = None) -> None:
     previous = sys.excepthook
 
     def hook(kind, exc, traceback):
-        if issubclass(kind, ZeppelinError):
+        # The project's own errors (ZeppelinError, comm's CommTimeoutError) are one clear line already.
+        if issubclass(kind, ZeppelinError) or kind.__module__.startswith("megatron_zeppelin."):
             print(f"pretrain_gpt.py: error: {megatron_terms(str(exc))}", file=sys.stderr, flush=True)
             return
         previous(kind, exc, traceback)
         # The first line of the message, without a C++ source location ("[.../pair.cc:553] ").
-        why = re.sub(r"^\[[^\]]*:\d+\] ", "", (str(exc).splitlines() or [""])[0])[:160]
+        why = megatron_terms(re.sub(r"^\[[^\]]*:\d+\] ", "", (str(exc).splitlines() or [""])[0]))[:160]
         print(f"pretrain_gpt.py: error: rank {os.environ.get('RANK', '0')} stopped: {kind.__name__}: {why}"
               f"{last_checkpoint(save)}", file=sys.stderr, flush=True)
     sys.excepthook = hook

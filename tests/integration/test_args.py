@@ -267,3 +267,17 @@ def test_the_last_complete_checkpoint_is_named(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("20\n")
     assert last_checkpoint(str(tmp_path)) == (f"; the last complete checkpoint, iteration 20 in --save {tmp_path}, "
                                               f"stays loadable: resume with --load {tmp_path}")
+
+
+def test_a_communication_deadline_names_the_megatron_flag(capsys, monkeypatch):
+    import sys
+
+    from megatron_zeppelin.comm.deadline import CommTimeoutError
+    from megatron_zeppelin.integration.args import report_zeppelin_errors_in_one_line
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    report_zeppelin_errors_in_one_line()
+    error = CommTimeoutError("rank 1: receiving op 3 did not complete within --timeout 600 s: a peer stalled")
+    sys.excepthook(CommTimeoutError, error, None)
+    assert capsys.readouterr().err == ("pretrain_gpt.py: error: rank 1: receiving op 3 did not complete within "
+                                       "--distributed-timeout-minutes (10 min): a peer stalled\n")
