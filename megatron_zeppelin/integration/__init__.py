@@ -14,6 +14,7 @@ from megatron_zeppelin.integration.args import (
     chain_args_providers,
     check_args,
     check_args_before_launch,
+    check_run_before_launch,
     print_help_if_asked,
     validate_zeppelin_args,
 )
@@ -23,7 +24,7 @@ _HOOKS = ("build_train_valid_test_loaders", "get_batch", "get_batch_by_keys", "g
           "gpt_model_config_cls", "zeppelin_layer_spec")
 
 __all__ = ["SPEC", "add_zeppelin_args", "chain_args_providers", "check_args", "check_args_before_launch",
-           "print_help_if_asked",
+           "check_run_before_launch", "print_help_if_asked",
            "validate_zeppelin_args",
            *_HOOKS]
 

@@ -11,6 +11,7 @@ the fix.  Nothing here imports Megatron, so the flags are testable anywhere.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -140,7 +141,84 @@ def check_args_before_launch(extra_args_provider: ArgsProvider) -> None:
     with TP 1, which it turns off)."""
     from megatron.training.arguments import parse_args
 
-    check_args(parse_args(extra_args_provider))
+    check_run_before_launch(parse_args(extra_args_provider))
+
+
+def check_run_before_launch(args: argparse.Namespace) -> argparse.Namespace:
+    """:func:`check_args`, then under ``--zeppelin`` the data and checkpoint-folder checks
+    (``integration/preflight.py``), each a one-line exit 2; later Zeppelin errors are
+    reported in one line too (:func:`report_zeppelin_errors_in_one_line`)."""
+    check_args(args)
+    if args.zeppelin:
+        from megatron_zeppelin.integration.preflight import check_before_launch
+
+        _one_line_or_exit(check_before_launch, args)
+        report_zeppelin_errors_in_one_line(getattr(args, "save", None))
+    return args
+
+
+def report_zeppelin_errors_in_one_line(save: str | None = None) -> None:
+    """An error of the project's own that ends the run later (a batch no plan holds, a
+    peer that stopped answering within the deadline) prints as one ``pretrain_gpt.py: error:`` line in
+    ``pretrain_gpt.py``'s terms instead of a traceback.  Every other exception (a
+    failed save, a lost peer) keeps Python's report, followed by one line naming this
+    rank and the last complete checkpoint in ``save`` (``--save``), which stays
+    loadable: Megatron-LM writes its tracker file only after every rank saved."""
+    previous = sys.excepthook
+
+    def hook(kind, exc, traceback):
+        # The project's own errors (ZeppelinError, comm's CommTimeoutError) are one clear line already.
+        if issubclass(kind, ZeppelinError) or kind.__module__.startswith("megatron_zeppelin."):
+            print(f"pretrain_gpt.py: error: {megatron_terms(str(exc))}", file=sys.stderr, flush=True)
+            return
+        previous(kind, exc, traceback)
+        # The first line of the message, without a C++ source location ("[.../pair.cc:553] ").
+        why = megatron_terms(re.sub(r"^\[[^\]]*:\d+\] ", "", (str(exc).splitlines() or [""])[0]))[:160]
+        print(f"pretrain_gpt.py: error: rank {os.environ.get('RANK', '0')} stopped: {kind.__name__}: {why}"
+              f"{last_checkpoint(save)}", file=sys.stderr, flush=True)
+    sys.excepthook = hook
+
+
+def last_checkpoint(save: str | None) -> str:
+    """``; ...`` naming the last complete checkpoint in ``save``, or nothing."""
+    tracker = Path(save or "") / "latest_checkpointed_iteration.txt"
+    if not save or not tracker.is_file():
+        return f"; no complete checkpoint in --save {save}" if save else ""
+    return (f"; the last complete checkpoint, iteration {tracker.read_text().strip()} in --save {save}, stays "
+            f"loadable: resume with --load {save}")
+
+
+#: Flags of the project's own trainer that shared code (planner, sampler, communication
+#: lanes) names in its messages, and what ``pretrain_gpt.py`` calls the same thing.
+MEGATRON_TERMS = (
+    (re.compile(r"\(--micro-batches; --global-batch-size / DP under --zeppelin\)"),
+     "(--global-batch-size / data-parallel size)"),
+    (re.compile(r"(?<![\w-])--micro-batches\b"), "--global-batch-size / data-parallel size"),
+    (re.compile(r"(?<![\w-])--tokens-per-gpu\b"), "--zeppelin-tokens-per-gpu"),
+    (re.compile(r"(?<![\w-])--max-seq-len\b"), "--seq-length"),
+    (re.compile(r"(?<![\w-])--batch-fill\b"), "--zeppelin-batch-fill"),
+    (re.compile(r"(?<![\w-])--lengths\b"), "--zeppelin-data-lengths"),
+    (re.compile(r"(?<![\w-])--timeout ([0-9.]+) s\b"),
+     lambda m: f"--distributed-timeout-minutes ({float(m.group(1)) / 60:g} min)"),
+    (re.compile(r"(?<![\w-])--timeout\b"), "--distributed-timeout-minutes"),
+    (re.compile(r"use_te=False"), "--transformer-impl local"),
+    (re.compile(r"use_te=True"), "--transformer-impl transformer_engine"),
+)
+
+
+def megatron_terms(message: str) -> str:
+    """``message`` with the trainer's flag names replaced by ``pretrain_gpt.py``'s."""
+    for pattern, replacement in MEGATRON_TERMS:
+        message = pattern.sub(replacement, message)
+    return message
+
+
+def _one_line_or_exit(check: Callable[[argparse.Namespace], object], args: argparse.Namespace) -> None:
+    try:
+        check(args)
+    except ZeppelinError as exc:
+        print(f"pretrain_gpt.py: error: {megatron_terms(str(exc))}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def escape_help_percent(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -188,8 +266,10 @@ def validate_zeppelin_args(args: argparse.Namespace) -> argparse.Namespace:
             flag = "--" + changed[0].replace("_", "-")
             raise ConfigError(f"{flag} has no effect without --zeppelin; add --zeppelin or drop it")
         return args
+    _resolve_megatron_aliases(args)
     _check_numbers(args)
     _check_megatron_conflicts(args)
+    _check_unsupported_features(args)
     _check_model_parallel(args)
     _check_batch_shape(args)
     _check_zeppelin_values(args)
@@ -199,11 +279,8 @@ def validate_zeppelin_args(args: argparse.Namespace) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> argparse.Namespace:
     """:func:`validate_zeppelin_args` for a launched job: one line on stderr and exit 2
     on every rank (all ranks parse the same flags, so none is left waiting)."""
-    try:
-        return validate_zeppelin_args(args)
-    except ZeppelinError as exc:
-        print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    _one_line_or_exit(validate_zeppelin_args, args)
+    return args
 
 
 def _flag(args: argparse.Namespace, name: str, default=None):
@@ -256,6 +333,71 @@ def _check_megatron_conflicts(args: argparse.Namespace) -> None:
         if _flag(args, name, False):
             raise ConfigError(f"--zeppelin conflicts with --{name.replace('_', '-')} ({why}); drop it"
                               + (" and pass --data-path PREFIX" if name == "mock_data" else ""))
+
+
+def _resolve_megatron_aliases(args: argparse.Namespace) -> None:
+    """Megatron-LM's own name for the per-rank token cap: ``--max-seqlen-per-dp-cp-rank``
+    (what ``--hybrid-context-parallel`` packs each rank up to) means what
+    ``--zeppelin-tokens-per-gpu`` means, so either flag sets it; both with different
+    values is refused."""
+    megatron_cap = getattr(args, "max_seqlen_per_dp_cp_rank", None)
+    if megatron_cap is None:
+        return
+    ours = getattr(args, "zeppelin_tokens_per_gpu", None)
+    if ours is None:
+        args.zeppelin_tokens_per_gpu = megatron_cap
+    elif ours != megatron_cap:
+        raise ConfigError(f"--max-seqlen-per-dp-cp-rank {megatron_cap} and --zeppelin-tokens-per-gpu {ours} "
+                          "both set the per-rank token cap; pass one of them")
+
+
+#: Megatron-LM features ``--zeppelin`` cannot honour, refused before anything is built:
+#: (attribute, flag, is it on?, why).  Each is a "refused" row of docs/compatibility.md.
+SHAPES_CHANGE = "per-rank token counts change every step"
+UNSUPPORTED: tuple[tuple[str, str, Callable[[object], bool], str], ...] = (
+    ("rampup_batch_size", "--rampup-batch-size", bool,
+     "a ramp changes the micro-batches per step mid-run, and a Zeppelin checkpoint records the sampler's "
+     "position per global batch; warm up with --lr-warmup-iters instead"),
+    ("fp8", "--fp8-format", lambda v: v is not None,
+     "Zeppelin's attention kernels and ring transfers run in bf16/fp16/fp32, and per-rank token counts are "
+     "not multiples of 16; train in --bf16"),
+    ("fp8_param_gather", "--fp8-param-gather", bool, "it needs fp8 training"),
+    ("fp4", "--fp4-format", lambda v: v is not None, "Zeppelin's kernels run in bf16/fp16/fp32"),
+    ("tp_comm_overlap", "--tp-comm-overlap", bool,
+     f"TransformerEngine's userbuffers are sized for --seq-length x --micro-batch-size tokens, and {SHAPES_CHANGE}"),
+    ("enable_cuda_graph", "--enable-cuda-graph", bool, f"a CUDA graph replays fixed shapes, {SHAPES_CHANGE}"),
+    ("external_cuda_graph", "--external-cuda-graph", bool, f"a CUDA graph replays fixed shapes, {SHAPES_CHANGE}"),
+    ("cuda_graph_impl", "--cuda-graph-impl", lambda v: v not in (None, "none"),
+     f"a CUDA graph replays fixed shapes, {SHAPES_CHANGE}"),
+    ("window_size", "--window-size", lambda v: v is not None,
+     "Zeppelin's attention is full causal attention inside each document"),
+    ("softmax_type", "--softmax-type", lambda v: v not in (None, "vanilla"),
+     "Zeppelin's attention kernels compute the vanilla softmax"),
+    ("multi_latent_attention", "--multi-latent-attention", bool,
+     "Zeppelin's layer spec builds standard (grouped-query) attention"),
+    ("experimental_attention_variant", "--experimental-attention-variant", lambda v: v is not None,
+     "Zeppelin's layer spec builds standard attention"),
+    ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path", lambda v: v is not None,
+     "Zeppelin's layer spec builds one layer type"),
+    ("mtp_num_layers", "--mtp-num-layers", bool, "multi-token-prediction layers are not Zeppelin layers"),
+    ("eod_mask_loss", "--eod-mask-loss", bool,
+     "Zeppelin trains on whole documents, never across an end-of-document token, and would ignore it"),
+    ("phase_transition_iterations", "--phase-transition-iterations", bool,
+     "it changes the global batch between phases, and a Zeppelin checkpoint records the sampler's "
+     "position per global batch"),
+    ("full_validation", "--full-validation", bool,
+     "Zeppelin's validation loader has no fixed length; use --eval-iters"),
+    ("multiple_validation_sets", "--multiple-validation-sets", bool,
+     "Zeppelin validates on the documents --split gives the validation split"),
+    ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm", bool,
+     "it overlaps two micro-batches of equal shape"),
+)
+
+
+def _check_unsupported_features(args: argparse.Namespace) -> None:
+    for name, flag, is_on, why in UNSUPPORTED:
+        if is_on(getattr(args, name, None)):
+            raise ConfigError(f"--zeppelin does not support {flag} ({why}); drop {flag}")
 
 
 def _check_model_parallel(args: argparse.Namespace) -> None:
@@ -331,8 +473,8 @@ def _check_batch_shape(args: argparse.Namespace) -> None:
     seq = getattr(args, "seq_length", None)
     tpg = getattr(args, "zeppelin_tokens_per_gpu", None)
     if tpg is None:
-        raise ConfigError("--zeppelin needs --zeppelin-tokens-per-gpu (per-rank token budget, e.g. "
-                          "2x --seq-length)")
+        raise ConfigError("--zeppelin needs --zeppelin-tokens-per-gpu (or Megatron's --max-seqlen-per-dp-cp-rank): "
+                          "the per-rank token budget, e.g. 2x --seq-length")
     if seq is None:
         raise ConfigError("--zeppelin needs --seq-length: the longest piece a document is cut into")
     if tpg < 1:

@@ -31,7 +31,7 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,8 +39,8 @@ import torch.distributed as dist
 from megatron_zeppelin.comm.collectives import torch_all_reduce_max
 from megatron_zeppelin.comm.groups import LaneGroups
 from megatron_zeppelin.cost import CostModel
-from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.integration.args import check_args, zeppelin_micro_batches
+from megatron_zeppelin.errors import ConfigError, InfeasibleError
+from megatron_zeppelin.integration.args import check_args, megatron_terms, zeppelin_micro_batches
 from megatron_zeppelin.integration.checkpoint import data_state, restore_sampler
 from megatron_zeppelin.integration.data import SPLITS, DocumentBlend, open_blends
 from megatron_zeppelin.megatron.groups import data_parallel_comm_groups
@@ -50,9 +50,10 @@ from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.agreement import AllReduceMax, check_same_plan
 from megatron_zeppelin.planner.base import PlanContext, get_planner
-from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split, micro_batches_of
+from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split
 from megatron_zeppelin.prefetch import Prefetcher
-from megatron_zeppelin.sampler import GlobalBatch, TokenBudgetSampler, batch_budget
+from megatron_zeppelin.sampler import GlobalBatch, batch_budget
+from megatron_zeppelin.sampler.deferral import DeferringSampler
 from megatron_zeppelin.sim.timeline import decision_step_s
 from megatron_zeppelin.step_context import StepContext
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster, plan_topology
@@ -201,15 +202,19 @@ class ZeppelinBatch:
 class ZeppelinLoader:
     """Iterator of :class:`ZeppelinBatch` over one split (Megatron's external loader)."""
 
-    def __init__(self, *, sampler: TokenBudgetSampler, blend: DocumentBlend,
+    def __init__(self, *, sampler: DeferringSampler, blend: DocumentBlend,
                  make_plan: Callable[[Sequence[int]], Plan], rank: int, device: torch.device,
                  communicator: Any, backend: Any, all_reduce_max: AllReduceMax | None,
                  prefetch: bool = True,
                  on_batch: Callable[[PreparedBatch, StepContext], None] | None = None,
                  broadcast_plan: Callable[[Plan | None], Plan] | None = None,
                  tp_size: int = 1, tp_rank: int = 0, split: Split | None = None,
-                 pad_multiple: int = 1, sequence_parallel_group: Any = None) -> None:
-        """``rank``: data-parallel rank (the Plan's rank).  ``all_reduce_max``: the
+                 pad_multiple: int = 1, sequence_parallel_group: Any = None,
+                 note: Callable[[str], None] = lambda line: None) -> None:
+        """``sampler``: the split's token-budget sampler; a global batch no plan can
+        hold defers its last piece to the next global batch (``note`` hears of each
+        deferral), as the trainer does (``sampler/deferral.py``).  ``rank``:
+        data-parallel rank (the Plan's rank).  ``all_reduce_max``: the
         plan check (None: off).  ``on_batch``: called on the main thread with every
         batch handed out and its step context (checkpoint state, plan dumps, the
         previous iteration's report).  ``broadcast_plan``: plan on one rank only
@@ -225,23 +230,45 @@ class ZeppelinLoader:
         self.all_reduce_max, self.on_batch, self.broadcast_plan = all_reduce_max, on_batch, broadcast_plan
         self.tp_size, self.tp_rank, self.pad_multiple = tp_size, tp_rank, pad_multiple
         self.sequence_parallel_group = sequence_parallel_group
+        self.split, self.note = split, note
         self.plans_here = broadcast_plan is None or dist.get_rank() == 0
         """This rank computes Plans (all ranks, or the one that broadcasts)."""
-        self._batches = iter(sampler) if split is None else \
-            (micro for batch in sampler for micro in micro_batches_of(batch, split))
+        self._batches = self._planned_micro_batches()
         # Plan batch k+1 while step k trains: the sampler and planner are pure host
         # code, and collectives stay on this thread.
         prepared = iter(self.prepare, None)
         self._prepared = Prefetcher(prepared, name="zeppelin-plan") if prefetch else prepared
 
-    def prepare(self) -> PreparedBatch:
-        """Draw, plan and read the next global batch (pure host work: safe off the main thread).
-        Where another rank plans, the plan and data are left for :meth:`__next__`."""
-        batch = next(self._batches)
-        state = self.sampler.state_dict()
+    def _plan_parts(self, seq_lens: Sequence[int]) -> list[tuple[list[int], Plan | None]]:
+        """A global batch's micro-batches (sequence indices) and their Plans; raises
+        InfeasibleError when one cannot be planned (the sampler then defers a piece).
+        Where another rank plans (flexsp), its Plans come later (None here): every
+        rank splits alike, and a batch its planner cannot place stops the run."""
+        parts = self.split(seq_lens) if self.split is not None else [list(range(len(seq_lens)))]
         if not self.plans_here:
+            return [(part, None) for part in parts]
+        try:
+            return [(part, self.make_plan([seq_lens[i] for i in part])) for part in parts]
+        except InfeasibleError as exc:
+            if self.broadcast_plan is None:
+                raise
+            raise ConfigError(f"--zeppelin-planner {exc}; only planners every rank runs defer a piece "
+                              "to the next global batch (e.g. --zeppelin-planner zeppelin)") from None
+
+    def _planned_micro_batches(self) -> Iterator[tuple[GlobalBatch, Plan | None, dict]]:
+        while True:
+            batch, parts = self.sampler.next_planned(self._plan_parts, self.note)
+            state = self.sampler.state_dict()
+            for part, plan in parts:
+                yield GlobalBatch(batch.index, batch.epoch, tuple(batch.pieces[i] for i in part)), plan, state
+
+    def prepare(self) -> PreparedBatch:
+        """Draw, plan and read the next micro-batch (pure host work: safe off the main thread).
+        Where another rank plans, the plan and data are left for :meth:`__next__`."""
+        batch, plan, state = next(self._batches)
+        if plan is None:
             return PreparedBatch(batch, None, None, state)
-        return self._with_plan(PreparedBatch(batch, self.make_plan(batch.seq_lens), None, state))
+        return self._with_plan(PreparedBatch(batch, plan, None, state))
 
     def _with_plan(self, p: PreparedBatch) -> PreparedBatch:
         data = build_rank_batch(p.plan.attention_spans(self.rank), self.blend.blend_pieces(p.batch.pieces),
@@ -397,6 +424,13 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
     into_micro = micro_batch_split(micro, tokens_per_gpu=args.zeppelin_tokens_per_gpu, data_parallel_size=dp,
                               max_seq_len=args.seq_length, batch_fill=args.zeppelin_batch_fill, cost=cost)
     clock = StepClock()
+    first = dist.get_rank() == 0
+    say = (lambda line: print(line, flush=True)) if first else (lambda line: None)
+    if blends["valid"] is None and (getattr(args, "eval_iters", 0) or 0) > 0:
+        # Megatron-LM would evaluate on a missing loader (TypeError at the first evaluation).
+        say(f"zeppelin: --split {args.split} gives the validation split no document: evaluation is off "
+            f"(as with --eval-iters 0, not {args.eval_iters}); give it a share, e.g. --split 98,2,0, to evaluate")
+        args.eval_iters = 0
     loaders: list[ZeppelinLoader | None] = []
     for i, split in enumerate(SPLITS):
         blend = blends[split]
@@ -405,9 +439,11 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
             continue
         # Each split draws its own order: the seed is offset by the split's index.
         budget = batch_budget(micro * args.zeppelin_tokens_per_gpu, dp, args.seq_length, args.zeppelin_batch_fill)
-        sampler = blend.sampler(max_seq_len=args.seq_length, tokens_per_batch=budget, seed=seed + i)
-        restore_sampler(sampler, consumed[split])
-        on_batch = (record_batch(args, split, dist.get_rank() == 0, clock, model,
+        sampler = DeferringSampler(blend.sampler(max_seq_len=args.seq_length, tokens_per_batch=budget, seed=seed + i))
+        resumed = restore_sampler(sampler, consumed[split], saved_data_state(args) if split == "train" else None)
+        if resumed:
+            say(resumed)
+        on_batch = (record_batch(args, split, first, clock, model, budget,
                                  lambda values: sum_over_ranks(values, device)) if split == "train"
                     else lambda p, context: clock.other_batch())
         loaders.append(ZeppelinLoader(
@@ -416,11 +452,27 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
             prefetch=args.zeppelin_prefetch == "on", split=into_micro,
             pad_multiple=tp if sequence_parallel else 1,
             sequence_parallel_group=mpu.get_tensor_model_parallel_group() if sequence_parallel else None,
-            on_batch=on_batch, broadcast_plan=broadcast, tp_size=tp, tp_rank=dist.get_rank() % tp))
+            on_batch=on_batch, broadcast_plan=broadcast, tp_size=tp, tp_rank=dist.get_rank() % tp,
+            note=lambda line, split=split: say(f"zeppelin {split}: {megatron_terms(line)}")))
     return tuple(loaders)
 
 
-def record_batch(args: Any, split: str, first: bool, clock: StepClock, model: ModelConfig,
+def saved_data_state(args: Any) -> dict | None:
+    """The Zeppelin data state in the checkpoint Megatron resumed from (None: no
+    resume, ``--finetune``, or a checkpoint written without ``--zeppelin``).
+
+    Megatron-LM copies only its own counters out of the checkpoint's ``args``; this
+    reads that entry again the way Megatron's ``load_args_from_checkpoint`` does
+    (``torch_dist``: the small ``common.pt``; ``torch``: rank 0's file)."""
+    if not getattr(args, "load", None) or not getattr(args, "iteration", 0) or getattr(args, "finetune", False):
+        return None
+    from megatron.training.checkpointing import _load_base_checkpoint
+
+    state_dict = _load_base_checkpoint(args.load, args, rank0=True)[0]
+    return getattr((state_dict or {}).get("args"), "zeppelin_data_state", None)
+
+
+def record_batch(args: Any, split: str, first: bool, clock: StepClock, model: ModelConfig, tokens_per_batch: int,
                  reduce_sum: Callable[[list[int]], list[int]]) -> Callable[[PreparedBatch, StepContext], None]:
     """The training loader's ``on_batch``: record the data state on ``args`` (saved in
     every Megatron checkpoint); report the iteration that just ended every
@@ -434,7 +486,7 @@ def record_batch(args: Any, split: str, first: bool, clock: StepClock, model: Mo
     previous: list[tuple[PreparedBatch, StepContext]] = []
 
     def handle(p: PreparedBatch, context: StepContext) -> None:
-        args.zeppelin_data_state = data_state(p.sampler_state, p.batch.index + 1)
+        args.zeppelin_data_state = data_state(p.sampler_state, p.batch.index + 1, tokens_per_batch)
         seen["micro"] = seen["micro"] + 1 if p.batch.index == seen["index"] else 0
         seen["index"] = p.batch.index
         seconds = clock.training_batch()

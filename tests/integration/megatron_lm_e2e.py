@@ -62,14 +62,45 @@ def build_megatron_model(seed):
 
 @contextlib.contextmanager
 def cuda_means_cpu():
-    """Megatron-Core's torch_dist writer and reader call torch.cuda.synchronize() and
-    torch.cuda.current_device() unconditionally; on a CPU-only torch they mean "the CPU"."""
-    saved = torch.cuda.synchronize, torch.cuda.current_device
+    """Megatron-Core's torch_dist writer and reader and Megatron-LM's checkpointing call
+    torch.cuda.synchronize(), current_device() and get_rng_state() unconditionally and
+    all-reduce the iteration as a CUDA tensor (``read_metadata``); on a CPU-only torch
+    they mean "the CPU"."""
+    names = ("synchronize", "current_device", "get_rng_state")
+    saved, tensor = [getattr(torch.cuda, n) for n in names], torch.tensor
     torch.cuda.synchronize, torch.cuda.current_device = (lambda *a, **k: None), (lambda: "cpu")
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.tensor = lambda *a, device=None, **k: tensor(*a, **k)
     try:
         yield
     finally:
-        torch.cuda.synchronize, torch.cuda.current_device = saved
+        for n, f in zip(names, saved):
+            setattr(torch.cuda, n, f)
+        torch.tensor = tensor
+
+
+def megatron_args(argv):
+    """Megatron-LM's parse_args and validate_args on ``pretrain_gpt.py ARGV`` (with the
+    --zeppelin-* flags), set as Megatron's global args; tokenizer building skipped."""
+    sys.argv = ["pretrain_gpt.py", *argv]
+    torch.set_num_threads(1)
+    args = parse_args(zeppelin.chain_args_providers(None, zeppelin.add_zeppelin_args))
+    # With TP > 1 validate_args asks the GPU's architecture (Hopper and older need
+    # CUDA_DEVICE_MAX_CONNECTIONS=1); a CPU has none: answer as a Hopper with that set.
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    with mock.patch("megatron.training.arguments.get_device_arch_version", lambda: 9):
+        validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    args.padded_vocab_size = 384  # what Megatron pads NullTokenizer's 257 to (tokenizer building skipped)
+    args.iteration, args.consumed_valid_samples = 0, 0
+    set_args(args)
+    _set_timers(args)
+    return args
+
+
+def tiny_cpu_argv():
+    """The tiny-cpu preset's Megatron-LM flags."""
+    return subprocess.run([sys.executable, "-m", "megatron_zeppelin.launch", "--preset", "tiny-cpu", "--print-args",
+                           "--only", "megatron"], capture_output=True, text=True, check=True).stdout.split()
 
 
 def ratio(values):
@@ -89,26 +120,14 @@ def gather(value):
 def main():
     prefix, cluster, ckpt_dir, steps, model_name = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
     extra = sys.argv[6:]
-    argv = subprocess.run([sys.executable, "-m", "megatron_zeppelin.launch", "--preset", "tiny-cpu", "--print-args",
-                           "--only", "megatron"], capture_output=True, text=True, check=True).stdout.split()
-    sys.argv = ["pretrain_gpt.py", *argv, "--use-cpu-initialization", "--global-batch-size", "2",
-                "--data-path", prefix, "--split", "100,0,0", "--zeppelin-cluster", cluster,
-                "--zeppelin-tokens-per-gpu", "1000", "--zeppelin-batch-fill", "0.7", "--zeppelin-backend", "torch",
-                # Every batch remaps (the default; the per-batch decision would drop the remap
-                # on this cluster, whose links are slow so that every document stays on one rank).
-                "--zeppelin-remap", "on", "--zeppelin-decide", "off",
-                "--zeppelin-log-interval", "1", *extra]
-    torch.set_num_threads(1)
-    args = parse_args(zeppelin.chain_args_providers(None, zeppelin.add_zeppelin_args))
-    # With TP > 1 validate_args asks the GPU's architecture (Hopper and older need
-    # CUDA_DEVICE_MAX_CONNECTIONS=1); a CPU has none: answer as a Hopper with that set.
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    with mock.patch("megatron.training.arguments.get_device_arch_version", lambda: 9):
-        validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
-    args.padded_vocab_size = 384  # what Megatron pads NullTokenizer's 257 to (tokenizer building skipped)
-    args.iteration, args.consumed_valid_samples = 0, 0
-    set_args(args)
-    _set_timers(args)
+    args = megatron_args([
+        *tiny_cpu_argv(), "--use-cpu-initialization", "--global-batch-size", "2",
+        "--data-path", prefix, "--split", "100,0,0", "--zeppelin-cluster", cluster,
+        "--zeppelin-tokens-per-gpu", "1000", "--zeppelin-batch-fill", "0.7", "--zeppelin-backend", "torch",
+        # Every batch remaps (the default; the per-batch decision would drop the remap
+        # on this cluster, whose links are slow so that every document stays on one rank).
+        "--zeppelin-remap", "on", "--zeppelin-decide", "off",
+        "--zeppelin-log-interval", "1", *extra])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, sp, ep = args.tensor_model_parallel_size, args.sequence_parallel, args.expert_model_parallel_size

@@ -210,3 +210,92 @@ def test_help_escapes_bare_percent_only():
     parser.add_argument("--b", default=4, help="kept: 50%% and %(default)s")
     text = escape_help_percent(parser).format_help()
     assert "10%)" in text and "kept: 50% and 4" in text
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    (dict(rampup_batch_size=["4", "4", "100"]), "--rampup-batch-size"),
+    (dict(fp8="hybrid"), "--fp8-format"),
+    (dict(fp8_param_gather=True), "--fp8-param-gather"),
+    (dict(fp4="nvfp4"), "--fp4-format"),
+    (dict(tp_comm_overlap=True), "--tp-comm-overlap"),
+    (dict(enable_cuda_graph=True), "--enable-cuda-graph"),
+    (dict(external_cuda_graph=True), "--external-cuda-graph"),
+    (dict(cuda_graph_impl="transformer_engine"), "--cuda-graph-impl"),
+    (dict(window_size=(128, 0)), "--window-size"),
+    (dict(softmax_type="learnable"), "--softmax-type"),
+    (dict(multi_latent_attention=True), "--multi-latent-attention"),
+    (dict(experimental_attention_variant="gated_delta_net"), "--experimental-attention-variant"),
+    (dict(heterogeneous_layers_config_path="layers.json"), "--heterogeneous-layers-config-path"),
+    (dict(mtp_num_layers=1), "--mtp-num-layers"),
+    (dict(eod_mask_loss=True), "--eod-mask-loss"),
+    (dict(phase_transition_iterations=[10]), "--phase-transition-iterations"),
+    (dict(full_validation=True), "--full-validation"),
+    (dict(multiple_validation_sets=True), "--multiple-validation-sets"),
+    (dict(overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
+])
+def test_unsupported_megatron_features_are_refused(overrides, flag):
+    with pytest.raises(ConfigError, match=f"^--zeppelin does not support {flag} .*; drop {flag}$"):
+        validate_zeppelin_args(megatron_args(**overrides))
+
+
+def test_defaults_of_the_unsupported_features_pass():
+    validate_zeppelin_args(megatron_args(rampup_batch_size=None, fp8=None, fp4=None, tp_comm_overlap=False,
+                                         cuda_graph_impl="none", softmax_type="vanilla", window_size=None,
+                                         mtp_num_layers=None, phase_transition_iterations=None))
+
+
+def test_max_seqlen_per_dp_cp_rank_is_the_token_cap():
+    args = megatron_args(max_seqlen_per_dp_cp_rank=2048)
+    args.zeppelin_tokens_per_gpu = None
+    assert validate_zeppelin_args(args).zeppelin_tokens_per_gpu == 2048
+    assert validate_zeppelin_args(megatron_args(max_seqlen_per_dp_cp_rank=4096)).zeppelin_tokens_per_gpu == 4096
+    with pytest.raises(ConfigError, match="--max-seqlen-per-dp-cp-rank 2048 and --zeppelin-tokens-per-gpu 4096"):
+        validate_zeppelin_args(megatron_args(max_seqlen_per_dp_cp_rank=2048))
+
+
+def test_messages_from_shared_code_name_pretrain_gpt_flags():
+    from megatron_zeppelin.integration.args import megatron_terms
+
+    assert megatron_terms("lanes did not complete within --timeout 600 s: a peer stopped") == \
+        "lanes did not complete within --distributed-timeout-minutes (10 min): a peer stopped"
+    assert megatron_terms("raise --tokens-per-gpu or lower --max-seq-len; --zeppelin-tokens-per-gpu stays") == \
+        "raise --zeppelin-tokens-per-gpu or lower --seq-length; --zeppelin-tokens-per-gpu stays"
+    assert megatron_terms("use fewer micro-batches (--micro-batches; --global-batch-size / DP under --zeppelin)") == \
+        "use fewer micro-batches (--global-batch-size / data-parallel size)"
+    assert megatron_terms("pass use_te=False for local modules") == "pass --transformer-impl local for local modules"
+
+
+def test_a_zeppelin_error_that_ends_a_run_is_one_line(capsys, monkeypatch):
+    import sys
+
+    from megatron_zeppelin.errors import InfeasibleError
+    from megatron_zeppelin.integration.args import report_zeppelin_errors_in_one_line
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    report_zeppelin_errors_in_one_line()
+    sys.excepthook(InfeasibleError, InfeasibleError("no plan; raise --tokens-per-gpu"), None)
+    assert capsys.readouterr().err == "pretrain_gpt.py: error: no plan; raise --zeppelin-tokens-per-gpu\n"
+
+
+def test_the_last_complete_checkpoint_is_named(tmp_path):
+    from megatron_zeppelin.integration.args import last_checkpoint
+
+    assert last_checkpoint(None) == ""
+    assert last_checkpoint(str(tmp_path)) == f"; no complete checkpoint in --save {tmp_path}"
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("20\n")
+    assert last_checkpoint(str(tmp_path)) == (f"; the last complete checkpoint, iteration 20 in --save {tmp_path}, "
+                                              f"stays loadable: resume with --load {tmp_path}")
+
+
+def test_a_communication_deadline_names_the_megatron_flag(capsys, monkeypatch):
+    import sys
+
+    from megatron_zeppelin.comm.deadline import CommTimeoutError
+    from megatron_zeppelin.integration.args import report_zeppelin_errors_in_one_line
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    report_zeppelin_errors_in_one_line()
+    error = CommTimeoutError("rank 1: receiving op 3 did not complete within --timeout 600 s: a peer stalled")
+    sys.excepthook(CommTimeoutError, error, None)
+    assert capsys.readouterr().err == ("pretrain_gpt.py: error: rank 1: receiving op 3 did not complete within "
+                                       "--distributed-timeout-minutes (10 min): a peer stalled\n")

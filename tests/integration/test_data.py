@@ -75,3 +75,54 @@ def test_lengths_file_must_match(datasets, tmp_path):
 def test_missing_idx_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="missing .*nothing.idx"):
         open_blends([str(tmp_path / "nothing")], "1")
+
+
+def test_a_torch_dist_save_without_psutil_is_refused(monkeypatch):
+    """Megatron-Core's torch_dist writer dies unreported without psutil and every rank
+    then waits forever at the first save: refused before launch instead."""
+    import argparse
+    import sys
+
+    from megatron_zeppelin.integration.preflight import check_checkpoint_writer
+
+    monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil raises ImportError
+    args = argparse.Namespace(save="ckpt", ckpt_format="torch_dist")
+    with pytest.raises(ConfigError, match="needs psutil.*every rank hangs at the first save; pip install psutil"):
+        check_checkpoint_writer(args)
+    check_checkpoint_writer(argparse.Namespace(save="ckpt", ckpt_format="torch"))
+    check_checkpoint_writer(argparse.Namespace(save=None, ckpt_format="torch_dist"))
+
+
+def test_a_validation_batch_smaller_than_the_micro_batches_is_refused_before_launch(tmp_path):
+    """--global-batch-size 8 on 4 ranks: 2 micro-batches per step; the validation
+    split's 3 documents of 500 tokens each fill a global batch of 988 tokens alone
+    (evaluation would fail at its first batch), the training split's do not."""
+    import argparse
+
+    from megatron_zeppelin.integration.preflight import check_batches_fill_micro_batches, evaluation_batches
+    from tests.integration.indexed_data import write_dataset
+
+    prefix = write_dataset(str(tmp_path / "docs"), np.array([100] * 7 + [500] * 3))
+    args = argparse.Namespace(world_size=4, tensor_model_parallel_size=1, global_batch_size=8,
+                              zeppelin_tokens_per_gpu=130, seq_length=512, zeppelin_batch_fill=0.95, seed=3,
+                              zeppelin_seed=None, train_iters=4, eval_iters=2, eval_interval=2, split="70,30,0")
+    assert evaluation_batches(args) == 2 * (4 // 2 + 1)
+    blends = open_blends([prefix], args.split)
+    with pytest.raises(ConfigError, match=r"the validation split's global batch 0 \(epoch 0\) "
+                                          r"holds 1 sequence, fewer than the 2 micro-batches per step "
+                                          r"\(--global-batch-size 8 / data-parallel size 4\)"):
+        check_batches_fill_micro_batches(args, blends)
+    args.eval_iters = 0
+    check_batches_fill_micro_batches(args, blends)
+
+
+def test_transformer_engine_layers_without_transformer_engine_are_refused(monkeypatch):
+    import argparse
+    import sys
+
+    from megatron_zeppelin.integration.preflight import check_transformer_impl
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    with pytest.raises(ConfigError, match="--transformer-impl transformer_engine .* pass --transformer-impl local"):
+        check_transformer_impl(argparse.Namespace(transformer_impl="transformer_engine"))
+    check_transformer_impl(argparse.Namespace(transformer_impl="local"))

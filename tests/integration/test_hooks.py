@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_zeppelin.cost import CostModel
-from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.errors import ConfigError, InfeasibleError
 from megatron_zeppelin.integration import SPEC, add_zeppelin_args
 from megatron_zeppelin.integration.checkpoint import restore_sampler
 from megatron_zeppelin.integration.data import open_blends
@@ -26,6 +26,7 @@ from megatron_zeppelin.integration.hooks import (
 from megatron_zeppelin.integration.step_report import StepClock
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.sampler import batch_budget
+from megatron_zeppelin.sampler.deferral import DeferringSampler
 from megatron_zeppelin.topology import Topology, load_cluster
 
 from tests.integration.indexed_data import doc_tokens
@@ -55,8 +56,8 @@ def setup(datasets):
 def loaders(blend, make_plan, *, prefetch=False, resume_at=0, check=None):
     out = []
     for rank in range(WORLD):
-        sampler = blend.sampler(max_seq_len=MAX_SEQ, tokens_per_batch=batch_budget(TOKENS_PER_GPU, WORLD, MAX_SEQ),
-                                seed=3)
+        sampler = DeferringSampler(blend.sampler(max_seq_len=MAX_SEQ, seed=3,
+                                                 tokens_per_batch=batch_budget(TOKENS_PER_GPU, WORLD, MAX_SEQ)))
         restore_sampler(sampler, resume_at)
         out.append(ZeppelinLoader(sampler=sampler, blend=blend, make_plan=make_plan, rank=rank,
                                   device=torch.device("cpu"), communicator=None, backend=None,
@@ -167,7 +168,7 @@ def test_megatron_batch_shapes_and_records(setup, tmp_path, capsys):
     times = iter([10.0, 12.5])
     one_rank_sum = lambda values: [v * WORLD for v in values]  # noqa: E731  4 ranks, same values
     loader.on_batch = record_batch(args, "train", True, StepClock(lambda: next(times)), load_model("tiny"),
-                                   one_rank_sum)
+                                   1000, one_rank_sum)
     tokens, labels, loss_mask, attention_mask, position_ids, packed = get_batch(loader)
     assert attention_mask is None and packed.context.plan is not None and tokens.shape == position_ids.shape
     assert args.zeppelin_data_state["batches_consumed"] == 1
@@ -239,7 +240,7 @@ def test_micro_batch_plans_are_dumped_apart(tmp_path):
     args.world_size, args.global_batch_size = 4, 8
     times = iter(range(10))
     handle = record_batch(args, "train", True, StepClock(lambda: float(next(times))), load_model("tiny"),
-                          lambda values: values)
+                          1000, lambda values: values)
     for index in (0, 0, 1, 1):
         handle(SimpleNamespace(batch=SimpleNamespace(index=index), plan=SimpleNamespace(to_json=lambda: "{}"),
                                sampler_state={}), None)
@@ -265,3 +266,31 @@ def test_megatron_path_plans_what_the_simulator_times():
     assert decided == sim["zeppelin"] and first == sim["zeppelin_nodecide"]
     assert first.routed and not decided.routed and first.tier_counts() != decided.tier_counts()
     assert decision_step_s(decided, cost) < decision_step_s(first, cost)
+
+
+def test_a_batch_no_plan_holds_defers_a_piece_to_the_next(setup):
+    """The Megatron-LM loader defers like the trainer: a global batch its planner
+    cannot place hands its last piece to the next global batch (logged), so every
+    piece drawn is trained once or still waits, never dropped, and a checkpoint
+    taken then carries the waiting pieces."""
+    blend, make_plan, _ = setup
+
+    def at_most_three(seq_lens):
+        if len(seq_lens) > 3:
+            raise InfeasibleError(f"no placement of {len(seq_lens)} sequences")
+        return make_plan(seq_lens)
+
+    budget = batch_budget(TOKENS_PER_GPU, WORLD, MAX_SEQ)
+    sampler = DeferringSampler(blend.sampler(max_seq_len=MAX_SEQ, tokens_per_batch=budget, seed=3))
+    notes = []
+    loader = ZeppelinLoader(sampler=sampler, blend=blend, make_plan=at_most_three, rank=0, device=torch.device("cpu"),
+                            communicator=None, backend=None, all_reduce_max=None, prefetch=False, note=notes.append)
+    handed = [loader.prepare() for _ in range(6)]
+    trained = [p for h in handed for p in h.batch.pieces]
+    raw = iter(blend.sampler(max_seq_len=MAX_SEQ, tokens_per_batch=budget, seed=3))
+    drawn = [p for _ in range(6) for p in next(raw).pieces]
+    assert all(len(h.batch.pieces) <= 3 for h in handed) and len(set(trained)) == len(trained)
+    assert sorted(trained + sampler.carried, key=repr) == sorted(drawn, key=repr)
+    assert notes and all(n.startswith("step ") and "deferred a piece of" in n for n in notes)
+    assert handed[-1].sampler_state["carried"] == [[p.doc, p.start, p.end, p.dataset] for p in sampler.carried]
+    assert {h.batch.index for h in handed} == set(range(6))

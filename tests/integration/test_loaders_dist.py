@@ -169,6 +169,7 @@ def _broadcast_case(rank, world_size, prefix, broadcast):
     from megatron_zeppelin.model_config import load_model
     from megatron_zeppelin.plan.agreement import PlanMismatchError
     from megatron_zeppelin.sampler import batch_budget
+    from megatron_zeppelin.sampler.deferral import DeferringSampler
     from megatron_zeppelin.topology import load_cluster
 
     cpu = torch.device("cpu")
@@ -177,7 +178,8 @@ def _broadcast_case(rank, world_size, prefix, broadcast):
     make_plan = build_plan_fn("zeppelin" if rank == 0 else "packing_dp", cost, 600, False, 5.0)
     planned = []
     loader = ZeppelinLoader(
-        sampler=blend.sampler(max_seq_len=512, tokens_per_batch=batch_budget(600, 4, 512), seed=2), blend=blend,
+        sampler=DeferringSampler(blend.sampler(max_seq_len=512, tokens_per_batch=batch_budget(600, 4, 512), seed=2)),
+        blend=blend,
         make_plan=lambda lens: planned.append(1) or make_plan(lens), rank=rank, device=cpu, communicator=None,
         backend=None, all_reduce_max=torch_all_reduce_max(cpu), prefetch=True,
         broadcast_plan=broadcast_plan_from_rank0(cpu) if broadcast else None)
@@ -199,3 +201,34 @@ def test_one_rank_plans_and_broadcasts_for_flexsp(world, prefix):
     assert results[0][2] >= 2 and all(r[2] == 0 for r in results[1:])  # only rank 0 ran its planner
     errors = world.run(_broadcast_case, prefix, False)
     assert all("different Plans" in e for e in errors)
+
+
+def _no_validation_case(rank, world_size, prefix):
+    import contextlib
+    import io
+
+    from megatron.core import parallel_state
+
+    from megatron_zeppelin.integration.hooks import build_train_valid_test_loaders
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        args = megatron_namespace(prefix, 1, "off")
+        args.split, args.eval_iters = "100,0,0", 2
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            train, valid, test = build_train_valid_test_loaders(args)
+        train.close()
+        return valid, test, args.eval_iters, printed.getvalue()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_an_empty_validation_split_turns_evaluation_off_in_one_line(world, prefix):
+    """--split 100,0,0 with --eval-iters 2: Megatron-LM would evaluate on a missing
+    loader at the first --eval-interval; the loaders turn evaluation off instead and
+    rank 0 says so once."""
+    results = world.run(_no_validation_case, prefix)
+    assert [r[:3] for r in results] == [(None, None, 0)] * 4 and not any(r[3] for r in results[1:])
+    assert results[0][3].splitlines() == ["zeppelin: --split 100,0,0 gives the validation split no document: evaluation is off (as with "
+                     "--eval-iters 0, not 2); give it a share, e.g. --split 98,2,0, to evaluate"]

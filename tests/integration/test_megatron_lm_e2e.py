@@ -12,6 +12,7 @@ builds the model through the patched ``pretrain_gpt.py`` functions with
   the same global batches from the same weights.
 """
 
+import json
 import os
 import re
 import shutil
@@ -51,7 +52,8 @@ def patched(tmp_path_factory):
     assert r.returncode == 0, r.stderr
     if "core_v0.16.1" not in r.stdout:
         pytest.skip("Megatron-LM's per-step code runs here at core_v0.16.1 (later tags need Python >= 3.12)")
-    shutil.copy(Path(__file__).parent / "megatron_lm_e2e.py", root)
+    for driver in ("megatron_lm_e2e.py", "megatron_lm_resume.py"):
+        shutil.copy(Path(__file__).parent / driver, root)
     return root
 
 
@@ -75,25 +77,39 @@ def _one_node_cluster(tmp_path, gpus: int) -> Path:
     return cluster
 
 
-def _run_driver(patched, tmp_path, world: int, model: str, *flags: str) -> tuple[str, list[list[str]]]:
-    """Run ``megatron_lm_e2e.py`` on ``world`` gloo ranks with Megatron-LM ``flags``;
-    rank 0's output and its STEP lines (split)."""
-    prefix, cluster = _dataset(tmp_path), _one_node_cluster(tmp_path, world)
+def _env(patched) -> dict:
     # The patched scripts first; the package `megatron` comes from the checkout itself.
     path = [str(patched), MLM, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "WORLD_SIZE": str(world),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    (tmp_path / "ckpt").mkdir()  # Megatron's save_checkpoint makes the iteration directory first
-    procs = [subprocess.Popen([sys.executable, "megatron_lm_e2e.py", prefix, str(cluster), str(tmp_path / "ckpt"),
-                               str(STEPS), model, *flags], cwd=patched, env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def _start_ranks(patched, world: int, *argv: str, **env_extra: str) -> list[subprocess.Popen]:
+    """``python ARGV`` started as ``world`` gloo ranks in the patched tree."""
+    env = {**_env(patched), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           **env_extra}
+    return [subprocess.Popen([sys.executable, *argv], cwd=patched, env={**env, "RANK": str(r)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+
+
+def _run_ranks(patched, world: int, *argv: str) -> str:
+    """``python ARGV`` as ``world`` gloo ranks in the patched tree; rank 0's output."""
+    procs = _start_ranks(patched, world, *argv)
     outs = [p.communicate(timeout=900) for p in procs]
     for p, (_, err) in zip(procs, outs):
         missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", err)
         if p.returncode and missing:
             pytest.skip(f"Megatron-LM needs {missing.group(1)} (see docs/megatron-lm.md, step 1)")
         assert p.returncode == 0, outs[0][0][-2000:] + err[-4000:]
-    out = outs[0][0]
+    return outs[0][0]
+
+
+def _run_driver(patched, tmp_path, world: int, model: str, *flags: str) -> tuple[str, list[list[str]]]:
+    """Run ``megatron_lm_e2e.py`` on ``world`` gloo ranks with Megatron-LM ``flags``;
+    rank 0's output and its STEP lines (split)."""
+    prefix, cluster = _dataset(tmp_path), _one_node_cluster(tmp_path, world)
+    (tmp_path / "ckpt").mkdir()  # Megatron's save_checkpoint makes the iteration directory first
+    out = _run_ranks(patched, world, "megatron_lm_e2e.py", prefix, str(cluster), str(tmp_path / "ckpt"), str(STEPS),
+                     model, *flags)
     print("\n".join(line for line in out.splitlines() if line.startswith(("STEP", "zeppelin batch", "RESUMED", "MOE"))))
     steps = [line.split() for line in out.splitlines() if line.startswith("STEP ")]
     assert [int(s[1]) for s in steps] == list(range(STEPS)), out
@@ -169,3 +185,121 @@ def test_moe(patched, tmp_path, ep, tp):
         assert rows == [-(-plan_linear[rank // tp] // tp) for rank in range(2 * tp)], (rows, plan_linear)
     remap = [int(m) for m in re.findall(r"remap_bytes=(\d+)", out)]
     assert len(remap) == STEPS and all(b > 0 for b in remap), out
+
+
+def _iterations(out: str) -> list[list[list[int]]]:
+    """The pieces each of the resume driver's iterations trained."""
+    return [json.loads(line.split(" ", 2)[2]) for line in out.splitlines() if line.startswith("PIECES ")]
+
+
+def test_resume_with_another_token_budget_trains_every_piece_once(patched, tmp_path):
+    """Megatron-LM's own save_checkpoint / load_checkpoint (torch_dist) around the patched
+    dataset provider: a run saved after 2 iterations at --zeppelin-tokens-per-gpu 400
+    and resumed at 600 goes on at the first piece it had not trained: each iteration
+    of both runs trains the next pieces of the sampler's order (its global batch;
+    micro-batches reorder pieces inside it), none skipped or repeated.  A resume with
+    another seed, a --save onto that checkpoint by another run, and a resume from a
+    copy with a truncated shard are refused in one line by the real pretrain_gpt.py
+    before any process group."""
+    from megatron_zeppelin.integration.data import open_blends
+
+    prefix, cluster = _dataset(tmp_path), _one_node_cluster(tmp_path, 2)
+    common = ("megatron_lm_resume.py", prefix, str(cluster))
+    flags = ("--global-batch-size", "4", "--train-iters", "8")
+    ckpt = str(tmp_path / "ckpt")
+    before = _run_ranks(patched, 2, *common, "2", *flags, "--zeppelin-tokens-per-gpu", "400", "--save", ckpt,
+                        "--load", ckpt)
+    after = _run_ranks(patched, 2, *common, "3", *flags, "--zeppelin-tokens-per-gpu", "600", "--save", ckpt,
+                       "--load", ckpt)
+    print(next(line for line in after.splitlines() if line.startswith("zeppelin: resuming")))
+    assert "no piece is skipped or repeated" in after and "deferred a piece" not in before + after
+    # The sampler's order of pieces (the preset's --seed 1234), two epochs of it.
+    everything = open_blends([prefix], "100,0,0")["train"].sampler(max_seq_len=512, tokens_per_batch=10**9, seed=1234)
+    order = [[p.dataset, p.doc, p.start, p.end] for _, batch in zip(range(2), everything) for p in batch.pieces]
+    assert len(order) == 2 * 124  # every document is one piece (none longer than --seq-length)
+    at = 0
+    for pieces in _iterations(before) + _iterations(after):
+        assert sorted(pieces) == sorted(order[at:at + len(pieces)])
+        at += len(pieces)
+    assert len(_iterations(before)) == 2 and len(_iterations(after)) == 3
+
+    # The real pretrain_gpt.py, no MASTER_ADDR: reaching init_process_group would fail otherwise.
+    argv = subprocess.run([sys.executable, "-m", "megatron_zeppelin.launch", "--preset", "tiny-cpu", "--print-args",
+                           "--only", "megatron"], capture_output=True, text=True, check=True).stdout.split()
+    env = {**_env(patched), "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "", "MASTER_PORT": ""}
+    damaged = tmp_path / "damaged"
+    shutil.copytree(ckpt, damaged)
+    latest = int((damaged / "latest_checkpointed_iteration.txt").read_text())
+    shard = damaged / f"iter_{latest:07d}" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    for extra, message in (
+            (("--load", str(damaged), "--save", str(damaged)),
+             f"{shard} holds 1000 bytes, its index (.metadata) needs"),
+            (("--load", ckpt, "--save", ckpt, "--seed", "7"),
+             "the --load checkpoint drew its batches with seed (--zeppelin-seed, else --seed) = 1234, this run has 7"),
+            (("--load", str(tmp_path / "new"), "--save", ckpt, "--seed", "7"),
+             f"--save {ckpt} holds another run's checkpoint (--seed 1234 (this run: 7))")):
+        r = subprocess.run([sys.executable, "pretrain_gpt.py", *argv, "--data-path", prefix, "--split", "100,0,0",
+                            "--zeppelin-cluster", str(cluster), "--global-batch-size", "4", "--train-iters", "8",
+                            *extra], cwd=patched, env=env, capture_output=True, text=True, timeout=300)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+        assert r.returncode == 2 and len(errors) == 1 and message in errors[0], r.stderr[-2000:]
+        assert "Traceback" not in r.stderr
+        print(errors[0])
+
+
+def test_a_global_batch_no_plan_holds_defers_a_piece(patched, tmp_path):
+    """At --zeppelin-tokens-per-gpu 400 the 5th global batch's 9 sequences do not fit
+    its 2 micro-batches of 800 tokens: the patched provider's loader defers its last
+    piece (440 tokens) to the next global batch and says so; every piece of the
+    sampler's order is trained once, none dropped.  Saved (Megatron-LM's
+    save_checkpoint) with the piece still waiting and resumed, the run trains what
+    the uninterrupted run trains, iteration by iteration."""
+    from megatron_zeppelin.integration.data import open_blends
+
+    prefix, cluster = _dataset(tmp_path), _one_node_cluster(tmp_path, 2)
+    common = ("megatron_lm_resume.py", prefix, str(cluster))
+    flags = ("--global-batch-size", "4", "--train-iters", "8", "--zeppelin-tokens-per-gpu", "400")
+    straight_dir, ckpt = str(tmp_path / "straight"), str(tmp_path / "ckpt")
+    straight = _run_ranks(patched, 2, *common, "8", *flags, "--save", straight_dir, "--load", straight_dir)
+    notes = [line for line in straight.splitlines() if "deferred a piece" in line]
+    print("\n".join(notes))
+    assert notes and notes[0].startswith("zeppelin train: step 5: deferred a piece of 440 tokens (document 98")
+    iterations = _iterations(straight)
+    assert [0, 98, 0, 440] not in iterations[5] and iterations[6][0] == [0, 98, 0, 440]
+    everything = open_blends([prefix], "100,0,0")["train"].sampler(max_seq_len=512, tokens_per_batch=10**9, seed=1234)
+    order = [[p.dataset, p.doc, p.start, p.end] for _, batch in zip(range(2), everything) for p in batch.pieces]
+    trained = [p for pieces in iterations for p in pieces]
+    assert sorted(trained) == sorted(order[:len(trained)])  # none dropped, none twice
+    _run_ranks(patched, 2, *common, "6", *flags, "--save", ckpt, "--load", ckpt)
+    resumed = _iterations(_run_ranks(patched, 2, *common, "2", *flags, "--save", ckpt, "--load", ckpt))
+    assert resumed == iterations[6:8]
+
+
+def test_a_save_that_fails_on_one_rank_ends_the_run(patched, tmp_path):
+    """Rank 1's save raises inside Megatron-LM's save_checkpoint (a full disk) while
+    the Zeppelin loaders, their planning thread and the communicator are up: both
+    ranks end on their own, long before --distributed-timeout-minutes (1 here);
+    nothing Zeppelin runs keeps the dying rank alive.  (The hang of issue 21 was
+    Megatron-Core's writer without psutil, refused before launch:
+    test_data.py::test_a_torch_dist_save_without_psutil_is_refused.)"""
+    import time
+
+    prefix, cluster = _dataset(tmp_path), _one_node_cluster(tmp_path, 2)
+    ckpt = str(tmp_path / "ckpt")
+    start = time.monotonic()
+    procs = _start_ranks(patched, 2, "megatron_lm_resume.py", prefix, str(cluster), "2", "--global-batch-size", "4",
+                         "--train-iters", "8", "--zeppelin-tokens-per-gpu", "600", "--save", ckpt, "--load", ckpt,
+                         "--distributed-timeout-minutes", "1", SAVE_FAULT_RANK="1")
+    outs = [p.communicate(timeout=300) for p in procs]
+    seconds = time.monotonic() - start
+    assert [p.returncode != 0 for p in procs] == [True, True], [o[1][-1500:] for o in outs]
+    assert "OSError: [Errno 28] No space left on device" in outs[1][1]
+    # After Python's report, each rank's last line names it and the checkpoint that stays loadable.
+    for rank, (_, err) in enumerate(outs):
+        last = re.sub(r"^\[rank\d\]: ", "", err.strip().splitlines()[-1])  # torch prefixes a rank's stderr
+        assert last.startswith(f"pretrain_gpt.py: error: rank {rank} stopped: "), last
+        assert last.endswith(f"; no complete checkpoint in --save {ckpt}"), last
+    assert "PIECES 1 " in outs[0][0] and seconds < 60, seconds
+    print(f"both ranks ended {seconds:.1f} s after the start; their last lines:")
+    print("\n".join(err.strip().splitlines()[-1] for _, err in outs))

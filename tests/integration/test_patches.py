@@ -180,8 +180,14 @@ def test_patched_pretrain_gpt_steps_on_cpu(mlm_copy, tmp_path):
      "--num-experts 3 does not divide over --expert-model-parallel-size 2"),
     (["--num-experts", "4", "--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "2"],
      "--expert-model-parallel-size 4 x expert TP 2 does not divide the 4 ranks"),
+    (["--rampup-batch-size", "4", "4", "100"], "--zeppelin does not support --rampup-batch-size"),
+    (["--fp8-format", "hybrid"], "--zeppelin does not support --fp8-format"),
+    (["--tp-comm-overlap"], "--zeppelin does not support --tp-comm-overlap"),
+    (["--enable-cuda-graph"], "--zeppelin does not support --enable-cuda-graph"),
+    (["--cuda-graph-impl", "transformer_engine"], "--zeppelin does not support --cuda-graph-impl"),
 ], ids=["sp-without-tp", "tp-over-node", "moe-aux-loss", "tp-over-heads", "tp-over-kv-heads",
-        "experts-over-ep", "ep-over-ranks"])
+        "experts-over-ep", "ep-over-ranks", "rampup", "fp8", "tp-comm-overlap", "enable-cuda-graph",
+        "cuda-graph-impl"])
 def test_patched_pretrain_gpt_refuses_before_any_process_group(mlm_copy, flags, message):
     """core_v0.16.1's ``pretrain()`` builds its process groups right after parsing: the
     patched script checks the ``--zeppelin`` flags before calling it.  No
@@ -196,3 +202,67 @@ def test_patched_pretrain_gpt_refuses_before_any_process_group(mlm_copy, flags, 
     errors = [line for line in r.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
     assert r.returncode == 2 and len(errors) == 1 and message in errors[0], r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+
+
+def _bad_data(tmp_path, kind):
+    """A --data-path (and extra flags) broken the way ``kind`` says."""
+    import numpy as np
+
+    from tests.integration.indexed_data import write_dataset
+
+    prefix = write_dataset(str(tmp_path / "docs"), [300, 40, 700, 90, 12, 450, 60, 200, 33, 510] * 4)
+    if kind == "garbage-idx":
+        Path(prefix + ".idx").write_bytes(b"not an index at all")
+    elif kind == "short-bin":
+        data = Path(prefix + ".bin").read_bytes()
+        Path(prefix + ".bin").write_bytes(data[:100])
+    elif kind == "missing-prefix":
+        return [str(tmp_path / "nope")]
+    elif kind == "missing-blend-member":
+        return ["0.5", prefix, "0.5", str(tmp_path / "gone")]
+    elif kind == "lengths-of-other-data":
+        np.savetxt(tmp_path / "lengths.txt", [5, 6, 7], fmt="%d")
+        return [prefix, "--zeppelin-data-lengths", str(tmp_path / "lengths.txt")]
+    elif kind == "empty-train-split":
+        return [prefix, "--split", "0,100,0"]
+    elif kind == "flash-missing":
+        return [prefix, "--zeppelin-backend", "flash"]
+    elif kind == "valid-batch-too-small":
+        return [prefix, "--split", "90,10,0", "--global-batch-size", "32", "--eval-iters", "2"]
+    return [prefix]
+
+
+@needs_mlm
+@pytest.mark.parametrize("kind, message", [
+    ("garbage-idx", "docs.idx: not a Megatron index (19 bytes, no MMIDIDX header)"),
+    ("short-bin", "docs.bin: 100 bytes, but"),
+    ("missing-prefix", "nope: missing"),
+    ("missing-blend-member", "gone: missing"),
+    ("lengths-of-other-data", "lengths.txt lists 3 documents, but --data-path holds 40"),
+    ("empty-train-split", "--split 0,100,0 gives the training split no document"),
+    ("flash-missing", "flash"),
+    ("valid-batch-too-small", "the validation split's global batch"),
+])
+def test_patched_pretrain_gpt_refuses_bad_data_before_any_process_group(mlm_copy, tmp_path, kind, message):
+    """Data problems are found where the flag checks run: one line naming the file or
+    flag, exit 2, no traceback, before Megatron builds anything (no MASTER_ADDR)."""
+    assert apply(mlm_copy).returncode == 0
+    if "core_v0.16.1" not in apply(mlm_copy).stdout:
+        pytest.skip("the early check is patched into core_v0.16.1 (0.19 checks right after its own parse)")
+    if kind == "flash-missing":
+        pytest.importorskip("megatron_zeppelin")
+        try:
+            import flash_attn  # noqa: F401
+            pytest.skip("flash-attn is installed here")
+        except ImportError:
+            pass
+    argv = subprocess.run([sys.executable, "-m", "megatron_zeppelin.launch", "--preset", "tiny-cpu", "--print-args",
+                           "--only", "megatron"], capture_output=True, text=True, check=True).stdout.split()
+    env = {"WORLD_SIZE": "4", "RANK": "0", "MASTER_ADDR": "", "MASTER_PORT": ""}
+    r = run_megatron(mlm_copy, "pretrain_gpt.py", *argv, "--zeppelin-cluster", "cpu-sim", "--save",
+                     str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"), "--data-path",
+                     *_bad_data(tmp_path, kind), env=env)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and message in errors[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    print(errors[0])
