@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.planner.base import PlanContext, Planner
-from megatron_zeppelin.sim.timeline import decision_step_s
+from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.sim.timeline import ReplayCharge, decision_step_s
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,16 @@ class Strategy:
     layout fits); it is then reported infeasible without planning."""
 
 
-def plan_context(s: Strategy, tokens_per_gpu: int, time_limit_s: float) -> PlanContext:
+def plan_context(s: Strategy, tokens_per_gpu: int, time_limit_s: float,
+                 charge: ReplayCharge | None = None) -> PlanContext:
     """The context ``s`` plans every batch with (``tokens_per_gpu`` per GPU).
-    Its decisions replay every candidate, even one a layout search timed: the
-    planner's latency is reported, and a user's planner pays for them."""
+    Its decisions pay for every candidate's replay, even one a layout search or
+    another strategy timed: the planner's latency is reported, and a user's
+    planner pays for them.  Without ``charge`` they replay it again; with it
+    they reuse it and ``charge`` is charged what it took."""
+    def step_model(plan: Plan) -> float:
+        return decision_step_s(plan, s.cost, reuse=charge is not None, charge=charge)
+
     return PlanContext(cost=s.cost, tokens_per_gpu=tokens_per_gpu * s.tp_size, cp_size=s.cp_size,
                        time_limit_s=time_limit_s, remap_enabled=s.remap_enabled, tp_size=s.tp_size,
-                       remap_decided=s.decide,
-                       step_model=(lambda plan: decision_step_s(plan, s.cost, reuse=False)) if s.decide else None)
+                       remap_decided=s.decide, step_model=step_model if s.decide else None)
