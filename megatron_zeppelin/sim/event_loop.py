@@ -109,18 +109,6 @@ def _key_pop(heap, base, n):
 
 
 @njit(cache=True)
-def _first_end_after(ends, lo, hi, t):
-    """``bisect.bisect_right(ends[lo:hi], t) + lo``."""
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if t < ends[mid]:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-@njit(cache=True)
 def _book(starts, ends, head, count, a, b, t, dur):
     """The earliest window of ``dur`` from ``t`` on in which ports ``a`` and ``b``
     are both free; booked on both.  Port ``p``'s busy intervals are
@@ -128,9 +116,9 @@ def _book(starts, ends, head, count, a, b, t, dur):
     by start they are sorted by end.  Nothing can be booked before ``t`` any
     more, so intervals that end by then are dropped."""
     for port in (a, b):
-        cut = _first_end_after(ends, head[port], head[port] + count[port], t) - head[port]
-        head[port] += cut
-        count[port] -= cut
+        while count[port] and ends[head[port]] <= t:
+            head[port] += 1
+            count[port] -= 1
     start = t
     clear = 0                          # ports in a row found free at ``start``
     port = a
@@ -151,9 +139,11 @@ def _book(starts, ends, head, count, a, b, t, dur):
             clear += 1
             port = b if port == a else a
     end = start + dur
+    # The last two checks found both ports free at ``start``: ``at_a`` and ``at_b``
+    # are their first intervals ending after it, where the booking goes.
     for port in (a, b):
         lo, hi = head[port], head[port] + count[port]
-        i = _first_end_after(ends, lo, hi, start)    # after every interval that ends by ``start``
+        i = at_a if port == a else at_b
         # Touching intervals merge, so a port busy back to back is one interval
         # and a later booking jumps it in one step.
         joins_before = i > lo and ends[i - 1] == start
