@@ -78,7 +78,6 @@ class CompiledSegment:
         world = schedule.world_size
         topo = cost.cluster.topology
         self.name = name
-        self.world = world
         self.n = n = len(ops)
         self.is_comm = np.fromiter((op.kind == COMM for op in ops), np.bool_, n)
         self.rank = np.fromiter((op.rank for op in ops), np.int64, n)
