@@ -50,14 +50,9 @@ class OpTiming:
     end_s: float
 
 
-def op_seconds(op: Op, cost: CostModel) -> float:
-    """Cost-model duration of ``op`` (one layer, one pass)."""
+def compute_seconds(op: Op, cost: CostModel) -> float:
+    """Cost-model duration of compute op ``op`` (one layer, one pass)."""
     n = cost.model.num_layers
-    if op.kind == COMM:
-        topo = cost.cluster.topology
-        link = cost.cluster.nic if op.nic is not None or not topo.same_node(op.rank, op.peer) \
-            else cost.cluster.nvlink
-        return link.transfer_s(op.nbytes)
     if op.tier == "linear":
         share = LINEAR_BWD_RATIO if op.backward else 1.0
         return cost.linear_s(op.tokens) * share / ((1 + LINEAR_BWD_RATIO) * n)
@@ -83,7 +78,6 @@ class CompiledSegment:
         self.rank = np.fromiter((op.rank for op in ops), np.int64, n)
         self.peer = np.fromiter((op.peer for op in ops), np.int64, n)
         self.tier = np.fromiter((TIERS.index(op.tier) for op in ops), np.int64, n)
-        self.seconds = np.fromiter((op_seconds(op, cost) for op in ops), np.float64, n)
         self.ndeps = np.fromiter((len(op.deps) for op in ops), np.int64, n)
         # Who depends on each op, in op order (the order the replay releases them).
         dep = np.fromiter((d for op in ops for d in op.deps), np.int64)
@@ -91,22 +85,28 @@ class CompiledSegment:
         by_dep = np.argsort(dep, kind="stable")
         self.users_idx = user[by_dep]
         self.users_ptr = _offsets(dep, n)
-        out = np.full(n, -1, np.int64)
-        inn = np.full(n, -1, np.int64)
-        for op in ops:
-            if op.kind != COMM:
-                continue
-            if topo.same_node(op.rank, op.peer):
-                out[op.id], inn[op.id] = 2 * op.rank, 2 * op.peer + 1
-            else:
-                nic = op.nic if op.nic is not None else topo.nic_of(op.rank)
-                o = topo.node_of(op.rank) * topo.nics_per_node + nic
-                i = topo.node_of(op.peer) * topo.nics_per_node + topo.nic_of(op.peer)
-                out[op.id], inn[op.id] = 2 * world + 2 * o, 2 * world + 2 * i + 1
-        self.port_out, self.port_in = out, inn
         ids = np.arange(n, dtype=np.int64)
         compute = ids[~self.is_comm]
         comm = ids[self.is_comm]
+        self.seconds = np.zeros(n)
+        self.seconds[compute] = [compute_seconds(ops[i], cost) for i in compute.tolist()]
+        # A transfer holds NVLink inside a node, else a NIC: the one the op names
+        # (a routed leg), or its sender's.  Durations and ports for all at once.
+        gpn, nics = topo.gpus_per_node, topo.nics_per_node
+        affinity = np.array(topo.nic_affinity, np.int64)
+        src, dst = self.rank[comm], self.peer[comm]
+        named = np.fromiter((-1 if ops[i].nic is None else ops[i].nic for i in comm.tolist()), np.int64, len(comm))
+        nbytes = np.fromiter((ops[i].nbytes for i in comm.tolist()), np.float64, len(comm))
+        inside = src // gpn == dst // gpn
+        nvlink = inside & (named < 0)
+        self.seconds[comm] = np.where(nvlink, cost.cluster.nvlink.transfer_s(nbytes),
+                                      cost.cluster.nic.transfer_s(nbytes))
+        nic_out = np.where(named >= 0, named, affinity[src % gpn])
+        out = np.full(n, -1, np.int64)
+        inn = np.full(n, -1, np.int64)
+        out[comm] = np.where(inside, 2 * src, 2 * world + 2 * ((src // gpn) * nics + nic_out))
+        inn[comm] = np.where(inside, 2 * dst + 1, 2 * world + 2 * ((dst // gpn) * nics + affinity[dst % gpn]) + 1)
+        self.port_out, self.port_in = out, inn
         # A compute op's place in its rank's lane (lanes run in op order).
         self.lane_pos = np.zeros(n, np.int64)
         crank = self.rank[compute]
