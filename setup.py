@@ -14,6 +14,8 @@ setup(
         "numpy>=1.24",
         "pyyaml>=6.0",
         "highspy>=1.7",
+        # The replay's event loop (sim/event_loop.py) is compiled with it.
+        "numba>=0.60",
         "torch>=2.3",
         "megatron-core>=0.16.1,<0.20",
     ],

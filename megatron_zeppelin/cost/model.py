@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from megatron_zeppelin.cost.moe import moe_dispatch_s
+from megatron_zeppelin.cost.moe import ALLTOALLS_PER_LAYER, moe_alltoall_bytes, moe_alltoall_group
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan.shards import causal_pairs
 from megatron_zeppelin.topology import ClusterConfig, LinkSpec
@@ -90,7 +90,18 @@ class CostModel:
         g = self.cluster.gpu
         flops = tokens * self.model.linear_flops_per_token * (1 + LINEAR_BWD_RATIO)
         return (flops / (g.peak_tflops * 1e12 * g.linear_efficiency) + self.tp_comm_s(tokens)
-                + moe_dispatch_s(self, tokens))
+                + self.moe_dispatch_s(tokens))
+
+    def moe_dispatch_s(self, tokens: float) -> float:
+        """Seconds of the router's all-to-alls for ``tokens`` tokens of one rank
+        (``cost/moe.py``; 0 for a dense model or experts on every rank)."""
+        m = self.model
+        group = moe_alltoall_group(m, self.cluster.topology.world_size)
+        if group is None:
+            return 0.0
+        link = self.alltoall_link(group)
+        return ALLTOALLS_PER_LAYER * m.num_layers * self.alltoall_s(moe_alltoall_bytes(m, tokens),
+                                                                    m.expert_parallel_size, link)
 
     def tp_comm_s(self, tokens: float) -> float:
         """The TP collectives of ``tokens`` over all layers (0 without TP): per

@@ -25,19 +25,21 @@ enters a segment when its part of the previous one is done (every op on its
 lanes), and a transfer starts only once both of its ends have entered (a
 receive is posted when its call starts).  All segments of the step run in one
 event loop, so ranks at different layers share links in time order.  A
-segment is compiled once (durations, ports, dependency lists) and reused by
-every layer.
+segment is compiled once (durations, ports, dependency lists, as flat arrays)
+and reused by every layer; the event loop itself is compiled
+(``sim/event_loop.py``).
 """
 
 from __future__ import annotations
 
-import bisect
-import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
-from megatron_zeppelin.schedule.ops import COMM, Op, Schedule
+from megatron_zeppelin.schedule.ops import COMM, TIERS, Op, Schedule
+from megatron_zeppelin.sim.event_loop import run_chain
 
 
 @dataclass
@@ -48,14 +50,9 @@ class OpTiming:
     end_s: float
 
 
-def op_seconds(op: Op, cost: CostModel) -> float:
-    """Cost-model duration of ``op`` (one layer, one pass)."""
+def compute_seconds(op: Op, cost: CostModel) -> float:
+    """Cost-model duration of compute op ``op`` (one layer, one pass)."""
     n = cost.model.num_layers
-    if op.kind == COMM:
-        topo = cost.cluster.topology
-        link = cost.cluster.nic if op.nic is not None or not topo.same_node(op.rank, op.peer) \
-            else cost.cluster.nvlink
-        return link.transfer_s(op.nbytes)
     if op.tier == "linear":
         share = LINEAR_BWD_RATIO if op.backward else 1.0
         return cost.linear_s(op.tokens) * share / ((1 + LINEAR_BWD_RATIO) * n)
@@ -68,43 +65,72 @@ def op_seconds(op: Op, cost: CostModel) -> float:
 
 
 class CompiledSegment:
-    """A schedule's ops as flat arrays, for replaying it many times."""
+    """A schedule's ops as flat arrays, for replaying it many times
+    (``sim/event_loop.py`` reads them; ids are positions in ``schedule.ops``)."""
 
     def __init__(self, schedule: Schedule, cost: CostModel, name: str = "") -> None:
         ops = schedule.ops
         world = schedule.world_size
         topo = cost.cluster.topology
         self.name = name
-        self.n = len(ops)
-        self.is_comm = [op.kind == COMM for op in ops]
-        self.rank = [op.rank for op in ops]
-        self.peer = [op.peer for op in ops]
-        self.tier = [op.tier for op in ops]
-        self.seconds = [op_seconds(op, cost) for op in ops]
-        self.ndeps = [len(op.deps) for op in ops]
-        self.users: list[list[int]] = [[] for _ in ops]
-        for op in ops:
-            for d in op.deps:
-                self.users[d].append(op.id)
-        self.ports: list[tuple[int, int]] = []
-        for op in ops:
-            if op.kind != COMM:
-                self.ports.append((-1, -1))
-            elif topo.same_node(op.rank, op.peer):
-                self.ports.append((2 * op.rank, 2 * op.peer + 1))
-            else:
-                nic = op.nic if op.nic is not None else topo.nic_of(op.rank)
-                out = topo.node_of(op.rank) * topo.nics_per_node + nic
-                inn = topo.node_of(op.peer) * topo.nics_per_node + topo.nic_of(op.peer)
-                self.ports.append((2 * world + 2 * out, 2 * world + 2 * inn + 1))
-        lanes = [schedule.lanes(r) for r in range(world)]
-        self.sends = [[o.id for o in lanes[r].comm if o.rank == r] for r in range(world)]
-        self.lane_pos = [0] * self.n
-        for r in range(world):
-            for i, o in enumerate(lanes[r].compute):
-                self.lane_pos[o.id] = i
-        self.on_rank = [[o.id for o in (*lanes[r].compute, *lanes[r].comm)] for r in range(world)]
-        self.touch = [len(ids) for ids in self.on_rank]
+        self.n = n = len(ops)
+        self.is_comm = np.fromiter((op.kind == COMM for op in ops), np.bool_, n)
+        self.rank = np.fromiter((op.rank for op in ops), np.int64, n)
+        self.peer = np.fromiter((op.peer for op in ops), np.int64, n)
+        self.tier = np.fromiter((TIERS.index(op.tier) for op in ops), np.int64, n)
+        self.ndeps = np.fromiter((len(op.deps) for op in ops), np.int64, n)
+        # Who depends on each op, in op order (the order the replay releases them).
+        dep = np.fromiter((d for op in ops for d in op.deps), np.int64)
+        user = np.repeat(np.arange(n, dtype=np.int64), self.ndeps)
+        by_dep = np.argsort(dep, kind="stable")
+        self.users_idx = user[by_dep]
+        self.users_ptr = _offsets(dep, n)
+        ids = np.arange(n, dtype=np.int64)
+        compute = ids[~self.is_comm]
+        comm = ids[self.is_comm]
+        self.seconds = np.zeros(n)
+        self.seconds[compute] = [compute_seconds(ops[i], cost) for i in compute.tolist()]
+        # A transfer holds NVLink inside a node, else a NIC: the one the op names
+        # (a routed leg), or its sender's.  Durations and ports for all at once.
+        gpn, nics = topo.gpus_per_node, topo.nics_per_node
+        affinity = np.array(topo.nic_affinity, np.int64)
+        src, dst = self.rank[comm], self.peer[comm]
+        named = np.fromiter((-1 if ops[i].nic is None else ops[i].nic for i in comm.tolist()), np.int64, len(comm))
+        nbytes = np.fromiter((ops[i].nbytes for i in comm.tolist()), np.float64, len(comm))
+        inside = src // gpn == dst // gpn
+        nvlink = inside & (named < 0)
+        self.seconds[comm] = np.where(nvlink, cost.cluster.nvlink.transfer_s(nbytes),
+                                      cost.cluster.nic.transfer_s(nbytes))
+        nic_out = np.where(named >= 0, named, affinity[src % gpn])
+        out = np.full(n, -1, np.int64)
+        inn = np.full(n, -1, np.int64)
+        out[comm] = np.where(inside, 2 * src, 2 * world + 2 * ((src // gpn) * nics + nic_out))
+        inn[comm] = np.where(inside, 2 * dst + 1, 2 * world + 2 * ((dst // gpn) * nics + affinity[dst % gpn]) + 1)
+        self.port_out, self.port_in = out, inn
+        # A compute op's place in its rank's lane (lanes run in op order).
+        self.lane_pos = np.zeros(n, np.int64)
+        crank = self.rank[compute]
+        order = np.argsort(crank, kind="stable")
+        first = _offsets(crank, world)
+        self.lane_pos[compute[order]] = np.arange(len(compute)) - np.repeat(first[:-1], np.diff(first))
+        # Send lanes: the transfers a rank sends, in op order.
+        srank = self.rank[comm]
+        self.sends_idx = comm[np.argsort(srank, kind="stable")]
+        self.sends_ptr = _offsets(srank, world)
+        # Every op on a rank's lanes: its compute lane, then its transfers (sent or received).
+        who = np.concatenate([crank, srank, self.peer[comm]])
+        lane = np.concatenate([np.zeros(len(compute), np.int64), np.ones(2 * len(comm), np.int64)])
+        what = np.concatenate([compute, comm, comm])
+        order = np.lexsort((what, lane, who))
+        self.onr_idx = what[order]
+        self.onr_ptr = _offsets(who, world)
+        self.lane_width = int(np.bincount(crank, minlength=1).max()) if len(compute) else 1
+        self.n_ports = int(max(out.max(initial=-1), inn.max(initial=-1))) + 1
+
+
+def _offsets(keys: np.ndarray, n: int) -> np.ndarray:
+    """CSR offsets of ``keys`` grouped into ``0 .. n - 1``."""
+    return np.concatenate([[0], np.cumsum(np.bincount(keys, minlength=n))]).astype(np.int64)
 
 
 @dataclass
@@ -114,7 +140,7 @@ class ChainReplay:
     finish_s: list[float]
     """Per rank: when it left the last segment."""
     busy_s: dict[tuple[int, str], float]
-    """(rank, tier) -> compute seconds."""
+    """(rank, tier) -> compute seconds, in the order each was first used."""
     inside_s: list[list[float]]
     """``inside_s[k][r]``: time rank ``r`` spent in segment ``k`` (enter to leave)."""
     timings: list[list[OpTiming]] | None
@@ -125,207 +151,48 @@ class ChainReplay:
         return max(self.finish_s, default=0.0)
 
 
-class _Ports:
-    """Busy intervals of every port; a booking takes the earliest common free window.
-
-    A port's intervals never overlap (it serves one transfer at a time), so
-    sorted by start they are sorted by end too: the first interval that could
-    collide with a window is found by bisecting the ends."""
-
-    def __init__(self) -> None:
-        self.starts: dict[int, list[float]] = {}
-        self.ends: dict[int, list[float]] = {}
-
-    def book(self, a: int, b: int, t: float, dur: float) -> float:
-        ports = [self._prune(a, t), self._prune(b, t)]
-        start = t
-        clear = 0                      # ports in a row found free at ``start``
-        p = 0
-        while clear < 2:               # move past the interval of either port that overlaps
-            starts, ends = ports[p]
-            i = bisect.bisect_right(ends, start)
-            if i < len(ends) and starts[i] < start + dur:
-                start = ends[i]        # this port again from there, then the other
-                clear = 0
-            else:
-                clear += 1
-                p ^= 1
-        end = start + dur
-        for starts, ends in ports:
-            i = bisect.bisect_right(ends, start)    # after every interval that ends by ``start``
-            # Touching intervals merge, so a port busy back to back is one interval
-            # and a later booking jumps it in one step.
-            joins_before = i > 0 and ends[i - 1] == start
-            joins_after = i < len(starts) and starts[i] == end
-            if joins_before and joins_after:
-                ends[i - 1] = ends[i]
-                del starts[i], ends[i]
-            elif joins_before:
-                ends[i - 1] = end
-            elif joins_after:
-                starts[i] = start
-            else:
-                starts.insert(i, start)
-                ends.insert(i, end)
-        return start
-
-    def _prune(self, port: int, t: float) -> tuple[list[float], list[float]]:
-        starts = self.starts.setdefault(port, [])
-        ends = self.ends.setdefault(port, [])
-        cut = bisect.bisect_right(ends, t)          # nothing can be booked before now
-        if cut:
-            del starts[:cut], ends[:cut]
-        return starts, ends
-
-
-class _Instance:
-    """One segment of the chain in flight."""
-
-    __slots__ = ("seg", "waiting", "ready_at", "entered", "left", "remaining", "data_ready", "next_send",
-                 "released", "timings")
-
-    def __init__(self, seg: CompiledSegment, world: int, record: bool) -> None:
-        self.seg = seg
-        self.waiting = list(seg.ndeps)
-        self.ready_at = [0.0] * seg.n
-        self.entered = [-1.0] * world
-        self.left = [0.0] * world
-        self.remaining = list(seg.touch)
-        self.data_ready = [False] * seg.n
-        self.next_send = [0] * world
-        self.released = [False] * seg.n
-        self.timings = [OpTiming(0.0, 0.0) for _ in range(seg.n)] if record else None
-
-
 def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool = False) -> ChainReplay:
     """Replay ``chain`` from time 0 (every rank enters segment 0 at once)."""
-    READY, DONE, FREE, ENTER = 0, 1, 2, 3
-    events: list[tuple[float, int, int, int, int]] = []    # (time, order, kind, segment, op or rank)
-    counter = [0]
+    distinct: dict[int, int] = {}
+    segs: list[CompiledSegment] = []
+    for seg in chain:
+        if id(seg) not in distinct:
+            distinct[id(seg)] = len(segs)
+            segs.append(seg)
+    chain_seg = np.array([distinct[id(seg)] for seg in chain], np.int64)
+    sizes = [seg.n for seg in segs]
+    seg_base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
-    def push(t: float, kind: int, k: int, what: int) -> None:
-        counter[0] += 1
-        heapq.heappush(events, (t, counter[0], kind, k, what))
+    def joined(field: str) -> np.ndarray:
+        return np.concatenate([getattr(seg, field) for seg in segs])
 
-    insts: list[_Instance | None] = [None] * len(chain)
-    ports = _Ports()
-    compute_free = [0.0] * world
-    compute_busy = [False] * world
-    compute_heap: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]  # (segment, lane pos, op)
-    send_queue: list[list[int]] = [[] for _ in range(world)]   # segments with unposted sends, in order
-    last_post = [0.0] * world
-    busy: dict[tuple[int, str], float] = {}
-    finish = [0.0] * world
+    def csr(ptr: str, idx: str) -> tuple[np.ndarray, np.ndarray]:
+        ptrs, shift = [np.zeros(1, np.int64)], 0
+        for seg in segs:
+            ptrs.append(getattr(seg, ptr)[1:] + shift)
+            shift += len(getattr(seg, idx))
+        return np.concatenate(ptrs), joined(idx)
 
-    def inst(k: int) -> _Instance:
-        if insts[k] is None:
-            insts[k] = _Instance(chain[k], world, record)
-        return insts[k]
-
-    def entered(i: _Instance, op: int) -> bool:
-        seg = i.seg
-        if seg.is_comm[op]:
-            return i.entered[seg.rank[op]] >= 0 and i.entered[seg.peer[op]] >= 0
-        return i.entered[seg.rank[op]] >= 0
-
-    def release(k: int, i: _Instance, op: int, t: float) -> None:
-        if not i.released[op] and i.waiting[op] == 0 and entered(i, op):
-            i.released[op] = True
-            push(max(t, i.ready_at[op]), READY, k, op)
-
-    def enter(k: int, r: int, t: float) -> None:
-        while k < len(chain):
-            i = inst(k)
-            i.entered[r] = t
-            if i.seg.touch[r]:
-                if i.seg.sends[r]:
-                    send_queue[r].append(k)
-                for op in i.seg.on_rank[r]:         # a transfer needs both ends entered
-                    release(k, i, op, t)
-                return
-            i.left[r] = t                            # nothing of ours here: pass straight through
-            k += 1
-        finish[r] = t
-
-    def start_compute(r: int, t: float) -> None:
-        if compute_busy[r] or not compute_heap[r]:
-            return
-        k, _, op = heapq.heappop(compute_heap[r])
-        i = insts[k]
-        t = max(t, compute_free[r])
-        dur = i.seg.seconds[op]
-        compute_busy[r] = True
-        compute_free[r] = t + dur
-        key = (r, i.seg.tier[op])
-        busy[key] = busy.get(key, 0.0) + dur
-        if i.timings is not None:
-            i.timings[op] = OpTiming(t, t + dur)
-        push(t + dur, DONE, k, op)
-        push(t + dur, FREE, -1, r)
-
-    def post_sends(r: int, t: float) -> None:
-        queue = send_queue[r]
-        while queue:
-            k = queue[0]
-            i = insts[k]
-            lane = i.seg.sends[r]
-            while i.next_send[r] < len(lane) and i.data_ready[lane[i.next_send[r]]]:
-                op = lane[i.next_send[r]]
-                i.next_send[r] += 1
-                post = max(t, last_post[r])
-                last_post[r] = post
-                out, inn = i.seg.ports[op]
-                start = ports.book(out, inn, post, i.seg.seconds[op])
-                end = start + i.seg.seconds[op]
-                if i.timings is not None:
-                    i.timings[op] = OpTiming(start, end)
-                push(end, DONE, k, op)
-            if i.next_send[r] < len(lane):
-                return
-            queue.pop(0)
-
-    def leave_if_done(k: int, i: _Instance, r: int, t: float) -> None:
-        i.remaining[r] -= 1
-        if i.remaining[r] == 0:
-            i.left[r] = t
-            push(t, ENTER, k + 1, r)
-
-    for r in range(world):
-        enter(0, r, 0.0)
-    while events:
-        t, _, kind, k, what = heapq.heappop(events)
-        if kind == FREE:
-            compute_busy[what] = False
-            start_compute(what, t)
-        elif kind == ENTER:
-            enter(k, what, t)
-        elif kind == READY:
-            i = insts[k]
-            seg = i.seg
-            if seg.is_comm[what]:
-                i.data_ready[what] = True
-                post_sends(seg.rank[what], t)
-            else:
-                r = seg.rank[what]
-                heapq.heappush(compute_heap[r], (k, seg.lane_pos[what], what))
-                start_compute(r, t)
-        else:                                                    # DONE
-            i = insts[k]
-            seg = i.seg
-            for u in seg.users[what]:
-                i.waiting[u] -= 1
-                if i.ready_at[u] < t:
-                    i.ready_at[u] = t
-                release(k, i, u, t)
-            leave_if_done(k, i, seg.rank[what], t)
-            if seg.is_comm[what]:
-                leave_if_done(k, i, seg.peer[what], t)
-    stuck = [(k, r) for k, i in enumerate(insts) if i is not None for r in range(world) if i.remaining[r] > 0]
-    if stuck or any(i is None for i in insts):
+    users_ptr, users_idx = csr("users_ptr", "users_idx")
+    sends_ptr, sends_idx = csr("sends_ptr", "sends_idx")
+    onr_ptr, onr_idx = csr("onr_ptr", "onr_idx")
+    finish, busy, order, entered, left, start, end, base, remaining, created = run_chain(
+        world, chain_seg, seg_base, joined("is_comm"), joined("rank"), joined("peer"), joined("tier"),
+        joined("seconds"), joined("ndeps"), users_ptr, users_idx, joined("port_out"), joined("port_in"),
+        joined("lane_pos"), max(seg.lane_width for seg in segs), sends_ptr, sends_idx, onr_ptr, onr_idx,
+        len(TIERS), max(max(seg.n_ports for seg in segs), 1))
+    stuck = [(k, r) for k, r in zip(*np.nonzero(remaining > 0)) if created[k]]
+    if stuck or not created.all():
         raise RuntimeError(f"replay: segment/rank pairs {stuck[:6]} never finished")
-    inside = [[i.left[r] - i.entered[r] for r in range(world)] for i in insts]
-    timings = [i.timings for i in insts] if record else None
-    return ChainReplay(finish, busy, inside, timings)
+    used = sorted(zip(*np.nonzero(order >= 0)), key=lambda rt: order[rt])
+    busy_s = {(int(r), TIERS[t]): float(busy[r, t]) for r, t in used}
+    inside = (left - entered).tolist()
+    timings = None
+    if record:
+        starts, ends = start.tolist(), end.tolist()
+        timings = [[OpTiming(s, e) for s, e in zip(starts[base[k]:base[k + 1]], ends[base[k]:base[k + 1]])]
+                   for k in range(len(chain))]
+    return ChainReplay(finish.tolist(), busy_s, inside, timings)
 
 
 def replay_schedule(schedule: Schedule, cost: CostModel) -> ChainReplay:

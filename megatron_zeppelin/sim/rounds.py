@@ -76,7 +76,7 @@ def timed_batch(planner: Planner, lens: Sequence[int], ctx: PlanContext) -> Time
     remembered for the next identical call.  Planning and the replay are
     deterministic functions of the planner, the context and the lengths -- up to
     ``ctx.step_model``, which the key only records as present or not: callers
-    with a step model pass the simulator's (``sim.simulate.plan_context``).
+    with a step model pass the simulator's (``sim.strategy.plan_context``).
     An :class:`~megatron_zeppelin.errors.InfeasibleError` is not remembered."""
     key = (getattr(planner, "name", type(planner).__name__), ctx.cost, ctx.tokens_per_gpu, ctx.cp_size,
            ctx.time_limit_s, ctx.tp_size, ctx.remap_enabled, ctx.remap_decided, ctx.step_model is not None,

@@ -20,12 +20,14 @@ from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.cost.tp import tp_view
 from megatron_zeppelin.errors import ConfigError, InfeasibleError
 from megatron_zeppelin.plan import Plan, TierCounts
-from megatron_zeppelin.planner.base import PLANNERS, PlanContext, Planner, get_planner
+from megatron_zeppelin.planner.base import PLANNERS, get_planner
 from megatron_zeppelin.planner.micro_batches import Split
 from megatron_zeppelin.sampler.batch_sampler import ZeppelinBatchSampler
 from megatron_zeppelin.sim.progress import Progress
 from megatron_zeppelin.sim.rounds import plan_batch, rounds_timeline
-from megatron_zeppelin.sim.timeline import StepTimeline, decision_step_s
+from megatron_zeppelin.sim.static_layout import choose_layout
+from megatron_zeppelin.sim.strategy import Strategy, plan_context
+from megatron_zeppelin.sim.timeline import ReplayCharge, StepTimeline
 
 #: The baseline every speedup is measured against.
 BASELINE = "te_cp"
@@ -61,34 +63,6 @@ VARIANTS: dict[str, Variant] = {
 #: Zeppelin's variants in ablation order.
 STRATEGY_NAMES: tuple[str, ...] = (BASELINE, *(n for n in PLANNERS if n not in VARIANTS and n != BASELINE),
                                    *VARIANTS)
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """A planner plus the conditions its plans run under."""
-
-    name: str
-    """Name in reports (a planner name, or a key of :data:`VARIANTS`)."""
-    planner: Planner
-    """Produces the plan of each batch."""
-    cost: CostModel
-    """Cost model the planner plans with and the step is timed with; its
-    ``routing`` flag says whether inter-node transfers use the routing layer."""
-    cp_size: int | None = None
-    """Static CP / SP size handed to the planner (``te_cp``, ``ulysses_sp``)."""
-    remap_enabled: bool = True
-    """``PlanContext.remap_enabled``: only Zeppelin's planner reads it (the
-    baselines' linear layout is always their attention layout)."""
-    decide: bool = True
-    """Zeppelin picks each batch's plan by the replayed step (:attr:`Variant.decide`)."""
-    tp_size: int = 1
-    """GPUs per rank of its plans (``cost`` is then a TP view); the per-GPU
-    token cap becomes ``tp_size`` times larger per rank."""
-    layout: str | None = None
-    """The static layout search's report (``sim/static_layout.py``)."""
-    infeasible: str | None = None
-    """Why the strategy cannot run at all on this configuration (no static
-    layout fits); it is then reported infeasible without planning."""
 
 
 def uses_routing(name: str) -> bool:
@@ -165,7 +139,6 @@ STATIC = ("te_cp", "ulysses_sp")
 
 def _static_strategy(name: str, cost: CostModel, batches: Sequence[Sequence[int]], max_seq_len: int | None,
                      tokens_per_gpu: int | None, time_limit_s: float) -> Strategy:
-    from megatron_zeppelin.sim.static_layout import choose_layout
     if max_seq_len is None or tokens_per_gpu is None:
         raise ConfigError("the static layout search needs max_seq_len and tokens_per_gpu")
     choice = choose_layout(name, cost, batches, max_seq_len=max_seq_len, tokens_per_gpu=tokens_per_gpu,
@@ -293,24 +266,15 @@ def simulate(batches: Iterable[Sequence[int]], strategies: Sequence[Strategy], *
     return SimResult(seq_lens, lower, results)
 
 
-def plan_context(s: Strategy, tokens_per_gpu: int, time_limit_s: float) -> PlanContext:
-    """The context ``s`` plans every batch with (``tokens_per_gpu`` per GPU).
-    Its decisions replay every candidate, even one a layout search timed: the
-    planner's latency is reported, and a user's planner pays for them."""
-    return PlanContext(cost=s.cost, tokens_per_gpu=tokens_per_gpu * s.tp_size, cp_size=s.cp_size,
-                       time_limit_s=time_limit_s, remap_enabled=s.remap_enabled, tp_size=s.tp_size,
-                       remap_decided=s.decide,
-                       step_model=(lambda plan: decision_step_s(plan, s.cost, reuse=False)) if s.decide else None)
-
-
 def _run_one(step: int, lens: list[int], s: Strategy, r: StrategyResult, tokens_per_gpu: int,
              time_limit_s: float, plot_step: int, on_plan: Callable[[int, str, Plan], None] | None,
              groups: list[list[int]]) -> None:
-    ctx = plan_context(s, tokens_per_gpu, time_limit_s)
+    charge = ReplayCharge()     # replays another strategy already ran are reused, and charged here
+    ctx = plan_context(s, tokens_per_gpu, time_limit_s, charge)
     try:
         t0 = time.perf_counter()
         planned = [plan_batch(s.planner, [lens[i] for i in g], ctx) for g in groups]
-        elapsed_ms = (time.perf_counter() - t0) * 1e3
+        elapsed_ms = (time.perf_counter() - t0 + charge.reused_s) * 1e3
     except InfeasibleError as exc:
         r.error = f"step {step}: {exc}"
         return

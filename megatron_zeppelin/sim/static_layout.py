@@ -23,7 +23,7 @@ from megatron_zeppelin.planner.base import get_planner
 from megatron_zeppelin.planner.te_cp import StaticLayout, te_cp_layouts, tp_problems
 from megatron_zeppelin.planner.ulysses_sp import ulysses_layouts
 from megatron_zeppelin.sim.rounds import timed_batch
-from megatron_zeppelin.sim.simulate import Strategy, plan_context
+from megatron_zeppelin.sim.strategy import Strategy, plan_context
 
 #: Batches a layout is tried on (a user's short benchmark run).  One: the
 #: search times up to 8 TP x CP layouts (and Zeppelin's up to 4 TP sizes) per

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -217,21 +218,39 @@ def sync_tail(cost: CostModel, busy_s: dict[tuple[int, str], float], finish_s: S
 PACKED_STRATEGIES = ("te_cp", "flexsp", "ulysses_sp")
 
 
+@dataclass
+class ReplayCharge:
+    """What a caller is charged for the replays it was served from the memo.
+
+    A planner's latency must include its decisions' replays; when another
+    strategy of the same run already replayed a candidate, the simulator reuses
+    that replay and charges the wall-clock seconds it took then, so the
+    ``planner ms`` a strategy reports is what planning it alone would cost."""
+
+    reused_s: float = 0.0
+    """Wall-clock seconds the reused replays took when they were computed."""
+
+
 def step_timeline(plan: Plan, cost: CostModel, *, attn: AttnShape | None = None,
                   transport: Transport | None = None, exact: bool = False, sync: bool = True,
-                  replayed_layers: int = REPLAYED_LAYERS, reuse: bool = True) -> StepTimeline:
+                  replayed_layers: int = REPLAYED_LAYERS, reuse: bool = True,
+                  charge: ReplayCharge | None = None) -> StepTimeline:
     """Per-rank modeled time of one step of ``plan`` (see the module docstring).
     ``exact`` replays every layer instead of extrapolating the steady state after
     ``replayed_layers``; ``sync=False`` leaves out the gradient sync (one
     micro-batch of several); ``reuse=False`` replays even if the same plan was
-    timed the same way before."""
+    timed the same way before; ``charge`` adds what a reused replay took."""
     key = (plan, cost, exact, sync, replayed_layers)
     memo = attn is None and transport is None
     if memo and reuse and (hit := _TIMELINES.get(key)) is not None:
-        return hit
+        timeline, seconds = hit
+        if charge is not None:
+            charge.reused_s += seconds
+        return timeline
+    t0 = time.perf_counter()
     timeline = _replayed_timeline(plan, cost, attn, transport, exact, sync, replayed_layers)
     if memo:
-        _TIMELINES.put(key, timeline)
+        _TIMELINES.put(key, (timeline, time.perf_counter() - t0))
     return timeline
 
 
@@ -255,19 +274,22 @@ class RecentResults:
             self._items.popitem(last=False)
 
 
-def decision_step_s(plan: Plan, cost: CostModel, *, reuse: bool = True) -> float:
+def decision_step_s(plan: Plan, cost: CostModel, *, reuse: bool = True,
+                    charge: ReplayCharge | None = None) -> float:
     """The modeled step a per-batch decision compares (``PlanContext.step_model``):
     exactly the reported step, at its replay depth, so the chosen plan's report
     comes from the memo (at 2 layers the extrapolations of two candidates 1 %
-    apart could invert at 4).  ``reuse=False`` replays even a plan timed before
-    (a planner whose latency is measured must pay for its decisions)."""
-    return step_timeline(plan, cost, reuse=reuse).step_s
+    apart could invert at 4).  A planner whose latency is measured must pay for
+    its decisions: ``reuse=False`` replays even a plan timed before, ``charge``
+    reuses it and charges what its replay took."""
+    return step_timeline(plan, cost, reuse=reuse, charge=charge).step_s
 
 
-#: Timelines kept by :func:`step_timeline`.  The same plan is timed more than
-#: once in one run -- a static layout search times the first batches' decision
-#: candidates, and the simulation then plans and times those batches again --
-#: and a replay costs far more than hashing the plan.
+#: Timelines kept by :func:`step_timeline`, each with the wall-clock seconds its
+#: replay took.  The same plan is timed more than once in one run -- a static
+#: layout search times the first batches' decision candidates, the simulation
+#: then plans and times those batches again, and Zeppelin's variants decide
+#: among overlapping candidates -- and a replay costs far more than hashing the plan.
 _TIMELINES = RecentResults(512)
 
 

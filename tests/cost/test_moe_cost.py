@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from megatron_zeppelin.cost import CostModel
-from megatron_zeppelin.cost.moe import ALLTOALLS_PER_LAYER, moe_dispatch_s
+from megatron_zeppelin.cost.moe import ALLTOALLS_PER_LAYER
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.topology import load_cluster
@@ -32,11 +32,11 @@ def test_router_alltoall_is_priced_only_across_expert_parallel_ranks():
     link = cost.alltoall_link(list(range(8)))
     assert link == H100.nvlink
     expected = ALLTOALLS_PER_LAYER * moe.num_layers * cost.alltoall_s(per_rank, 8, link)
-    assert moe_dispatch_s(cost, 1000) == pytest.approx(expected) and expected > 0
+    assert cost.moe_dispatch_s(1000) == pytest.approx(expected) and expected > 0
     local = CostModel(H100, dataclasses.replace(moe, expert_parallel_size=1))
-    assert moe_dispatch_s(local, 1000) == 0.0
+    assert local.moe_dispatch_s(1000) == 0.0
     assert cost.linear_s(1000) == pytest.approx(local.linear_s(1000) + expected)
-    assert moe_dispatch_s(CostModel(H100, load_model("llama-7b")), 1000) == 0.0
+    assert CostModel(H100, load_model("llama-7b")).moe_dispatch_s(1000) == 0.0
 
 
 def test_moe_preset_checks():

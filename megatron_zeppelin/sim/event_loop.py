@@ -1,0 +1,374 @@
+"""The replay's event loop (``sim/replay.py``), compiled with numba.
+
+One function runs a whole chain of segments over flat arrays: the segments'
+static data (durations, ports, dependency lists, lanes) is laid out once per
+distinct segment and looked up through ``chain_seg``; what changes while the
+chain runs (dependency counters, entry and exit times, the heaps, each port's
+busy intervals) lives in arrays sized for the whole chain up front, so nothing
+is allocated while it runs.  The rules are those of the module docstring of
+``sim/replay.py``; every floating-point operation is the one the rules name,
+in the order they name it, so a replay is a pure function of its inputs, bit
+for bit.
+
+Events are ordered by (time, push order), a total order, so any correct
+queue pops them in the same sequence.  Only an op's end lies ahead of the
+event that schedules it; an op becoming ready and a rank entering a segment
+happen at the instant that causes them.  So ends go to a heap, and the others
+to a FIFO of the current instant, which holds the latest orders at that time:
+the next event is the first of the two by (time, order).  An op that ends frees
+its rank's compute lane at the same instant, right after its dependants are
+released (nothing can come between the two: no other event has that time and
+an order in between).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+READY, DONE, ENTER = 0, 1, 2
+
+
+@njit(cache=True)
+def _push(heap_t, heap_c, n, t, c):
+    """Push event (``t``, ``c``) onto the heap of ``n`` events; returns its new size."""
+    i = n
+    while i > 0:
+        parent = (i - 1) >> 1
+        pt, pc = heap_t[parent], heap_c[parent]
+        if t < pt or (t == pt and c < pc):
+            heap_t[i], heap_c[i] = pt, pc
+            i = parent
+        else:
+            break
+    heap_t[i], heap_c[i] = t, c
+    return n + 1
+
+
+@njit(cache=True)
+def _pop(heap_t, heap_c, n):
+    """The first event's (time, order) and the heap's new size."""
+    t0, c0 = heap_t[0], heap_c[0]
+    n -= 1
+    if n > 0:
+        t, c = heap_t[n], heap_c[n]
+        i = 0
+        while True:
+            child = 2 * i + 1
+            if child >= n:
+                break
+            other = child + 1
+            if other < n and (heap_t[other] < heap_t[child]
+                              or (heap_t[other] == heap_t[child] and heap_c[other] < heap_c[child])):
+                child = other
+            if heap_t[child] < t or (heap_t[child] == t and heap_c[child] < c):
+                heap_t[i], heap_c[i] = heap_t[child], heap_c[child]
+                i = child
+            else:
+                break
+        heap_t[i], heap_c[i] = t, c
+    return t0, c0, n
+
+
+@njit(cache=True)
+def _key_push(heap, base, n, key):
+    """Push ``key`` onto the min-heap ``heap[base : base + n]``; returns its new size."""
+    i = n
+    while i > 0:
+        parent = (i - 1) >> 1
+        if key < heap[base + parent]:
+            heap[base + i] = heap[base + parent]
+            i = parent
+        else:
+            break
+    heap[base + i] = key
+    return n + 1
+
+
+@njit(cache=True)
+def _key_pop(heap, base, n):
+    """The smallest key of ``heap[base : base + n]`` (then ``n - 1`` keys remain)."""
+    top = heap[base]
+    n -= 1
+    if n > 0:
+        key = heap[base + n]
+        i = 0
+        while True:
+            child = 2 * i + 1
+            if child >= n:
+                break
+            if child + 1 < n and heap[base + child + 1] < heap[base + child]:
+                child += 1
+            if heap[base + child] < key:
+                heap[base + i] = heap[base + child]
+                i = child
+            else:
+                break
+        heap[base + i] = key
+    return top
+
+
+@njit(cache=True)
+def _book(starts, ends, head, count, a, b, t, dur):
+    """The earliest window of ``dur`` from ``t`` on in which ports ``a`` and ``b``
+    are both free; booked on both.  Port ``p``'s busy intervals are
+    ``starts/ends[head[p] : head[p] + count[p]]``: they never overlap, so sorted
+    by start they are sorted by end.  Nothing can be booked before ``t`` any
+    more, so intervals that end by then are dropped."""
+    for port in (a, b):
+        while count[port] and ends[head[port]] <= t:
+            head[port] += 1
+            count[port] -= 1
+    start = t
+    clear = 0                          # ports in a row found free at ``start``
+    port = a
+    at_a, at_b = head[a], head[b]      # each port's first interval ending after ``start``
+    while clear < 2:                   # move past the interval of either port that overlaps
+        hi = head[port] + count[port]
+        i = at_a if port == a else at_b
+        while i < hi and ends[i] <= start:     # ``start`` only grows
+            i += 1
+        if port == a:
+            at_a = i
+        else:
+            at_b = i
+        if i < hi and starts[i] < start + dur:
+            start = ends[i]            # this port again from there, then the other
+            clear = 0
+        else:
+            clear += 1
+            port = b if port == a else a
+    end = start + dur
+    # The last two checks found both ports free at ``start``: ``at_a`` and ``at_b``
+    # are their first intervals ending after it, where the booking goes.
+    for port in (a, b):
+        lo, hi = head[port], head[port] + count[port]
+        i = at_a if port == a else at_b
+        # Touching intervals merge, so a port busy back to back is one interval
+        # and a later booking jumps it in one step.
+        joins_before = i > lo and ends[i - 1] == start
+        joins_after = i < hi and starts[i] == end
+        if joins_before and joins_after:
+            ends[i - 1] = ends[i]
+            for x in range(i, hi - 1):
+                starts[x], ends[x] = starts[x + 1], ends[x + 1]
+            count[port] -= 1
+        elif joins_before:
+            ends[i - 1] = end
+        elif joins_after:
+            starts[i] = start
+        else:                          # room: a port's slots outnumber its bookings
+            for x in range(hi, i, -1):
+                starts[x], ends[x] = starts[x - 1], ends[x - 1]
+            starts[i], ends[i] = start, end
+            count[port] += 1
+    return start
+
+
+@njit(cache=True)
+def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps,
+              users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, sends_ptr, sends_idx,
+              onr_ptr, onr_idx, n_tiers, n_ports):
+    """Replay the chain ``chain_seg`` (segment ids) from time 0.
+
+    Static data, per distinct segment ``s`` (op ``i`` of it at ``seg_base[s] + i``):
+    ``op_*`` per op, ``users_*`` the ops depending on each op (CSR, segment-local
+    ids), ``port_out``/``port_in`` a transfer's ports, ``lane_pos`` a compute
+    op's place in its lane; per ``s * world + r``: ``sends_*`` rank ``r``'s send
+    lane and ``onr_*`` every op on its lanes, its compute lane first (CSR,
+    segment-local ids).
+
+    Returns (finish per rank, busy seconds [rank, tier], first-use order of
+    each busy entry, entered [instance, rank], left [instance, rank],
+    op start and end per instance op, instance base offsets, ops still
+    unfinished per [instance, rank], whether each instance was entered)."""
+    n_inst = len(chain_seg)
+    inst_base = np.zeros(n_inst + 1, np.int64)
+    compute_cap = np.zeros(world, np.int64)     # compute ops per rank over the chain
+    port_cap = np.zeros(n_ports, np.int64)      # transfers per port over the chain
+    for k in range(n_inst):
+        s = chain_seg[k]
+        inst_base[k + 1] = inst_base[k] + seg_base[s + 1] - seg_base[s]
+        for i in range(seg_base[s], seg_base[s + 1]):
+            if op_comm[i]:
+                port_cap[port_out[i]] += 1
+                port_cap[port_in[i]] += 1
+            else:
+                compute_cap[op_rank[i]] += 1
+    total = inst_base[n_inst]
+
+    waiting = np.empty(total, np.int64)
+    for k in range(n_inst):
+        sb = seg_base[chain_seg[k]]
+        for i in range(inst_base[k + 1] - inst_base[k]):
+            waiting[inst_base[k] + i] = op_ndeps[sb + i]
+    data_ready = np.zeros(total, np.bool_)
+    released = np.zeros(total, np.bool_)
+    op_start = np.zeros(total)
+    op_end = np.zeros(total)
+    entered = np.full((n_inst, world), -1.0)
+    left = np.zeros((n_inst, world))
+    remaining = np.empty((n_inst, world), np.int64)
+    for k in range(n_inst):
+        for r in range(world):
+            j = chain_seg[k] * world + r
+            remaining[k, r] = onr_ptr[j + 1] - onr_ptr[j]
+    created = np.zeros(n_inst, np.bool_)
+    next_send = np.zeros((n_inst, world), np.int64)
+
+    compute_free = np.zeros(world)
+    compute_busy = np.zeros(world, np.bool_)
+    last_post = np.zeros(world)
+    finish = np.zeros(world)
+    busy = np.zeros((world, n_tiers))
+    busy_order = np.full((world, n_tiers), -1, np.int64)
+    n_busy = 0
+    send_queue = np.empty((world, n_inst), np.int64)     # segments with unposted sends, in order
+    sq_head = np.zeros(world, np.int64)
+    sq_tail = np.zeros(world, np.int64)
+    # Per rank, a heap of ready compute ops keyed by instance x lane width + lane position.
+    lane_heap = np.empty(max(compute_cap.sum(), 1), np.int64)
+    lane_base = np.zeros(world, np.int64)
+    for r in range(1, world):
+        lane_base[r] = lane_base[r - 1] + compute_cap[r - 1]
+    lane_n = np.zeros(world, np.int64)
+    port_head = np.zeros(n_ports, np.int64)
+    for p in range(1, n_ports):
+        port_head[p] = port_head[p - 1] + port_cap[p - 1]
+    port_count = np.zeros(n_ports, np.int64)
+    busy_starts = np.empty(max(port_cap.sum(), 1))
+    busy_ends = np.empty(max(port_cap.sum(), 1))
+
+    # Events: the heap holds (time, order); what an event is lives at its order.
+    # Each op is ready once and done once, each (instance, rank) entered once.
+    cap = 2 * total + (n_inst + 1) * world + 1
+    heap_t = np.empty(cap)
+    heap_c = np.empty(cap, np.int64)
+    ev_kind = np.empty(cap + 1, np.int64)
+    ev_inst = np.empty(cap + 1, np.int64)
+    ev_what = np.empty(cap + 1, np.int64)
+    n_events = 0
+    now = np.empty(cap, np.int64)       # the orders of the current instant's events, first to last
+    now_head = now_tail = 0
+    counter = 0
+    for r in range(world):           # every rank enters segment 0 at time 0, rank by rank
+        counter += 1
+        ev_kind[counter], ev_inst[counter], ev_what[counter] = ENTER, 0, r
+        now[now_tail] = counter
+        now_tail += 1
+    t = 0.0
+
+    while n_events or now_head < now_tail:
+        if now_head < now_tail and (n_events == 0 or heap_t[0] > t or heap_c[0] > now[now_head]):
+            c = now[now_head]
+            now_head += 1
+        else:
+            t, c, n_events = _pop(heap_t, heap_c, n_events)
+        kind, k, what = ev_kind[c], ev_inst[c], ev_what[c]
+        start_rank = -1                  # a rank whose compute lane may start its next op
+        cands, lo, hi = users_idx, 0, 0  # ops of instance ``k`` that may have become ready
+        if kind == ENTER:
+            r = what
+            while k < n_inst:
+                created[k] = True
+                entered[k, r] = t
+                j = chain_seg[k] * world + r
+                if onr_ptr[j + 1] > onr_ptr[j]:
+                    if sends_ptr[j + 1] > sends_ptr[j]:
+                        send_queue[r, sq_tail[r]] = k
+                        sq_tail[r] += 1
+                    cands, lo, hi = onr_idx, onr_ptr[j], onr_ptr[j + 1]    # a transfer needs both ends in
+                    break
+                left[k, r] = t                    # nothing of ours here: pass straight through
+                k += 1
+            if k >= n_inst:
+                finish[r] = t
+        elif kind == READY:
+            sb = seg_base[chain_seg[k]]
+            r = op_rank[sb + what]
+            if not op_comm[sb + what]:
+                lane_n[r] = _key_push(lane_heap, lane_base[r], lane_n[r], k * lane_width + lane_pos[sb + what])
+                start_rank = r
+            else:
+                data_ready[inst_base[k] + what] = True
+                # post this rank's sends that are due, in lane order across segments
+                while sq_head[r] < sq_tail[r]:
+                    kq = send_queue[r, sq_head[r]]
+                    jq = chain_seg[kq] * world + r
+                    sbq, bq = seg_base[chain_seg[kq]], inst_base[kq]
+                    lane_hi = sends_ptr[jq + 1]
+                    while (sends_ptr[jq] + next_send[kq, r] < lane_hi
+                           and data_ready[bq + sends_idx[sends_ptr[jq] + next_send[kq, r]]]):
+                        op = sends_idx[sends_ptr[jq] + next_send[kq, r]]
+                        next_send[kq, r] += 1
+                        post = max(t, last_post[r])
+                        last_post[r] = post
+                        dur = op_sec[sbq + op]
+                        start = _book(busy_starts, busy_ends, port_head, port_count, port_out[sbq + op],
+                                      port_in[sbq + op], post, dur)
+                        end = start + dur
+                        op_start[bq + op] = start
+                        op_end[bq + op] = end
+                        counter += 1
+                        ev_kind[counter], ev_inst[counter], ev_what[counter] = DONE, kq, op
+                        n_events = _push(heap_t, heap_c, n_events, end, counter)
+                    if sends_ptr[jq] + next_send[kq, r] < lane_hi:
+                        break
+                    sq_head[r] += 1
+        else:                                                    # DONE: its dependants may be ready
+            sb = seg_base[chain_seg[k]]
+            lo, hi = users_ptr[sb + what], users_ptr[sb + what + 1]
+        if hi > lo:
+            b, sb = inst_base[k], seg_base[chain_seg[k]]
+            for x in range(lo, hi):
+                op = cands[x]
+                g = b + op
+                if kind == DONE:
+                    waiting[g] -= 1
+                if (released[g] or waiting[g] != 0 or entered[k, op_rank[sb + op]] < 0
+                        or (op_comm[sb + op] and entered[k, op_peer[sb + op]] < 0)):
+                    continue
+                released[g] = True               # ready now (an op's dependencies end by now)
+                counter += 1
+                ev_kind[counter], ev_inst[counter], ev_what[counter] = READY, k, op
+                now[now_tail] = counter
+                now_tail += 1
+        if kind == DONE:
+            sb = seg_base[chain_seg[k]]
+            comm = op_comm[sb + what]
+            for side in range(2 if comm else 1):
+                r = op_peer[sb + what] if side else op_rank[sb + what]
+                remaining[k, r] -= 1
+                if remaining[k, r] == 0:
+                    left[k, r] = t
+                    counter += 1
+                    ev_kind[counter], ev_inst[counter], ev_what[counter] = ENTER, k + 1, r
+                    now[now_tail] = counter
+                    now_tail += 1
+            if not comm:                                         # its compute lane is free again
+                start_rank = op_rank[sb + what]
+                compute_busy[start_rank] = False
+        r = start_rank
+        if r < 0 or compute_busy[r] or lane_n[r] == 0:
+            continue
+        key = _key_pop(lane_heap, lane_base[r], lane_n[r])
+        lane_n[r] -= 1
+        k = key // lane_width
+        j = chain_seg[k] * world + r
+        op = onr_idx[onr_ptr[j] + key % lane_width]       # the compute lane heads the rank's ops
+        sb = seg_base[chain_seg[k]]
+        start = max(t, compute_free[r])
+        dur = op_sec[sb + op]
+        compute_busy[r] = True
+        compute_free[r] = start + dur
+        tier = op_tier[sb + op]
+        if busy_order[r, tier] < 0:
+            busy_order[r, tier] = n_busy
+            n_busy += 1
+        busy[r, tier] += dur
+        op_start[inst_base[k] + op] = start
+        op_end[inst_base[k] + op] = start + dur
+        counter += 1
+        ev_kind[counter], ev_inst[counter], ev_what[counter] = DONE, k, op
+        n_events = _push(heap_t, heap_c, n_events, start + dur, counter)
+    return finish, busy, busy_order, entered, left, op_start, op_end, inst_base, remaining, created
