@@ -148,7 +148,7 @@ def main():
     log_batch = train_loader.on_batch
     train_loader.on_batch = lambda p, context: (handed_out.append(p), log_batch(p, context))
     cfg = SimpleNamespace(strategy="reference", dump_plans=None, dump_trace=None, tp=tp, sequence_parallel=sp,
-                          timeout_s=300.0)
+                          timeout_s=300.0, lr=1e-3)
     run = Run(cfg=cfg, rank=rank, world_size=world, dp_rank=rank // tp, device=torch.device("cpu"),
               cluster=load_cluster(cluster), model_cfg=model_cfg, model=reference,
               optimizer=torch.optim.Adam(reference.parameters(), lr=1e-3), sampler=None,
