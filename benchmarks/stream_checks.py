@@ -319,10 +319,13 @@ def section_concurrency(args: Any, dry_run: bool = False) -> SectionResult:
 
     device, streams, _, scale, heads, _ = _env(dry_run)
     cuda = device.type == "cuda"
-    case = cases(scale * (8 if cuda else 1))[1]
-    # Every transfer held 0.2 ms on its lane (a slow link): local work should fill it.
+    # LLaMA-7B heads and the overhead section's sizes: each rank's local work (milliseconds
+    # of kernels) outlasts the host's latency in starting a transfer, so there is work to
+    # fill the transfer with; every transfer held 0.2 ms on its lane (a slow link).
+    case = cases(scale * (16 if cuda else 1))[1]
     slow = Delays(transfer_s=0.0002 if cuda else 0.0)
-    h = Harness(case, device, torch.bfloat16 if cuda else torch.float32, streams, slow, heads)
+    h = Harness(case, device, torch.bfloat16 if cuda else torch.float32, streams, slow,
+                (32, 8, 128) if cuda else heads)
     h.run()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
