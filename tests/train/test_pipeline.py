@@ -11,6 +11,7 @@ gradients mean the plan's attention, remap and stage boundaries are exact.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,6 +120,20 @@ def test_pp2_tp2_sp_dp2_equals_reference(tmp_path, monkeypatch):
     zep, _ = _compare(tmp_path, monkeypatch, 4, 2, (0, 1, 4, 5), "--pp", "2", "--micro-batches", "2",
                       "--tp", "2", "--sequence-parallel", tokens_per_gpu=384)
     assert any(z["plan"]["inter"] for z in zep)
+
+
+def test_pp4_middle_stages_equal_reference(tmp_path, monkeypatch):
+    """--pp 4 of a 4-layer tiny model on 2 nodes x 4 GPUs: stages of 2 GPUs, half a
+    node each; the two middle stages read no tokens (shapes only); 6 micro-batches,
+    not a multiple of the stages."""
+    model = tmp_path / "tiny4.yaml"
+    model.write_text(Path("configs/models/tiny.yaml").read_text().replace("num_layers: 2", "num_layers: 4")
+                     .replace("name: tiny", "name: tiny4"))
+    zep, _ = _compare(tmp_path, monkeypatch, 2, 4, (0, 2, 4, 6), "--pp", "4", "--micro-batches", "6",
+                      "--model", str(model))
+    assert all(len(z["micro_batch_tokens"]) == 6 for z in zep) and any(z["plan"]["intra"] for z in zep)
+    middle = torch.load(tmp_path / "gz" / "000.rank2.pt")
+    assert middle and all(n.startswith("decoder.layers.0.") for n in middle)
 
 
 def test_pipeline_bad_inputs_exit_2_before_spawning(tmp_path, capsys, monkeypatch):
