@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradient accumulation: each global batch runs as this many micro-batches of equal "
                         "modeled work, each planned under the per-GPU cap, one gradient sync per step "
                         "(the trainer's --micro-batches)")
+    p.add_argument("--pp", type=int, default=1, metavar="P",
+                   help="pipeline parallelism: P stages of nodes / P whole nodes each, every plan over one "
+                        "stage; replays Megatron-Core's 1F1B with each micro-batch's own stage times and "
+                        "prints the bubble, the p2p transfers and the memory per stage (default 1)")
     p.add_argument("--batch-fill", type=float, default=DEFAULT_BATCH_FILL,
                    help="fraction of the cluster's token capacity a batch fills (default %(default)s: "
                         "slack for whole-sequence packers)")
@@ -120,6 +124,9 @@ def run(argv: Sequence[str]) -> SimResult | float:
     if argv and argv[0] == "replay":
         return run_replay(build_replay_parser().parse_args(argv[1:]))
     args = build_parser().parse_args(argv)
+    if args.pp != 1:
+        from megatron_zeppelin.sim.pipeline_report import run_pipeline
+        return run_pipeline(args, _setup, DEFAULT_NODES)
     if args.plan is not None:
         return run_plan(args)
     config, strategies, batches, split = _setup(args)
