@@ -75,7 +75,8 @@ def run_pipeline(args: argparse.Namespace, setup: Callable, default_nodes: int) 
 
 def simulate_strategy(s: Strategy, batches: list[list[int]], split: Callable, pp: int,
                       args: argparse.Namespace) -> PipelineResult:
-    r = PipelineResult(s.name, error=s.infeasible, memory_gib=s.cost.cluster.gpu.memory_gib)
+    # A TP view's GPU is the TP group (its memory tp times one GPU's).
+    r = PipelineResult(s.name, error=s.infeasible, memory_gib=s.cost.cluster.gpu.memory_gib / s.cost.tp_size)
     if r.error is not None:
         return r
     ctx = plan_context(s, args.tokens_per_gpu, args.flexsp_time_limit)
