@@ -32,6 +32,7 @@ from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths
+from megatron_zeppelin.sim.pipeline_report import parse_pp, run_pipeline
 from megatron_zeppelin.sim.progress import Progress
 from megatron_zeppelin.schedule.trace import read_trace
 from megatron_zeppelin.sim.modeled_trace import (check_fits, from_settings, replay_trace, with_recorded_topology,
@@ -69,10 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradient accumulation: each global batch runs as this many micro-batches of equal "
                         "modeled work, each planned under the per-GPU cap, one gradient sync per step "
                         "(the trainer's --micro-batches)")
-    p.add_argument("--pp", type=int, default=1, metavar="P",
+    p.add_argument("--pp", type=parse_pp, default=(1,), metavar="P[,P...]",
                    help="pipeline parallelism: P stages of nodes / P whole nodes each, every plan over one "
                         "stage; replays Megatron-Core's 1F1B with each micro-batch's own stage times and "
-                        "prints the bubble, the p2p transfers and the memory per stage (default 1)")
+                        "prints the bubble, the p2p transfers and the memory per stage; a list (2,4,8) "
+                        "searches PP, each strategy keeping its fastest TP x PP that fits (default 1)")
     p.add_argument("--batch-fill", type=float, default=DEFAULT_BATCH_FILL,
                    help="fraction of the cluster's token capacity a batch fills (default %(default)s: "
                         "slack for whole-sequence packers)")
@@ -124,8 +126,7 @@ def run(argv: Sequence[str]) -> SimResult | float:
     if argv and argv[0] == "replay":
         return run_replay(build_replay_parser().parse_args(argv[1:]))
     args = build_parser().parse_args(argv)
-    if args.pp != 1:
-        from megatron_zeppelin.sim.pipeline_report import run_pipeline
+    if args.pp != (1,):
         return run_pipeline(args, _setup, DEFAULT_NODES)
     if args.plan is not None:
         return run_plan(args)

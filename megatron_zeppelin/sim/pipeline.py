@@ -191,8 +191,8 @@ def pipeline_step(works: Sequence[MicroBatchWork], cost: CostModel, stages: int)
     largest = dataclasses.replace(cost, model=stage_model(cost.model, stages))
     sync = step_sync(largest, float(forward[-1].sum()), float(backward[-1].sum()))
     return PipelineStep(replay=replay_1f1b(forward, backward, transfer), equal=equal,
-                        transfer_s=2 * sum(transfer),
-                        transfer_bytes=2 * sum(w.boundary_bytes for w in works), sync=sync,
+                        transfer_s=2 * sum(transfer) if stages > 1 else 0.0,
+                        transfer_bytes=2 * sum(w.boundary_bytes for w in works) if stages > 1 else 0.0, sync=sync,
                         micro_batches=len(works))
 
 
@@ -200,7 +200,9 @@ def stage_model(model: ModelConfig, stages: int) -> ModelConfig:
     """A model whose ``num_parameters`` are the largest stage's: ``num_layers /
     stages`` layers and one ``hidden x vocab`` matrix (the first stage's
     embedding or the last stage's output layer; half the vocabulary stands for
-    the two matrices ``ModelConfig`` counts)."""
+    the two matrices ``ModelConfig`` counts); one stage is the whole model."""
+    if stages == 1:
+        return model
     return dataclasses.replace(model, num_layers=model.num_layers // stages, vocab_size=max(model.vocab_size // 2, 1))
 
 

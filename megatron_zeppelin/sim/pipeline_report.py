@@ -40,9 +40,20 @@ class PipelineResult:
         return statistics.fmean(value(s) for s in self.steps)
 
 
-def check_pipeline_args(args: argparse.Namespace, default_nodes: int) -> None:
-    """``--pp`` combinations the simulator cannot model, one line each."""
-    pp, nodes = args.pp, args.nodes or default_nodes
+def parse_pp(text: str) -> tuple[int, ...]:
+    """``--pp``: one size, or a comma-separated list to search."""
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size or a comma-separated list of sizes, got {text!r}") from None
+    if len(set(sizes)) != len(sizes):
+        raise argparse.ArgumentTypeError(f"--pp {text} names a size twice")
+    return sizes
+
+
+def check_pipeline_args(args: argparse.Namespace, pp: int, nodes: int) -> None:
+    """``--pp`` combinations the simulator cannot model on ``nodes``, one line
+    each (``args.micro_batches``: this size's count)."""
     if pp < 1:
         raise ConfigError(f"--pp must be >= 1, got {pp}")
     if nodes % pp:
@@ -59,18 +70,54 @@ def check_pipeline_args(args: argparse.Namespace, default_nodes: int) -> None:
         raise ConfigError("--plan, --trace and --plot time one plan on the whole cluster; drop them with --pp")
 
 
-def run_pipeline(args: argparse.Namespace, setup: Callable, default_nodes: int) -> dict[str, PipelineResult]:
-    """Check ``--pp``, set up the simulator on one stage's nodes, replay, print."""
-    check_pipeline_args(args, default_nodes)
-    pp = args.pp
-    args.nodes = (args.nodes or default_nodes) // pp
-    config, strategies, batches, split = setup(args)
-    results = {s.name: simulate_strategy(s, batches, split, pp, args) for s in strategies}
-    print(format_pipeline(config, results, pp, len(batches)))
+def run_pipeline(args: argparse.Namespace, setup: Callable,
+                 default_nodes: int) -> dict[int, dict[str, PipelineResult]]:
+    """Every ``--pp`` size: check it, set up the simulator on one stage's nodes
+    (each strategy's TP searched there), replay, print; with several sizes, each
+    strategy's fastest layout that fits in memory (a user tuning TP x PP)."""
+    nodes = args.nodes or default_nodes
+    runs = {pp: argparse.Namespace(**{**vars(args), "nodes": nodes // max(pp, 1)}) for pp in args.pp}
+    if len(args.pp) > 1:
+        same_batches(args, runs, nodes)
+    for pp, stage_args in runs.items():
+        check_pipeline_args(stage_args, pp, nodes)
+    by_pp, docs = {}, {}
+    for pp, stage_args in runs.items():
+        config, strategies, batches, split = setup(stage_args)
+        by_pp[pp] = {s.name: simulate_strategy(s, batches, split, pp, stage_args) for s in strategies}
+        print(format_pipeline(config, by_pp[pp], pp, len(batches)))
+        docs[pp] = pipeline_json(config, by_pp[pp], pp)
+    doc = docs[args.pp[0]]
+    if len(args.pp) > 1:
+        tuned = tuned_layouts(by_pp, {pp: d["config"]["tp_sizes"] for pp, d in docs.items()})
+        print(format_tuned(tuned, nodes))
+        doc = {"layouts": {str(pp): d for pp, d in docs.items()}, "tuned": tuned}
     if args.json is not None:
         from megatron_zeppelin.sim.cli import _write
-        _write(args.json, json.dumps(pipeline_json(config, results, pp), indent=2))
-    return results
+        _write(args.json, json.dumps(doc, indent=2))
+    return by_pp
+
+
+def same_batches(args: argparse.Namespace, runs: dict[int, argparse.Namespace], nodes: int) -> None:
+    """A PP search compares the same global batches: the token budget of the
+    smallest PP (its data-parallel ranks x ``--micro-batches``), and at a PP
+    ``k`` times larger ``k`` times the micro-batches (each as large per rank),
+    as a user keeps the global batch while tuning TP x PP."""
+    from megatron_zeppelin.sampler import batch_budget
+    from megatron_zeppelin.topology import load_cluster
+
+    smallest = min(args.pp)
+    if smallest < 1:
+        raise ConfigError(f"--pp must be >= 1, got {smallest}")
+    gpus = load_cluster(args.cluster, nodes=max(nodes // smallest, 1)).topology.gpus_per_node
+    budget = args.tokens_per_batch or args.micro_batches * batch_budget(
+        args.tokens_per_gpu, nodes // smallest * gpus, args.max_seq_len, args.batch_fill)
+    for pp, stage_args in runs.items():
+        if pp % smallest:
+            raise ConfigError(f"--pp {','.join(map(str, args.pp))}: every size must be a multiple of the smallest "
+                              f"({smallest}) so each keeps the global batch in whole micro-batches")
+        stage_args.tokens_per_batch = budget
+        stage_args.micro_batches = args.micro_batches * pp // smallest
 
 
 def simulate_strategy(s: Strategy, batches: list[list[int]], split: Callable, pp: int,
@@ -130,6 +177,47 @@ def format_pipeline(config: dict[str, Any], results: dict[str, PipelineResult], 
             name = f"{r.name} ({config['tp_sizes'].get(r.name, 1)})"
             lines.append(f"{name:<24}" + "".join(
                 f"{_stage_memory_cell(m, r.memory_gib):>24}" for m in r.memory))
+    return "\n".join(lines)
+
+
+def fits(r: PipelineResult) -> bool:
+    """Every stage's peak within one GPU's memory."""
+    return bool(r.memory) and max(m.total for m in r.memory) <= r.memory_gib * GIB
+
+
+def tuned_layouts(by_pp: dict[int, dict[str, PipelineResult]],
+                  tp_sizes: dict[int, dict[str, int]]) -> dict[str, dict[str, Any]]:
+    """Per strategy, its fastest PP (with the TP its layout search picked there)
+    among those that fit in memory, else the fastest of all, marked."""
+    out = {}
+    for name in next(iter(by_pp.values())):
+        runs = [(pp, results[name]) for pp, results in by_pp.items() if results[name].error is None and results[name].steps]
+        if not runs:
+            out[name] = {"pp": None, "tp": None, "step_time_s": None, "fits": False}
+            continue
+        fitting = [(pp, r) for pp, r in runs if fits(r)]
+        pp, r = min(fitting or runs, key=lambda run: run[1].mean(lambda s: s.step_s))
+        out[name] = {"pp": pp, "tp": tp_sizes[pp].get(name, 1), "micro_batches": r.steps[0].micro_batches,
+                     "step_time_s": r.mean(lambda s: s.step_s),
+                     "bubble": r.mean(lambda s: s.replay.bubble), "fits": fits(r),
+                     "peak_gib": max(m.total for m in r.memory) / GIB}
+    return out
+
+
+def format_tuned(tuned: dict[str, dict[str, Any]], nodes: int) -> str:
+    base = tuned.get(BASELINE, {}).get("step_time_s")
+    lines = [f"tuned on {nodes} nodes, the same global batches at every PP: each strategy's fastest TP x PP that "
+             "fits in memory (! none fits: the fastest shown; M: its pipeline micro-batches per step)",
+             f"{'strategy':<20}{'PP':>4}{'TP':>4}{'M':>4}{'step ms':>10}{'vs ' + BASELINE:>10}"
+             f"{'bubble':>9}{'peak GiB':>10}"]
+    for name, t in tuned.items():
+        if t["step_time_s"] is None:
+            lines.append(f"{name:<20}{'infeasible at every PP':>28}")
+            continue
+        speed = f"{base / t['step_time_s']:.2f}x" if base else "-"
+        lines.append(f"{name:<20}{t['pp']:>4}{t['tp']:>4}{t['micro_batches']:>4}{t['step_time_s'] * 1e3:>10.1f}"
+                     f"{speed:>10}"
+                     f"{t['bubble']:>9.1%}{t['peak_gib']:>9.1f}{'' if t['fits'] else '!'}")
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.sim.pipeline import (MicroBatchWork, ideal_bubble, one_f_one_b_order, pipeline_step,
                                             replay_1f1b, stage_memory, stage_parameters)
 from megatron_zeppelin.topology import load_cluster
-from tests.sim.test_cli import TINY, finish, sim
+from tests.sim.test_cli import TINY, finish, lengths_file, sim  # noqa: F401  (lengths_file: fixture)
 
 
 def _uniform(stages: int, micro: int, f: float = 1.0, b: float = 2.0):
@@ -109,3 +109,29 @@ def test_sim_pp_prints_bubble_and_memory_per_stage(tmp_path):
 def test_sim_pp_bad_inputs_exit_2_with_one_line(args, message):
     code, out, err = finish(sim(*TINY, *args))
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_pp_search_keeps_the_batches_and_pp1_is_the_plain_simulator(tmp_path, lengths_file):
+    """``--pp 1,2``: both sizes train the same global batches (PP 2 in twice the
+    micro-batches); at PP 1 the replay is the simulator's own step, to the last
+    bit; the tuned table keeps each strategy's fastest size that fits."""
+    common = (*TINY, "--lengths", str(lengths_file), "--tokens-per-gpu", "8192", "--strategies", "te_cp,zeppelin")
+    code, out, err = finish(sim(*common, "--pp", "1,2", "--micro-batches", "2", "--json", str(tmp_path / "pp.json")))
+    assert code == 0, err
+    code, _, err = finish(sim(*common, "--micro-batches", "2", "--json", str(tmp_path / "plain.json")))
+    assert code == 0, err
+    pp, plain = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("pp", "plain"))
+    one, two = pp["layouts"]["1"], pp["layouts"]["2"]
+    assert one["config"]["tokens_per_batch"] == two["config"]["tokens_per_batch"] == plain["config"]["tokens_per_batch"]
+    assert (one["config"]["micro_batches"], two["config"]["micro_batches"]) == (2, 4)
+    for name in ("te_cp", "zeppelin"):
+        assert one["strategies"][name]["step_times_s"] == plain["strategies"][name]["step_times_s"]
+        assert one["strategies"][name]["bubble"] == pytest.approx([0.0] * 2, abs=1e-12)
+        best = min((1, 2), key=lambda p: pp["layouts"][str(p)]["strategies"][name]["step_time_s"])
+        assert pp["tuned"][name]["pp"] == best and pp["tuned"][name]["fits"]
+    assert "tuned on 4 nodes, the same global batches at every PP" in out
+
+
+def test_pp_search_sizes_must_share_the_global_batch():
+    code, _, err = finish(sim(*TINY, "--pp", "2,3", "--micro-batches", "2"))
+    assert code == 2 and "every size must be a multiple of the smallest (2)" in err, err
