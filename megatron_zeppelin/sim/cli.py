@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "stage; replays Megatron-Core's 1F1B with each micro-batch's own stage times and "
                         "prints the bubble, the p2p transfers and the memory per stage; a list (2,4,8) "
                         "searches PP, each strategy keeping its fastest TP x PP that fits (default 1)")
+    p.add_argument("--recompute", choices=("none", "full"), default="none",
+                   help="with --pp: activation recomputation (Megatron's --recompute-granularity full): "
+                        "micro-batches in flight keep layer inputs only, the backward runs the forward again")
     p.add_argument("--batch-fill", type=float, default=DEFAULT_BATCH_FILL,
                    help="fraction of the cluster's token capacity a batch fills (default %(default)s: "
                         "slack for whole-sequence packers)")
@@ -128,6 +131,8 @@ def run(argv: Sequence[str]) -> SimResult | float:
     args = build_parser().parse_args(argv)
     if args.pp != (1,):
         return run_pipeline(args, _setup, DEFAULT_NODES)
+    if args.recompute != "none":
+        raise ConfigError("--recompute shapes the pipeline model's memory and backward; use it with --pp")
     if args.plan is not None:
         return run_plan(args)
     config, strategies, batches, split = _setup(args)

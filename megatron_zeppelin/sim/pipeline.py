@@ -139,11 +139,14 @@ class MicroBatchWork:
     """Tokens each rank holds in the linear layout (what activations scale with)."""
 
 
-def micro_batch_work(plan: Plan, timeline: StepTimeline, cost: CostModel, stages: int) -> MicroBatchWork:
+def micro_batch_work(plan: Plan, timeline: StepTimeline, cost: CostModel, stages: int,
+                     recompute: bool = False) -> MicroBatchWork:
     """Stage times of ``plan`` from its timeline (without the gradient sync):
     ``1 / stages`` of the slowest rank's work per stage, the output layer's
     share of its linear time on the last stage; forward and backward split as
-    the step's sync model splits them."""
+    the step's sync model splits them.  ``recompute`` (Megatron's
+    ``--recompute-granularity full``): the backward runs each layer's forward
+    again first (the output layer is not recomputed)."""
     slowest = timeline.ranks[timeline.slowest_rank]
     output = slowest.linear_s * output_layer_share(cost.model)
     layers = timeline.compute_s - output
@@ -152,8 +155,9 @@ def micro_batch_work(plan: Plan, timeline: StepTimeline, cost: CostModel, stages
     per_stage = [layers / stages + (output if s == stages - 1 else 0.0) for s in range(stages)]
     tokens = plan.attention_tokens_per_rank()
     boundary = max(tokens) * cost.model.hidden_bytes_per_token / cost.tp_size
+    again = [layers / stages * forward_share if recompute else 0.0] * stages
     return MicroBatchWork(forward_s=tuple(t * forward_share for t in per_stage),
-                          backward_s=tuple(t * (1 - forward_share) for t in per_stage),
+                          backward_s=tuple(t * (1 - forward_share) + r for t, r in zip(per_stage, again)),
                           boundary_bytes=boundary, linear_tokens=tuple(plan.linear_tokens_per_rank()))
 
 
@@ -220,7 +224,8 @@ class StageMemory:
     in_flight: int
     """Micro-batches whose activations 1F1B keeps here at once."""
     activations: float
-    """Activations of the heaviest ``in_flight`` consecutive micro-batches on the busiest rank."""
+    """Activations of the heaviest ``in_flight`` consecutive micro-batches on the
+    busiest rank (with recompute: their layer inputs and one layer's activations)."""
 
     @property
     def total(self) -> float:
@@ -239,14 +244,20 @@ def stage_parameters(model: ModelConfig, stage: int, stages: int) -> float:
     return params
 
 
-def stage_memory(works: Sequence[MicroBatchWork], cost: CostModel, stages: int) -> list[StageMemory]:
+def stage_memory(works: Sequence[MicroBatchWork], cost: CostModel, stages: int,
+                 recompute: bool = False) -> list[StageMemory]:
     """Peak memory per GPU of each stage for one global batch's micro-batches
     (``cost``: the stage's ranks; under TP a rank is ``tp_size`` GPUs that split
-    weights and, with sequence parallelism, activations)."""
+    weights and, with sequence parallelism, activations).  ``recompute`` (full,
+    every layer): a micro-batch in flight keeps each layer's input (``hidden``
+    values per token), and the one in backward also one layer's full activations."""
     m, tp = cost.model, cost.tp_size
     dp = cost.cluster.topology.world_size
     tokens = np.array([w.linear_tokens for w in works], dtype=float)     # [micro-batch, rank]
     per_token = m.activation_bytes_per_token / stages / tp
+    if recompute:
+        per_token = m.hidden_bytes_per_token * m.num_layers / stages / tp
+    one_layer = m.activation_bytes_per_token / m.num_layers / tp if recompute else 0.0
     out = []
     for s in range(stages):
         params = stage_parameters(m, s, stages) / tp
@@ -254,5 +265,5 @@ def stage_memory(works: Sequence[MicroBatchWork], cost: CostModel, stages: int) 
         window = max(tokens[i:i + k].sum(axis=0).max() for i in range(len(works) - k + 1))
         out.append(StageMemory(stage=s, weights=params * m.dtype_bytes, gradients=params * GRAD_BYTES_PER_PARAM,
                                optimizer=params * OPTIMIZER_BYTES_PER_PARAM / dp, in_flight=k,
-                               activations=float(window) * per_token))
+                               activations=float(window) * per_token + float(tokens.max()) * one_layer))
     return out

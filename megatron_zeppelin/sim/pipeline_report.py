@@ -84,6 +84,7 @@ def run_pipeline(args: argparse.Namespace, setup: Callable,
     by_pp, docs = {}, {}
     for pp, stage_args in runs.items():
         config, strategies, batches, split = setup(stage_args)
+        config["recompute"] = args.recompute
         by_pp[pp] = {s.name: simulate_strategy(s, batches, split, pp, stage_args) for s in strategies}
         print(format_pipeline(config, by_pp[pp], pp, len(batches)))
         docs[pp] = pipeline_json(config, by_pp[pp], pp)
@@ -127,17 +128,19 @@ def simulate_strategy(s: Strategy, batches: list[list[int]], split: Callable, pp
     if r.error is not None:
         return r
     ctx = plan_context(s, args.tokens_per_gpu, args.flexsp_time_limit)
+    recompute = args.recompute == "full"
     for step, lens in enumerate(batches):
         works = []
         try:
             for group in split(lens):
                 timed = timed_batch(s.planner, [lens[i] for i in group], ctx)
-                works += [micro_batch_work(plan, part, s.cost, pp) for plan, part in zip(timed.rounds, timed.parts)]
+                works += [micro_batch_work(plan, part, s.cost, pp, recompute)
+                          for plan, part in zip(timed.rounds, timed.parts)]
         except InfeasibleError as exc:
             r.error = f"step {step}: {exc}"
             return r
         r.steps.append(pipeline_step(works, s.cost, pp))
-        memory = stage_memory(works, s.cost, pp)
+        memory = stage_memory(works, s.cost, pp, recompute)
         r.memory = [max(pair, key=lambda m: m.total) for pair in zip(r.memory, memory)] if r.memory else memory
     return r
 
@@ -169,7 +172,8 @@ def format_pipeline(config: dict[str, Any], results: dict[str, PipelineResult], 
     feasible = [r for r in results.values() if r.error is None and r.memory]
     if feasible:
         lines.append("memory per GPU at each stage's peak step, GiB: weights + fp32 grads + optimizer share, "
-                     "+ activations of the micro-batches 1F1B keeps in flight there, = total (! over the GPU's "
+                     f"+ activations of the micro-batches 1F1B keeps in flight there (recompute "
+                     f"{config['recompute']}), = total (! over the GPU's "
                      f"{feasible[0].memory_gib:.0f} GiB)")
         lines.append(f"{'strategy (TP)':<24}" + "".join(f"{f'stage {m.stage} ({m.in_flight} in flight)':>24}"
                                                       for m in feasible[0].memory))

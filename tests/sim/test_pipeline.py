@@ -135,3 +135,23 @@ def test_pp_search_keeps_the_batches_and_pp1_is_the_plain_simulator(tmp_path, le
 def test_pp_search_sizes_must_share_the_global_batch():
     code, _, err = finish(sim(*TINY, "--pp", "2,3", "--micro-batches", "2"))
     assert code == 2 and "every size must be a multiple of the smallest (2)" in err, err
+
+
+def test_full_recompute_trades_memory_for_a_second_forward(tmp_path, lengths_file):
+    model = load_model("llama-70b")
+    cost = CostModel(load_cluster("h200-8x400g", nodes=2), model)
+    works = [MicroBatchWork((1.0,) * 4, (2.0,) * 4, 0.0, tuple([1000 * (m + 1)] * 16)) for m in range(6)]
+    kept = stage_memory(works, cost, 4, recompute=True)
+    # Layer inputs of the 4 micro-batches in flight, plus one layer's activations of the largest.
+    assert kept[0].activations == pytest.approx(18000 * model.hidden_bytes_per_token * 20
+                                                + 6000 * model.activation_bytes_per_token / 80)
+    assert kept[0].activations < stage_memory(works, cost, 4)[0].activations / 10
+    steps = {}
+    for recompute in ("none", "full"):
+        code, _, err = finish(sim(*TINY, "--lengths", str(lengths_file), "--tokens-per-gpu", "8192", "--pp", "2",
+                                  "--micro-batches", "2", "--strategies", "zeppelin", "--recompute", recompute,
+                                  "--json", str(tmp_path / f"{recompute}.json")))
+        assert code == 0, err
+        steps[recompute] = json.loads((tmp_path / f"{recompute}.json").read_text())["strategies"]["zeppelin"]
+    assert steps["full"]["step_time_s"] > steps["none"]["step_time_s"]
+    assert steps["full"]["memory_per_stage"][0]["activations"] < steps["none"]["memory_per_stage"][0]["activations"]
