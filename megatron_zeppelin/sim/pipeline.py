@@ -54,8 +54,9 @@ class Replay:
 
     @property
     def bubble(self) -> float:
-        """Mean idle fraction of the stages over the makespan."""
-        return 1.0 - float(np.mean(self.busy_s)) / self.makespan_s if self.makespan_s > 0 else 0.0
+        """Mean idle fraction of the stages over the makespan (rounding kept
+        from showing one stage's zero as -0.0 %)."""
+        return max(0.0, 1.0 - float(np.mean(self.busy_s)) / self.makespan_s) if self.makespan_s > 0 else 0.0
 
 
 def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
