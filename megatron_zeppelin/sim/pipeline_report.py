@@ -81,18 +81,28 @@ def run_pipeline(args: argparse.Namespace, setup: Callable,
         same_batches(args, runs, nodes)
     for pp, stage_args in runs.items():
         check_pipeline_args(stage_args, pp, nodes)
-    by_pp, docs = {}, {}
+    by_pp, docs, skipped = {}, {}, {}
     for pp, stage_args in runs.items():
-        config, strategies, batches, split = setup(stage_args)
+        try:
+            config, strategies, batches, split = setup(stage_args)
+        except ConfigError as exc:   # a search goes on without a size the stage cannot hold
+            if len(args.pp) == 1:
+                raise
+            skipped[pp] = str(exc)
+            print(f"PP {pp}: not simulated: {exc}")
+            continue
         config["recompute"] = args.recompute
         by_pp[pp] = {s.name: simulate_strategy(s, batches, split, pp, stage_args) for s in strategies}
         print(format_pipeline(config, by_pp[pp], pp, len(batches)))
         docs[pp] = pipeline_json(config, by_pp[pp], pp)
-    doc = docs[args.pp[0]]
+    if not by_pp:
+        raise ConfigError(f"no --pp size could be simulated ({'; '.join(f'PP {p}: {e}' for p, e in skipped.items())})")
+    doc = docs[args.pp[0]] if len(args.pp) == 1 else None
     if len(args.pp) > 1:
         tuned = tuned_layouts(by_pp, {pp: d["config"]["tp_sizes"] for pp, d in docs.items()})
         print(format_tuned(tuned, nodes))
-        doc = {"layouts": {str(pp): d for pp, d in docs.items()}, "tuned": tuned}
+        doc = {"layouts": {str(pp): d for pp, d in docs.items()}, "tuned": tuned,
+               "not_simulated": {str(pp): why for pp, why in skipped.items()}}
     if args.json is not None:
         from megatron_zeppelin.sim.cli import _write
         _write(args.json, json.dumps(doc, indent=2))

@@ -12,7 +12,7 @@ from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.sim.pipeline import (MicroBatchWork, ideal_bubble, one_f_one_b_order, pipeline_step,
                                             replay_1f1b, stage_memory, stage_parameters)
 from megatron_zeppelin.topology import load_cluster
-from tests.sim.test_cli import TINY, finish, lengths_file, sim  # noqa: F401  (lengths_file: fixture)
+from tests.sim.test_cli import REPO, TINY, finish, lengths_file, sim  # noqa: F401  (lengths_file: fixture)
 
 
 def _uniform(stages: int, micro: int, f: float = 1.0, b: float = 2.0):
@@ -155,3 +155,16 @@ def test_full_recompute_trades_memory_for_a_second_forward(tmp_path, lengths_fil
         steps[recompute] = json.loads((tmp_path / f"{recompute}.json").read_text())["strategies"]["zeppelin"]
     assert steps["full"]["step_time_s"] > steps["none"]["step_time_s"]
     assert steps["full"]["memory_per_stage"][0]["activations"] < steps["none"]["memory_per_stage"][0]["activations"]
+
+
+def test_pp_search_goes_on_without_a_size_the_stage_cannot_hold(tmp_path, lengths_file):
+    """At PP 4 a stage of one node (2 GPUs x 4096 tokens) cannot hold a 16K
+    sequence: the search says so and keeps PP 2."""
+    model = tmp_path / "tiny4.yaml"
+    model.write_text((REPO / "configs/models/tiny.yaml").read_text().replace("num_layers: 2", "num_layers: 4"))
+    code, out, err = finish(sim(*TINY, "--lengths", str(lengths_file), "--pp", "2,4", "--micro-batches", "2",
+                                "--model", str(model), "--strategies", "zeppelin", "--json", str(tmp_path / "r.json")))
+    assert code == 0, err
+    assert "PP 4: not simulated: --tokens-per-gpu 4096 x 2 GPUs cannot hold one 16384-token sequence" in out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert list(doc["layouts"]) == ["2"] and "4" in doc["not_simulated"] and doc["tuned"]["zeppelin"]["pp"] == 2
