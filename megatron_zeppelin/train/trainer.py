@@ -433,9 +433,12 @@ def load_checkpoint(run: Run, directory: Path) -> None:
     layout = model_parallel_layout(run)
     if state["layout"] != layout:
         saved = state["layout"] if isinstance(state["layout"], dict) else {}
-        raise ConfigError(f"{path} holds shards of --tp {saved.get('tp')} --ep {saved.get('ep')} --pp "
-                          f"{saved.get('pp', 1)}, this run is --tp {layout['tp']} --ep {layout['ep']} --pp "
-                          f"{layout.get('pp', 1)}; resume with the layout it was saved at")
+        pipeline = saved.get("pp", 1) != 1 or layout.get("pp", 1) != 1   # name --pp where it differs from 1
+        raise ConfigError(f"{path} holds shards of --tp {saved.get('tp')} --ep {saved.get('ep')}"
+                          + (f" --pp {saved.get('pp', 1)}" if pipeline else "")
+                          + f", this run is --tp {layout['tp']} --ep {layout['ep']}"
+                          + (f" --pp {layout.get('pp', 1)}" if pipeline else "")
+                          + "; resume with the layout it was saved at")
     step = int(state["step"])
     if step >= run.cfg.steps:
         raise ConfigError(f"{path} is at step {step} and --steps {run.cfg.steps} counts from the start: "
