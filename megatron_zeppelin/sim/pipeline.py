@@ -104,6 +104,18 @@ def replay_1f1b(forward_s: np.ndarray, backward_s: np.ndarray, transfer_s: Seque
     return Replay(makespan_s=max(clock), busy_s=busy)
 
 
+def pipeline_order(seconds: Sequence[float]) -> list[int]:
+    """The order to run micro-batches of ``seconds`` in through 1F1B: the lightest
+    at both ends, the heaviest in the middle (ranked lightest first, every other
+    one to the front, the rest to the back in reverse).  The first forward and
+    the last backward cross every stage alone (warm-up and cool-down), so a
+    heavy micro-batch there stalls all stages; in the steady state its stall
+    overlaps the neighbours' work.  Ties keep their index order, so every rank
+    computes the same order from the same plans."""
+    ranked = sorted(range(len(seconds)), key=lambda i: (seconds[i], i))
+    return ranked[0::2] + ranked[1::2][::-1]
+
+
 def ideal_bubble(stages: int, micro_batches: int) -> float:
     """Idle fraction of 1F1B with equal micro-batches and free transfers."""
     return (stages - 1) / (micro_batches + stages - 1)
@@ -167,7 +179,10 @@ class PipelineStep:
     """One global batch of one strategy through the pipeline."""
 
     replay: Replay
-    """1F1B with each micro-batch's own times."""
+    """1F1B with each micro-batch's own times, in :func:`pipeline_order` (the
+    trainer's order)."""
+    as_split: Replay
+    """The same micro-batches in the order the split made them."""
     equal: Replay
     """1F1B with the same work per stage cut in equal micro-batches."""
     transfer_s: float
@@ -185,20 +200,28 @@ class PipelineStep:
 
 
 def pipeline_step(works: Sequence[MicroBatchWork], cost: CostModel, stages: int) -> PipelineStep:
-    """Replay ``works`` (in order) through 1F1B and add the largest stage's sync."""
+    """Replay ``works`` through 1F1B, in :func:`pipeline_order` and as given, and
+    add the largest stage's sync."""
+    ordered = [works[i] for i in pipeline_order([sum(w.forward_s) + sum(w.backward_s) for w in works])]
     forward = np.array([w.forward_s for w in works]).T
     backward = np.array([w.backward_s for w in works]).T
     link = boundary_link(cost)
     transfer = [link.transfer_s(w.boundary_bytes) for w in works]
-    equal_transfer = [float(np.mean(transfer))] * len(works)
     equal = replay_1f1b(np.repeat(forward.mean(axis=1, keepdims=True), len(works), axis=1),
-                        np.repeat(backward.mean(axis=1, keepdims=True), len(works), axis=1), equal_transfer)
+                        np.repeat(backward.mean(axis=1, keepdims=True), len(works), axis=1),
+                        [float(np.mean(transfer))] * len(works))
     largest = dataclasses.replace(cost, model=stage_model(cost.model, stages))
     sync = step_sync(largest, float(forward[-1].sum()), float(backward[-1].sum()))
-    return PipelineStep(replay=replay_1f1b(forward, backward, transfer), equal=equal,
+    return PipelineStep(replay=_replay(ordered, cost), as_split=_replay(works, cost), equal=equal,
                         transfer_s=2 * sum(transfer) if stages > 1 else 0.0,
                         transfer_bytes=2 * sum(w.boundary_bytes for w in works) if stages > 1 else 0.0, sync=sync,
                         micro_batches=len(works))
+
+
+def _replay(works: Sequence[MicroBatchWork], cost: CostModel) -> Replay:
+    link = boundary_link(cost)
+    return replay_1f1b(np.array([w.forward_s for w in works]).T, np.array([w.backward_s for w in works]).T,
+                       [link.transfer_s(w.boundary_bytes) for w in works])
 
 
 def stage_model(model: ModelConfig, stages: int) -> ModelConfig:

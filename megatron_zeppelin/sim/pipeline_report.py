@@ -162,9 +162,10 @@ def format_pipeline(config: dict[str, Any], results: dict[str, PipelineResult], 
              f"as PP {pp}: stages of {stage_nodes} node{'s' if stage_nodes > 1 else ''}, each plan over "
              f"{config['world_size']} GPUs; {steps} steps of {config['micro_batches']} micro-batches "
              f"(pipeline micro-batches per step: the planned passes, {', '.join(f'{m:.1f}' for m in sorted(micro))})",
-             f"1F1B replay: bubble = mean stage idle / step; 'equal' = the same work in equal micro-batches; "
+             f"1F1B replay, micro-batches lightest at the ends (as the trainer runs them): bubble = mean stage idle "
+             f"/ step; 'split' = in the split's order; 'equal' = the same work in equal micro-batches; "
              f"(P-1)/(M+P-1) = {ideal_bubble(pp, config['micro_batches']):.1%} at M = {config['micro_batches']}",
-             f"{'strategy':<20}{'step ms':>10}{'vs ' + BASELINE:>10}{'bubble':>9}{'equal':>8}{'excess':>9}"
+             f"{'strategy':<20}{'step ms':>10}{'vs ' + BASELINE:>10}{'bubble':>9}{'split':>8}{'equal':>8}{'excess':>9}"
              f"{'lost ms':>9}{'p2p ms':>8}{'p2p MB':>8}{'peak GiB':>10}"]
     base = results.get(BASELINE)
     base_s = base.mean(lambda s: s.step_s) if base is not None and base.steps and base.error is None else None
@@ -174,9 +175,10 @@ def format_pipeline(config: dict[str, Any], results: dict[str, PipelineResult], 
             continue
         step_s = r.mean(lambda s: s.step_s)
         bubble, equal = r.mean(lambda s: s.replay.bubble), r.mean(lambda s: s.equal.bubble)
+        split = r.mean(lambda s: s.as_split.bubble)
         lost = r.mean(lambda s: s.replay.makespan_s - s.equal.makespan_s)
         speed = f"{base_s / step_s:.2f}x" if base_s else "-"
-        lines.append(f"{r.name:<20}{step_s * 1e3:>10.1f}{speed:>10}{bubble:>9.1%}{equal:>8.1%}"
+        lines.append(f"{r.name:<20}{step_s * 1e3:>10.1f}{speed:>10}{bubble:>9.1%}{split:>8.1%}{equal:>8.1%}"
                      f"{(bubble - equal) * 100:>+8.1f}p{lost * 1e3:>9.1f}{r.mean(lambda s: s.transfer_s) * 1e3:>8.1f}"
                      f"{r.mean(lambda s: s.transfer_bytes) / 1e6:>8.0f}{max(m.total for m in r.memory) / GIB:>10.1f}")
     feasible = [r for r in results.values() if r.error is None and r.memory]
@@ -250,6 +252,8 @@ def pipeline_json(config: dict[str, Any], results: dict[str, PipelineResult], pp
             "step_time_s": r.mean(lambda s: s.step_s) if ok else None,
             "step_times_s": [s.step_s for s in r.steps],
             "bubble": [s.replay.bubble for s in r.steps],
+            "split_order_bubble": [s.as_split.bubble for s in r.steps],
+            "split_order_makespan_s": [s.as_split.makespan_s for s in r.steps],
             "equal_micro_batch_bubble": [s.equal.bubble for s in r.steps],
             "p2p_s_per_boundary": [s.transfer_s for s in r.steps],
             "memory_per_stage": [{**asdict(m), "total": m.total, "fits": m.total <= r.memory_gib * GIB}
