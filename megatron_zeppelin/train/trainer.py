@@ -45,6 +45,7 @@ from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.prefetch import Prefetcher
 from megatron_zeppelin.sampler import ZeppelinBatchSampler
 from megatron_zeppelin.sim.static_layout import static_size
+from megatron_zeppelin.sim.pipeline import pipeline_order
 from megatron_zeppelin.sim.timeline import decision_step_s
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import (TokenSource, build_rank_batch, make_token_source,
@@ -101,6 +102,9 @@ class Run:
     sampler_state: dict | None = None
     """Sampler state after the last global batch trained on (the sampler itself
     runs ahead: the next micro-batch is planned while this one computes)."""
+    modeled_s: Callable[[Plan], float] | None = None
+    """``--pp``: a plan's modeled step on the data-parallel cluster (orders each
+    global batch's micro-batches for 1F1B, ``sim.pipeline.pipeline_order``)."""
 
     @property
     def topology(self) -> Topology:
@@ -133,9 +137,19 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
               counters=counters,
               remap_counters=RemapCounters(),
               backend=get_backend(cfg.backend), source=source, remap=remap)
+    if cfg.pp > 1:
+        cost = pipeline_cost(cfg, cluster)
+        run.modeled_s = lambda plan: decision_step_s(plan, cost)
     if cfg.load:
         load_checkpoint(run, Path(cfg.load))
     return run
+
+
+def pipeline_cost(cfg: TrainConfig, cluster: ClusterConfig) -> CostModel:
+    """The cost model that orders a global batch's micro-batches under ``--pp``:
+    one stage's data-parallel ranks, the run's routing."""
+    return CostModel(data_parallel_stage_view(cluster, cfg.world_size, cfg.tp, cfg.pp, tp_rank=0), cfg.model_config(),
+                     routing=routing_on(cfg))
 
 
 def make_communicator(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfig,
@@ -230,6 +244,10 @@ def train_step(run: Run, micro_batches: Iterator[MicroBatch]) -> StepRecord:
         for micro in micros:
             agree_on_plan(run, micro)
         plans = [m.plan for m in micros]
+        # Lightest at the ends, heaviest in the middle: a heavy first forward or last
+        # backward stalls every stage.  The order is the same on every rank (pure,
+        # from the agreed plans); it changes only the gradient summation order.
+        micros = [micros[i] for i in pipeline_order([run.modeled_s(m.plan) for m in micros])]
         loss_sum = pipeline_forward_backward(run, micros, lambda plan: step_context(run, plan, pairs))
     else:
         while True:

@@ -16,6 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.sim.pipeline import pipeline_order
+from megatron_zeppelin.sim.timeline import decision_step_s
+from megatron_zeppelin.train import trainer
 from megatron_zeppelin.train.cli import parse_args
 from megatron_zeppelin.train.launch import launch
 from tests.train.test_trainer import TINY_LONGTAIL, _assert_same_grads, _one_error_line, _train_saving_grads
@@ -202,3 +206,20 @@ def test_pp2_equals_the_same_weights_without_a_pipeline(tmp_path):
         for run in (ref, zep):
             assert run["loss"] == pytest.approx(plain["loss"], rel=1e-5)
             assert run["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+
+
+def test_micro_batches_run_lightest_at_the_ends(tmp_path, sent_shapes):
+    """Each global batch's micro-batches enter the pipeline in ``pipeline_order``
+    of their plans' modeled steps (heaviest in the middle): rank 0's activations
+    leave in that order, each with its plan's token count."""
+    cfg = parse_args(_argv("zeppelin", tmp_path / "z.jsonl", 2, 2, "--pp", "2", "--micro-batches", "4",
+                           "--dump-plans", str(tmp_path / "plans"), tokens_per_gpu=320))
+    launch(cfg)
+    cost = trainer.pipeline_cost(cfg, trainer.resolve_cluster(cfg))
+    sent = [int(line.split()[0]) for line in (sent_shapes / "0").read_text().splitlines()]
+    orders = []
+    for step in range(3):
+        plans = [Plan.from_json(p.read_text()) for p in sorted((tmp_path / "plans").glob(f"plan_{step:06d}_mb*.json"))]
+        orders.append(pipeline_order([decision_step_s(p, cost) for p in plans]))
+        assert sent[4 * step:4 * step + 4] == [max(plans[i].attention_tokens_per_rank()[0], 1) for i in orders[-1]]
+    assert any(order != sorted(order) for order in orders)   # the order did change something
