@@ -129,9 +129,9 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
     comm = None if cfg.strategy == REFERENCE else make_communicator(
         cfg, data_parallel_stage_view(cluster, world_size, cfg.tp, cfg.pp, rank % cfg.tp), model_cfg, counters, dtype,
         device)
-    run = Run(cfg=cfg, rank=rank, world_size=world_size, dp_rank=rank % (world_size // cfg.pp) // cfg.tp,
-              device=device,
-              cluster=cluster, model_cfg=model_cfg, model=model, optimizer=optimizer, sampler=sampler,
+    dp_rank = rank % (world_size // cfg.pp) // cfg.tp   # in its pipeline stage
+    run = Run(cfg=cfg, rank=rank, world_size=world_size, dp_rank=dp_rank, device=device, cluster=cluster,
+              model_cfg=model_cfg, model=model, optimizer=optimizer, sampler=sampler,
               make_plan=make_planner(cfg, plan_cluster, model_cfg, remap),
               split=make_split(cfg, cluster), comm=comm,
               counters=counters,
@@ -237,18 +237,8 @@ def train_step(run: Run, micro_batches: Iterator[MicroBatch]) -> StepRecord:
     run.remap_counters.reset()
     pairs = AttentionCounter()
     loss_sum, plans = 0.0, []
-    if run.cfg.pp > 1:   # the whole global batch through Megatron-Core's 1F1B schedule
-        micros = [next(micro_batches)]
-        while micros[-1].index < micros[-1].count - 1:
-            micros.append(next(micro_batches))
-        for micro in micros:
-            agree_on_plan(run, micro)
-        plans = [m.plan for m in micros]
-        # Lightest at the ends, heaviest in the middle: a heavy first forward or last
-        # backward stalls every stage.  The order is the same on every rank (pure,
-        # from the agreed plans); it changes only the gradient summation order.
-        micros = [micros[i] for i in pipeline_order([run.modeled_s(m.plan) for m in micros])]
-        loss_sum = pipeline_forward_backward(run, micros, lambda plan: step_context(run, plan, pairs))
+    if run.cfg.pp > 1:
+        loss_sum, plans, micro = pipelined_global_batch(run, micro_batches, pairs)
     else:
         while True:
             micro = next(micro_batches)
@@ -275,6 +265,23 @@ def train_step(run: Run, micro_batches: Iterator[MicroBatch]) -> StepRecord:
     run.step += 1
     run.sampler_state = micro.sampler_state
     return _record(run, plans, micro, rows, grad_norm, time.perf_counter() - t0)
+
+
+def pipelined_global_batch(run: Run, micro_batches: Iterator[MicroBatch],
+                           pairs: AttentionCounter) -> tuple[float, list[Plan], MicroBatch]:
+    """The whole next global batch through Megatron-Core's 1F1B schedule: (this
+    rank's summed token loss, the plans in split order, the last micro-batch)."""
+    micros = [next(micro_batches)]
+    while micros[-1].index < micros[-1].count - 1:
+        micros.append(next(micro_batches))
+    for micro in micros:
+        agree_on_plan(run, micro)
+    # Lightest at the ends, heaviest in the middle: a heavy first forward or last
+    # backward stalls every stage.  The order is the same on every rank (pure,
+    # from the agreed plans); it changes only the gradient summation order.
+    ordered = [micros[i] for i in pipeline_order([run.modeled_s(m.plan) for m in micros])]
+    loss_sum = pipeline_forward_backward(run, ordered, lambda plan: step_context(run, plan, pairs))
+    return loss_sum, [m.plan for m in micros], micros[-1]
 
 
 def engine_attn_shape(run: Run) -> AttnShape:
