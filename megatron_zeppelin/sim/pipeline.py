@@ -104,16 +104,33 @@ def replay_1f1b(forward_s: np.ndarray, backward_s: np.ndarray, transfer_s: Seque
     return Replay(makespan_s=max(clock), busy_s=busy)
 
 
-def pipeline_order(seconds: Sequence[float]) -> list[int]:
-    """The order to run micro-batches of ``seconds`` in through 1F1B: the lightest
-    at both ends, the heaviest in the middle (ranked lightest first, every other
-    one to the front, the rest to the back in reverse).  The first forward and
-    the last backward cross every stage alone (warm-up and cool-down), so a
-    heavy micro-batch there stalls all stages; in the steady state its stall
-    overlaps the neighbours' work.  Ties keep their index order, so every rank
-    computes the same order from the same plans."""
+def ends_light_order(seconds: Sequence[float]) -> list[int]:
+    """Micro-batches of ``seconds`` lightest at both ends, heaviest in the middle
+    (ranked lightest first, every other one to the front, the rest to the back
+    in reverse).  The first forward and the last backward cross every stage
+    alone (warm-up and cool-down), so a heavy micro-batch there stalls all
+    stages; in the steady state its stall overlaps the neighbours' work.  Ties
+    keep their index order."""
     ranked = sorted(range(len(seconds)), key=lambda i: (seconds[i], i))
     return ranked[0::2] + ranked[1::2][::-1]
+
+
+def pipeline_order(seconds: Sequence[float], stages: int) -> list[int]:
+    """The order to run micro-batches of ``seconds`` (each its whole forward +
+    backward) in through 1F1B over ``stages``: :func:`ends_light_order` where its
+    replay (each stage ``1 / stages`` of a micro-batch, backward twice the
+    forward, free transfers) is shorter than the given order's, else the given
+    order (lightest-at-the-ends loses where the given order already starts and
+    ends light).  Pure and deterministic: every rank computes the same order
+    from the same plans."""
+    t = np.asarray(seconds, dtype=float)[None, :] / stages
+    forward, backward = np.repeat(t / 3, stages, axis=0), np.repeat(2 * t / 3, stages, axis=0)
+    given, light = list(range(len(seconds))), ends_light_order(seconds)
+    free = [0.0] * len(seconds)
+    if replay_1f1b(forward[:, light], backward[:, light], free).makespan_s < \
+            replay_1f1b(forward, backward, free).makespan_s:
+        return light
+    return given
 
 
 def ideal_bubble(stages: int, micro_batches: int) -> float:
@@ -180,7 +197,7 @@ class PipelineStep:
 
     replay: Replay
     """1F1B with each micro-batch's own times, in :func:`pipeline_order` (the
-    trainer's order)."""
+    trainer's order: the split's, or lightest at the ends where that is shorter)."""
     as_split: Replay
     """The same micro-batches in the order the split made them."""
     equal: Replay
@@ -202,7 +219,7 @@ class PipelineStep:
 def pipeline_step(works: Sequence[MicroBatchWork], cost: CostModel, stages: int) -> PipelineStep:
     """Replay ``works`` through 1F1B, in :func:`pipeline_order` and as given, and
     add the largest stage's sync."""
-    ordered = [works[i] for i in pipeline_order([sum(w.forward_s) + sum(w.backward_s) for w in works])]
+    ordered = [works[i] for i in pipeline_order([sum(w.forward_s) + sum(w.backward_s) for w in works], stages)]
     forward = np.array([w.forward_s for w in works]).T
     backward = np.array([w.backward_s for w in works]).T
     link = boundary_link(cost)

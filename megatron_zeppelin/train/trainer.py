@@ -276,10 +276,10 @@ def pipelined_global_batch(run: Run, micro_batches: Iterator[MicroBatch],
         micros.append(next(micro_batches))
     for micro in micros:
         agree_on_plan(run, micro)
-    # Lightest at the ends, heaviest in the middle: a heavy first forward or last
-    # backward stalls every stage.  The order is the same on every rank (pure,
+    # Lightest at the ends where that shortens 1F1B (a heavy first forward or last
+    # backward stalls every stage).  The order is the same on every rank (pure,
     # from the agreed plans); it changes only the gradient summation order.
-    ordered = [micros[i] for i in pipeline_order([run.modeled_s(m.plan) for m in micros])]
+    ordered = [micros[i] for i in pipeline_order([run.modeled_s(m.plan) for m in micros], run.cfg.pp)]
     loss_sum = pipeline_forward_backward(run, ordered, lambda plan: step_context(run, plan, pairs))
     return loss_sum, [m.plan for m in micros], micros[-1]
 

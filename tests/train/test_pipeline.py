@@ -220,6 +220,6 @@ def test_micro_batches_run_lightest_at_the_ends(tmp_path, sent_shapes):
     orders = []
     for step in range(3):
         plans = [Plan.from_json(p.read_text()) for p in sorted((tmp_path / "plans").glob(f"plan_{step:06d}_mb*.json"))]
-        orders.append(pipeline_order([decision_step_s(p, cost) for p in plans]))
+        orders.append(pipeline_order([decision_step_s(p, cost) for p in plans], 2))
         assert sent[4 * step:4 * step + 4] == [max(plans[i].attention_tokens_per_rank()[0], 1) for i in orders[-1]]
     assert any(order != sorted(order) for order in orders)   # the order did change something
