@@ -12,12 +12,14 @@ the next stage's backward and its gradients' transfer.  :func:`replay_1f1b`
 replays that order with each micro-batch's own times.
 
 With equal micro-batches the idle fraction of every stage is the textbook
-``(P - 1) / (M + P - 1)``; micro-batches of different modeled time make it
-larger, which :class:`PipelineStep` reports against the same total work cut in
-equal micro-batches.  Memory per stage (:func:`stage_memory`): weights, fp32
+``(P - 1) / (M + P - 1)``; micro-batches of different modeled time usually
+make it larger, by how much depends on their order (:func:`pipeline_order`):
+:class:`PipelineStep` reports it against the same total work cut in equal
+micro-batches.  Memory per stage (:func:`stage_memory`): weights, fp32
 gradients, the distributed optimizer's share of fp32 master weights and Adam
 moments, and the activations of the micro-batches 1F1B keeps in flight there
-(``min(P - s, M)``).  Pure python and numpy.
+(``min(P - s, M)``; with full recomputation their layer inputs).  Pure python
+and numpy.
 """
 
 from __future__ import annotations
