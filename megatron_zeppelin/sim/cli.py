@@ -66,10 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-batch", type=int, default=None,
                    help="global batch token budget (default: --micro-batches x --batch-fill x tokens per GPU "
                         "x GPUs)")
-    p.add_argument("--micro-batches", type=int, default=1,
+    p.add_argument("--micro-batches", type=int, default=None,
                    help="gradient accumulation: each global batch runs as this many micro-batches of equal "
                         "modeled work, each planned under the per-GPU cap, one gradient sync per step "
-                        "(the trainer's --micro-batches)")
+                        "(the trainer's --micro-batches; default 1, with --pp the smallest P)")
     p.add_argument("--pp", type=parse_pp, default=(1,), metavar="P[,P...]",
                    help="pipeline parallelism: P stages of nodes / P whole nodes each, every plan over one "
                         "stage; replays Megatron-Core's 1F1B with each micro-batch's own stage times and "
@@ -129,6 +129,8 @@ def run(argv: Sequence[str]) -> SimResult | float:
     if argv and argv[0] == "replay":
         return run_replay(build_replay_parser().parse_args(argv[1:]))
     args = build_parser().parse_args(argv)
+    if args.micro_batches is None:   # one micro-batch per stage at least: 1F1B needs M >= P
+        args.micro_batches = min(args.pp) if args.pp != (1,) else 1
     if args.pp != (1,):
         return run_pipeline(args, _setup, DEFAULT_NODES)
     if args.recompute != "none":

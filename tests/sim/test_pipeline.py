@@ -103,7 +103,7 @@ def test_sim_pp_prints_bubble_and_memory_per_stage(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (("--pp", "3", "--micro-batches", "3"), "--pp 3 does not divide --nodes 4"),
-    (("--pp", "2"), "--micro-batches 1 is fewer than the 2 pipeline stages"),
+    (("--pp", "2", "--micro-batches", "1"), "--micro-batches 1 is fewer than the 2 pipeline stages"),
     (("--pp", "4", "--micro-batches", "4"), "--pp 4 does not divide model tiny's 2 layers"),
     (("--pp", "0"), "--pp must be >= 1"),
 ])
@@ -196,3 +196,10 @@ def test_lightest_at_the_ends_shortens_the_pipeline():
     # Light ends already: lightest-at-the-ends would replay longer, the given order stays.
     given = [1.0, 2.2, 1.3, 0.8]
     assert ends_light_order(given) == [3, 2, 1, 0] and pipeline_order(given, 2) == [0, 1, 2, 3]
+
+
+def test_pp_alone_runs_one_micro_batch_per_stage(lengths_file):
+    code, out, err = finish(sim(*TINY, "--lengths", str(lengths_file), "--tokens-per-gpu", "8192", "--pp", "2",
+                                "--strategies", "zeppelin"))
+    assert code == 0, err
+    assert "2 steps of 2 micro-batches" in out and "stage 1 (1 in flight)" in out
