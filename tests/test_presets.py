@@ -24,7 +24,7 @@ def test_a800_two_gpus_per_nic():
     assert [t.nic_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
-@pytest.mark.parametrize("name", ["llama-3b", "llama-7b", "llama-13b", "llama-30b", "tiny", "tiny-ulysses"])
+@pytest.mark.parametrize("name", ["llama-3b", "llama-7b", "llama-13b", "llama-30b", "llama-70b", "tiny", "tiny-ulysses"])
 def test_model_presets_load(name):
     m = load_model(name)
     assert m.hidden_size % m.num_attention_heads == 0

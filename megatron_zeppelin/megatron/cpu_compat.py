@@ -1,10 +1,10 @@
-"""Megatron-Core's tensor/sequence-parallel code on CPU ranks (gloo), unchanged.
+"""Megatron-Core's tensor/sequence/pipeline-parallel code on CPU ranks (gloo), unchanged.
 
-Why this exists: the project tests tensor parallelism, sequence parallelism and
+Why this exists: the project tests tensor, sequence and pipeline parallelism and
 MoE on machines without a GPU, one gloo process per simulated GPU.  gloo has the
 collectives sequence parallelism needs (``all_gather_into_tensor``,
 ``reduce_scatter_tensor``), but Megatron-Core 0.16.1 cannot reach them on CPU
-for three reasons only:
+for these reasons only:
 
 1. **Allocation device.**  Its gather/scatter buffers are allocated with
    ``device=torch.cuda.current_device()``: ``tensor_parallel/mappings.py``
@@ -26,7 +26,12 @@ for three reasons only:
    ``torch.distributed.all_gather`` into pieces of different sizes, and its
    backward reduce-scatters them with ``torch.distributed.reduce_scatter``; gloo
    takes equal pieces only (and has no list ``reduce_scatter``).
-4. **RNG tracker.**  Under ``sequence_parallel`` the embedding and the
+4. **Pipeline p2p and schedules.**  ``pipeline_parallel/p2p_communication.py``
+   allocates the received activations and the exchanged shapes (``variable_seq_lengths``)
+   on ``torch.cuda.current_device()`` and calls ``torch.cuda.synchronize()`` after
+   ``batch_isend_irecv``; ``pipeline_parallel/schedules.py`` counts the loss tokens
+   in ``torch.zeros([], device="cuda")``.
+5. **RNG tracker.**  Under ``sequence_parallel`` the embedding and the
    transformer block run inside ``get_cuda_rng_tracker().fork()``, whose states
    are CUDA generator states seeded by ``model_parallel_cuda_manual_seed``
    (which Megatron-LM skips when no GPU is present).
@@ -37,7 +42,9 @@ What it redirects, and nothing else:
   ``torch`` is replaced by a view of torch whose ``cuda.current_device()``
   answers ``torch.device("cpu")``; every other attribute is torch's own.  So
   Megatron's own functions run -- the same collectives, splits, autograd
-  functions and buffers -- with their buffers on the CPU.
+  functions and buffers -- with their buffers on the CPU.  Its
+  ``cuda.synchronize()`` returns at once (CPU ops and gloo's waited requests are
+  done when they return), and its ``zeros(..., device="cuda")`` allocates on the CPU.
 - In the dispatcher module (:data:`STREAM_MODULES`) the same view also answers
   ``torch.cuda.Stream``/``current_stream``/``stream`` with a CPU stream whose
   events are already done (CPU ops run in order), and its
@@ -71,9 +78,10 @@ import warnings
 import torch
 
 #: Megatron-Core modules whose buffers are allocated on ``torch.cuda.current_device()``
-#: on the sequence-parallel and MoE paths this project runs (see the module docstring).
+#: on the sequence-parallel, MoE and pipeline paths this project runs (see the module docstring).
 ALLOCATING_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers",
-                      "megatron.core.utils")
+                      "megatron.core.utils", "megatron.core.pipeline_parallel.p2p_communication",
+                      "megatron.core.pipeline_parallel.schedules")
 
 
 #: Megatron-Core modules that open CUDA streams on the MoE path (expert parallelism > 1).
@@ -119,6 +127,10 @@ class _CudaOnCpu:
     def stream(stream: _CpuStream) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
+    @staticmethod
+    def synchronize() -> None:
+        """Nothing to wait for: gloo's p2p requests were waited on before it is called."""
+
     def __getattr__(self, name: str):
         return getattr(torch.cuda, name)
 
@@ -163,6 +175,11 @@ class _TorchOnCpu(types.ModuleType):
 
     cuda = _CudaOnCpu()
     distributed = _DistributedOnGloo("torch.distributed")
+
+    @staticmethod
+    def zeros(*size, device=None, **kwargs) -> torch.Tensor:
+        """``torch.zeros`` with a ``"cuda"`` device meaning the CPU (the schedules' token count)."""
+        return torch.zeros(*size, device="cpu" if str(device).startswith("cuda") else device, **kwargs)
 
     def __getattr__(self, name: str):
         return getattr(torch, name)

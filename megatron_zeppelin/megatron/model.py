@@ -62,8 +62,15 @@ class ZeppelinGPTModel(GPTModel):
 
 
 def transformer_config(model: ModelConfig, *, dtype: torch.dtype = torch.float32,
-                       cpu_init: bool = True, tp: int = 1, sequence_parallel: bool = False) -> TransformerConfig:
+                       cpu_init: bool = True, tp: int = 1, sequence_parallel: bool = False,
+                       pp: int = 1) -> TransformerConfig:
     """LLaMA-style ``TransformerConfig`` (RMSNorm, SwiGLU, no biases, no dropout).
+
+    ``pp > 1``: Megatron-Core's pipeline schedules pass each micro-batch's own
+    activation shape between stages (``variable_seq_lengths``: a rank's token
+    count follows its plan), and the loss function's value is used as it is
+    (``calculate_per_token_loss``: the trainer already divides by the global
+    batch's label count, so the schedule must not divide by the micro-batch count).
 
     MoE models route each token to ``topk`` experts with no load-balancing loss and
     no capacity limit: a token's output then depends on that token alone, not on
@@ -76,7 +83,13 @@ def transformer_config(model: ModelConfig, *, dtype: torch.dtype = torch.float32
         # All-gather with EP 1; all-to-all spreads the experts (on CPU through megatron/cpu_compat.py).
         moe_token_dispatcher_type="allgather" if model.expert_parallel_size == 1 else "alltoall",
         expert_model_parallel_size=model.expert_parallel_size)
-    return TransformerConfig(**moe,
+    pipeline = {} if pp == 1 else dict(
+        pipeline_model_parallel_size=pp, pipeline_dtype=dtype, variable_seq_lengths=True,
+        calculate_per_token_loss=True,
+        # Megatron refuses variable lengths beside its default (all-gather) MoE dispatcher,
+        # also for a dense model; the trainer refuses MoE under PP (train/pipeline_layout.py).
+        moe_token_dispatcher_type="alltoall")
+    return TransformerConfig(**moe, **pipeline,
         tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
@@ -92,7 +105,7 @@ def transformer_config(model: ModelConfig, *, dtype: torch.dtype = torch.float32
 
 def build_gpt_model(model: ModelConfig, *, max_seq_len: int, dtype: torch.dtype = torch.float32,
                     remap: bool = False, use_te: bool | None = None, tp: int = 1,
-                    sequence_parallel: bool = False) -> ZeppelinGPTModel:
+                    sequence_parallel: bool = False, pp: int = 1) -> ZeppelinGPTModel:
     """A ``ZeppelinGPTModel`` with the Zeppelin layer spec, initialised on the CPU from
     torch's default generator (also on GPU machines: seeding that generator
     identically on every rank gives identical replicas; move it with ``.to``).
@@ -109,9 +122,14 @@ def build_gpt_model(model: ModelConfig, *, max_seq_len: int, dtype: torch.dtype 
     def build(shape: ModelConfig, remap: bool, pg_collection: Any = None) -> ZeppelinGPTModel:
         spec = get_zeppelin_layer_spec(remap=remap, use_te=use_te, num_experts=shape.num_experts or None)
         if sequence_parallel:
-            spec = sequence_parallel_block_spec(spec, shape.num_layers)
-        config = transformer_config(shape, dtype=dtype, cpu_init=True, tp=tp, sequence_parallel=sequence_parallel)
-        return ZeppelinGPTModel(
+            spec = sequence_parallel_block_spec(spec, shape.num_layers // pp)   # this stage's layers
+        config = transformer_config(shape, dtype=dtype, cpu_init=True, tp=tp, sequence_parallel=sequence_parallel,
+                                    pp=pp)
+        stage = {}
+        if pp > 1:
+            from megatron.core import parallel_state as mpu
+            stage = dict(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
+        return ZeppelinGPTModel(**stage,
             config=config, transformer_layer_spec=spec,
             vocab_size=shape.vocab_size, max_sequence_length=max_seq_len,
             position_embedding_type="rope", share_embeddings_and_output_weights=False,

@@ -34,6 +34,7 @@ from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 from megatron_zeppelin.sampler.batch_sampler import check_piece_memory
 from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths
+from megatron_zeppelin.sim.pipeline_report import parse_pp, run_pipeline
 from megatron_zeppelin.sim.progress import Progress
 from megatron_zeppelin.schedule.trace import read_trace
 from megatron_zeppelin.sim.modeled_trace import (check_fits, from_settings, replay_trace, with_recorded_topology,
@@ -72,10 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-batch", type=int, default=None,
                    help="global batch token budget (default: --micro-batches x --batch-fill x tokens per GPU "
                         "x GPUs)")
-    p.add_argument("--micro-batches", type=int, default=1,
+    p.add_argument("--micro-batches", type=int, default=None,
                    help="gradient accumulation: each global batch runs as this many micro-batches of equal "
                         "modeled work, each planned under the per-GPU cap, one gradient sync per step "
-                        "(the trainer's --micro-batches)")
+                        "(the trainer's --micro-batches; default 1, with --pp the smallest P)")
+    p.add_argument("--pp", type=parse_pp, default=(1,), metavar="P[,P...]",
+                   help="pipeline parallelism: P stages of nodes / P whole nodes each, every plan over one "
+                        "stage; replays Megatron-Core's 1F1B with each micro-batch's own stage times and "
+                        "prints the bubble, the p2p transfers and the memory per stage; a list (2,4,8) "
+                        "searches PP, each strategy keeping its fastest TP x PP that fits (default 1)")
+    p.add_argument("--recompute", choices=("none", "full"), default="none",
+                   help="with --pp: activation recomputation (Megatron's --recompute-granularity full): "
+                        "micro-batches in flight keep layer inputs only, the backward runs the forward again")
     p.add_argument("--batch-fill", type=float, default=DEFAULT_BATCH_FILL,
                    help="fraction of the cluster's token capacity a batch fills (default %(default)s: "
                         "slack for whole-sequence packers)")
@@ -127,6 +136,12 @@ def run(argv: Sequence[str]) -> SimResult | float:
     if argv and argv[0] == "replay":
         return run_replay(build_replay_parser().parse_args(argv[1:]))
     args = build_parser().parse_args(argv)
+    if args.micro_batches is None:   # one micro-batch per stage at least: 1F1B needs M >= P
+        args.micro_batches = min(args.pp) if args.pp != (1,) else 1
+    if args.pp != (1,):
+        return run_pipeline(args, _setup, DEFAULT_NODES)
+    if args.recompute != "none":
+        raise ConfigError("--recompute shapes the pipeline model's memory and backward; use it with --pp")
     if args.plan is not None:
         check_outputs(args, {"--plan": args.plan, **preset_files(args)})
         return run_plan(args)

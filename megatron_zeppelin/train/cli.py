@@ -13,6 +13,7 @@ from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 from megatron_zeppelin.sampler.lengths import resolve_lengths
+from megatron_zeppelin.train.pipeline_layout import check_pipeline
 from megatron_zeppelin.train.strategy_limits import check_strategy_holds
 from megatron_zeppelin.train.checkpoint import held_checkpoint
 from megatron_zeppelin.validation import (OneLineParser, check_batch_tokens, check_float, check_fresh_log, check_input_file, check_int,
@@ -73,6 +74,11 @@ class TrainConfig:
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (needs ``tp > 1``): norms and dropout on
     ``1/tp`` of each rank's tokens (padded to a multiple of ``tp``)."""
+    pp: int = 1
+    """Pipeline-parallel size: Megatron-Core's 1F1B schedule over ``pp`` stages of
+    ``num_layers / pp`` layers each (``train/pipeline.py``); plans place
+    sequences over one stage's ``world / (tp x pp)`` data-parallel ranks and every
+    stage runs the micro-batch's plan."""
     ep: int | None = None
     """Expert-parallel size: each MoE layer's experts split over this many
     data-parallel ranks (Megatron-Core's all-to-all token dispatcher); None: the
@@ -113,7 +119,7 @@ class TrainConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.tp
+        return self.world_size // (self.tp * self.pp)
 
     @property
     def expert_parallel_size(self) -> int:
@@ -134,7 +140,7 @@ class TrainConfig:
         """Checks before any process starts (each names the fix): values, inputs,
         and that every output can be written, so a run never trains for hours
         and then fails to save."""
-        for name in ("nodes", "gpus_per_node", "tokens_per_gpu", "micro_batches", "tp"):
+        for name in ("nodes", "gpus_per_node", "tokens_per_gpu", "micro_batches", "tp", "pp"):
             check_int(getattr(self, name), f"--{name.replace('_', '-')}", minimum=1)
         if self.nics_per_node is not None:
             check_int(self.nics_per_node, "--nics-per-node", minimum=1, maximum=self.gpus_per_node)
@@ -147,6 +153,9 @@ class TrainConfig:
             check_float(self.min_routed_bytes, "--min-routed-bytes", minimum=0)
         model = load_model(self.model)
         check_tensor_parallel(self.tp, self.sequence_parallel, self.gpus_per_node, model)
+        check_pipeline(self.pp, model=model, world_size=self.world_size, gpus_per_node=self.gpus_per_node, tp=self.tp,
+                       micro_batches=self.micro_batches, expert_parallel_size=self.expert_parallel_size,
+                       dump_trace=self.dump_trace is not None)
         if self.ep is not None:
             check_int(self.ep, "--ep", minimum=1)
         check_expert_parallel(self.expert_parallel_size, model, self.data_parallel_size, self.tp,
@@ -301,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "sequences over the world / N data-parallel ranks (default 1)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism over the TP ranks (needs --tp > 1)")
+    p.add_argument("--pp", type=int, default=1, metavar="P",
+                   help="pipeline-parallel size: Megatron-Core's 1F1B schedule over P stages (P divides the "
+                        "layers; --micro-batches >= P); every stage runs the micro-batch's plan (default 1)")
     p.add_argument("--ep", type=int, default=None, metavar="N",
                    help="expert-parallel size: MoE experts split over N data-parallel ranks, tokens reach "
                         "them through Megatron-Core's all-to-all dispatcher (default: the model preset's "
@@ -339,7 +351,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         lengths=None if a.lengths is None else str(resolve_lengths(a.lengths)), data=a.data, max_seq_len=a.max_seq_len,
         tokens_per_gpu=a.tokens_per_gpu, steps=a.steps, seed=a.seed, lr=a.lr, dtype=a.dtype,
         routing=a.routing, min_routed_bytes=a.min_routed_bytes, remap=a.remap, batch_fill=a.batch_fill,
-        tp=a.tp, sequence_parallel=a.sequence_parallel, ep=a.ep, micro_batches=a.micro_batches,
+        tp=a.tp, pp=a.pp, sequence_parallel=a.sequence_parallel, ep=a.ep, micro_batches=a.micro_batches,
         batches_of=a.batches_of, json_log=a.json_log, append_log=a.append_log, save=a.save,
         save_interval=a.save_interval, load=a.load,
         dump_plans=a.dump_plans, dump_trace=a.dump_trace, backend=a.backend, timeout_s=a.timeout, quiet=a.quiet).check()

@@ -25,7 +25,7 @@ from megatron_zeppelin.sampler import GlobalBatch, Piece, ZeppelinBatchSampler
 from megatron_zeppelin.sampler.deferral import DeferringSampler
 from megatron_zeppelin.topology import ClusterConfig
 from megatron_zeppelin.train.cli import TrainConfig
-from megatron_zeppelin.train.parallel import data_parallel_view
+from megatron_zeppelin.train.pipeline_layout import data_parallel_stage_view
 from megatron_zeppelin.train.passes import Pass
 
 
@@ -55,10 +55,10 @@ def make_sampler(cfg: TrainConfig, doc_lengths: Any) -> DeferringSampler:
 
 def make_split(cfg: TrainConfig, cluster: ClusterConfig) -> Split:
     """The run's ``--micro-batches`` split, priced as the ranks plan: on the
-    data-parallel ranks' view of ``cluster``, with the run's routing and experts
+    data-parallel ranks' view of ``cluster`` (of one pipeline stage), with the run's routing and experts
     (the check before start-up and the ranks must split alike)."""
-    cost = CostModel(data_parallel_view(cluster, cfg.world_size, cfg.tp, tp_rank=0), cfg.model_config(),
-                     routing=cfg.routing)
+    cost = CostModel(data_parallel_stage_view(cluster, cfg.world_size, cfg.tp, cfg.pp, tp_rank=0),
+                     cfg.model_config(), routing=cfg.routing)
     return micro_batch_split(cfg.micro_batches, tokens_per_gpu=cfg.tokens_per_gpu,
                              data_parallel_size=cfg.data_parallel_size, max_seq_len=cfg.max_seq_len,
                              batch_fill=cfg.batch_fill, cost=cost)

@@ -46,7 +46,7 @@ def allreduce_gradients(model: torch.nn.Module, sequence_parallel: bool) -> floa
     parallelism, also the norm weights' partial gradients over the TP group (each
     TP rank saw ``1/tp`` of the tokens).  Returns the global gradient L2 norm:
     each parameter counted once, TP-sharded ones on every TP rank, experts on
-    every rank of their expert TP x EP group."""
+    every rank of their expert TP x EP group, each pipeline stage's own layers."""
     from megatron.core import parallel_state as mpu
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -57,6 +57,8 @@ def allreduce_gradients(model: torch.nn.Module, sequence_parallel: bool) -> floa
     dense_square = _sum_gradients(dense, mpu.get_data_parallel_group(), tp_group if sequence_parallel else None,
                                   first_tp_rank)
     dist.all_reduce(dense_square, group=tp_group)
+    if mpu.get_pipeline_model_parallel_world_size() > 1:   # each stage holds its own layers
+        dist.all_reduce(dense_square, group=mpu.get_pipeline_model_parallel_group())
     if not experts:
         return float(dense_square.sqrt())
     expert_square = _sum_gradients(experts, mpu.get_expert_data_parallel_group(), None,

@@ -45,6 +45,7 @@ from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.prefetch import Prefetcher
 from megatron_zeppelin.sampler import ZeppelinBatchSampler
 from megatron_zeppelin.sim.static_layout import static_size
+from megatron_zeppelin.sim.pipeline import pipeline_order
 from megatron_zeppelin.sim.timeline import decision_step_s
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import (TokenSource, build_rank_batch, make_token_source,
@@ -55,8 +56,9 @@ from megatron_zeppelin.train.divergence import check_finite
 from megatron_zeppelin.train.log import StepLogger, StepRecord
 from megatron_zeppelin.train.micro import MicroBatch, iter_micro_batches, make_sampler, make_split
 from megatron_zeppelin.train.passes import Pass, planned_passes
-from megatron_zeppelin.train.parallel import (allreduce_gradients, data_parallel_view, physical_nics,
-                                              sequence_parallel_group)
+from megatron_zeppelin.train.parallel import allreduce_gradients, physical_nics, sequence_parallel_group
+from megatron_zeppelin.train.pipeline import pipeline_forward_backward
+from megatron_zeppelin.train.pipeline_layout import data_parallel_stage_view
 from megatron_zeppelin.train.reference import STRATEGY as REFERENCE, reference_plan
 
 
@@ -79,7 +81,7 @@ class Run:
     rank: int
     world_size: int
     dp_rank: int
-    """This rank's data-parallel rank: the Plans' rank (``rank // tp``)."""
+    """This rank's data-parallel rank: the Plans' rank (``rank // tp`` in its pipeline stage)."""
     device: torch.device
     cluster: ClusterConfig
     model_cfg: ModelConfig
@@ -103,6 +105,9 @@ class Run:
     runs ahead: the next micro-batch is planned while this one computes)."""
     saved: str | None = None
     """Name of the last checkpoint this run wrote (the next save replaces it; rank 0)."""
+    modeled_s: Callable[[Plan], float] | None = None
+    """``--pp``: a plan's modeled step on the data-parallel cluster (orders each
+    global batch's micro-batches for 1F1B, ``sim.pipeline.pipeline_order``)."""
 
     @property
     def topology(self) -> Topology:
@@ -113,39 +118,51 @@ def build_run(cfg: TrainConfig, rank: int, world_size: int, device: torch.device
     """Model (identical on every rank), optimizer, sampler, planner, communicator."""
     cluster = resolve_cluster(cfg)
     cluster.topology.check_world_size(world_size)
-    plan_cluster = data_parallel_view(cluster, world_size, cfg.tp, tp_rank=0)
+    plan_cluster = data_parallel_stage_view(cluster, world_size, cfg.tp, cfg.pp, tp_rank=0)
     model_cfg = cfg.model_config()
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     remap = remap_on(cfg)
     torch.manual_seed(cfg.seed)  # Megatron's CPU init draws from torch's default generator
     model = build_gpt_model(model_cfg, max_seq_len=cfg.max_seq_len, dtype=dtype, remap=remap, tp=cfg.tp,
-                            sequence_parallel=cfg.sequence_parallel).to(device)
+                            sequence_parallel=cfg.sequence_parallel, pp=cfg.pp).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     source, doc_lengths = make_token_source(cfg.lengths, cfg.data, cfg.seed, model_cfg.vocab_size)
     sampler = make_sampler(cfg, doc_lengths)
     counters = ByteCounters()
     comm = None if cfg.strategy == REFERENCE else make_communicator(
-        cfg, data_parallel_view(cluster, world_size, cfg.tp, rank % cfg.tp), model_cfg, counters, dtype, device)
-    run = Run(cfg=cfg, rank=rank, world_size=world_size, dp_rank=rank // cfg.tp, device=device,
-              cluster=cluster, model_cfg=model_cfg, model=model, optimizer=optimizer, sampler=sampler,
+        cfg, data_parallel_stage_view(cluster, world_size, cfg.tp, cfg.pp, rank % cfg.tp), model_cfg, counters, dtype,
+        device)
+    dp_rank = rank % (world_size // cfg.pp) // cfg.tp   # in its pipeline stage
+    run = Run(cfg=cfg, rank=rank, world_size=world_size, dp_rank=dp_rank, device=device, cluster=cluster,
+              model_cfg=model_cfg, model=model, optimizer=optimizer, sampler=sampler,
               make_plan=make_planner(cfg, plan_cluster, model_cfg, remap),
               split=make_split(cfg, cluster), comm=comm,
               counters=counters,
               remap_counters=RemapCounters(),
               backend=get_backend(cfg.backend), source=source, remap=remap)
+    if cfg.pp > 1:
+        cost = pipeline_cost(cfg, cluster)
+        run.modeled_s = lambda plan: decision_step_s(plan, cost)
     if cfg.load:
         load_checkpoint(run, Path(cfg.load))
     return run
 
 
+def pipeline_cost(cfg: TrainConfig, cluster: ClusterConfig) -> CostModel:
+    """The cost model that orders a global batch's micro-batches under ``--pp``:
+    one stage's data-parallel ranks, the run's routing."""
+    return CostModel(data_parallel_stage_view(cluster, cfg.world_size, cfg.tp, cfg.pp, tp_rank=0), cfg.model_config(),
+                     routing=routing_on(cfg))
+
+
 def make_communicator(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfig,
                       counters: ByteCounters, dtype: torch.dtype, device: torch.device) -> Communicator:
     """Direct point-to-point, or routed over every NIC (``--routing on``), over
-    the data-parallel ranks of this TP rank (``cluster`` is their view).  The
+    the data-parallel ranks of this TP rank and pipeline stage (``cluster`` is their view).  The
     communicator gets a group of its own so its transfers never interleave with
     the gradient all-reduce."""
     deadline = Deadline(cfg.timeout_s)
-    groups = data_parallel_comm_groups(cfg.tp, cluster.topology.world_size, timeout=deadline.timedelta)
+    groups = data_parallel_comm_groups(cfg.tp, cluster.topology.world_size, timeout=deadline.timedelta, pp=cfg.pp)
     if routing_on(cfg):
         from megatron_zeppelin.comm.routing import RoutedCommunicator, min_routed_bytes
         threshold = cfg.min_routed_bytes
@@ -223,17 +240,22 @@ def train_step(run: Run, micro_batches: Iterator[MicroBatch]) -> StepRecord:
     run.remap_counters.reset()
     pairs = AttentionCounter()
     loss_sum, plans = 0.0, []
-    while True:
-        micro = next(micro_batches)
-        plans.append(micro.plan)
-        loss_sum += forward_backward(run, micro, pairs)
-        if micro.index == micro.count - 1:
-            break
+    if run.cfg.pp > 1:
+        loss_sum, plans, micro = pipelined_global_batch(run, micro_batches, pairs)
+    else:
+        while True:
+            micro = next(micro_batches)
+            plans.append(micro.plan)
+            loss_sum += forward_backward(run, micro, pairs)
+            if micro.index == micro.count - 1:
+                break
     with _collective(run, "gradient all-reduce"):
         grad_norm = allreduce_grads(run.model, run.cfg.sequence_parallel)
-    # The GPUs of a TP group hold the same tokens: their loss is counted once.
+    # The GPUs of a TP group hold the same tokens: their loss is counted once (the
+    # last pipeline stage's; the others have none).
     first_tp_rank = run.rank % run.cfg.tp == 0
-    stats = torch.tensor([loss_sum if first_tp_rank else 0.0, pairs.forward_pairs // run.model_cfg.num_layers,
+    layers_here = run.model_cfg.num_layers // run.cfg.pp
+    stats = torch.tensor([loss_sum if first_tp_rank else 0.0, pairs.forward_pairs // layers_here,
                           run.counters.intra_node, *bytes_per_physical_nic(run),
                           run.remap_counters.remap_intra_node, run.remap_counters.remap_inter_node],
                          dtype=torch.float64, device=run.device)
@@ -248,6 +270,23 @@ def train_step(run: Run, micro_batches: Iterator[MicroBatch]) -> StepRecord:
     run.step += 1
     run.sampler_state = micro.sampler_state
     return _record(run, plans, micro, rows, grad_norm, time.perf_counter() - t0)
+
+
+def pipelined_global_batch(run: Run, micro_batches: Iterator[MicroBatch],
+                           pairs: AttentionCounter) -> tuple[float, list[Plan], MicroBatch]:
+    """The whole next global batch through Megatron-Core's 1F1B schedule: (this
+    rank's summed token loss, the plans in split order, the last micro-batch)."""
+    micros = [next(micro_batches)]
+    while micros[-1].index < micros[-1].count - 1:
+        micros.append(next(micro_batches))
+    for micro in micros:
+        agree_on_plan(run, micro)
+    # Lightest at the ends where that shortens 1F1B (a heavy first forward or last
+    # backward stalls every stage).  The order is the same on every rank (pure,
+    # from the agreed plans); it changes only the gradient summation order.
+    ordered = [micros[i] for i in pipeline_order([run.modeled_s(m.plan) for m in micros], run.cfg.pp)]
+    loss_sum = pipeline_forward_backward(run, ordered, lambda plan: step_context(run, plan, pairs))
+    return loss_sum, [m.plan for m in micros], micros[-1]
 
 
 def engine_attn_shape(run: Run) -> AttnShape:
@@ -273,9 +312,9 @@ def dump_step_trace(run: Run, plan: Plan, recorder: StepRecorder, suffix: str) -
                      records, {"cluster": run.cluster.name, "model": m.name, "step": run.step})
 
 
-def forward_backward(run: Run, micro: MicroBatch, pairs: AttentionCounter) -> float:
-    """One micro-batch: gradients of ``sum(token losses) / global label count``
-    added to ``.grad``; returns this rank's summed token loss."""
+def agree_on_plan(run: Run, micro: MicroBatch) -> None:
+    """Every rank (every pipeline stage) holds the micro-batch's Plan; rank 0 writes
+    it under ``--dump-plans``."""
     plan = micro.plan
     with _collective(run, "plan agreement all-reduce"):
         check_same_plan(plan, micro.batch.index, torch_all_reduce_max(run.device))
@@ -287,13 +326,25 @@ def forward_backward(run: Run, micro: MicroBatch, pairs: AttentionCounter) -> fl
         if run.comm is not None:      # how the engine runs it: sim --plan builds the same ops
             doc["engine"] = engine_settings(engine_attn_shape(run), run.comm.transport)
         (out / f"plan_{run.step:06d}{suffix}.json").write_text(json.dumps(doc))
+
+
+def step_context(run: Run, plan: Plan, pairs: AttentionCounter) -> StepContext:
+    """What the Zeppelin modules of this rank need to run ``plan``."""
+    return StepContext(plan=None if plan.strategy == REFERENCE else plan, rank=run.dp_rank,
+                       communicator=run.comm, backend=run.backend, attention_counter=pairs,
+                       remap_counters=run.remap_counters, tp_size=run.cfg.tp, tp_rank=run.rank % run.cfg.tp,
+                       sequence_parallel_group=sequence_parallel_group(run.cfg.sequence_parallel))
+
+
+def forward_backward(run: Run, micro: MicroBatch, pairs: AttentionCounter) -> float:
+    """One micro-batch: gradients of ``sum(token losses) / global label count``
+    added to ``.grad``; returns this rank's summed token loss."""
+    plan = micro.plan
+    agree_on_plan(run, micro)
     spans = plan.attention_spans(run.dp_rank)
     data = build_rank_batch(spans, micro.pieces, run.source, run.device,
                             multiple_of=run.cfg.tp if run.cfg.sequence_parallel else 1)
-    context = StepContext(plan=None if plan.strategy == REFERENCE else plan, rank=run.dp_rank,
-                          communicator=run.comm, backend=run.backend, attention_counter=pairs,
-                          remap_counters=run.remap_counters, tp_size=run.cfg.tp, tp_rank=run.rank % run.cfg.tp,
-                          sequence_parallel_group=sequence_parallel_group(run.cfg.sequence_parallel))
+    context = step_context(run, plan, pairs)
     packed = build_packed_seq_params(spans, context=context, device=run.device, pad_tokens=data.pad_tokens)
     recorder = StepRecorder() if run.cfg.dump_trace else None
     if run.comm is not None:
@@ -335,7 +386,8 @@ def _record(run: Run, plans: list[Plan], last: MicroBatch, rows: torch.Tensor, g
         step=run.step - 1, loss=float(rows[:, 0].sum()) / num_label_tokens(batch.seq_lens),
         grad_norm=grad_norm, num_tokens=batch.num_tokens,
         plan=TierCounts(**{k: sum(getattr(t, k) for t in tiers) for k in ("local", "intra", "inter", "ulysses")}),
-        attn_pairs_per_rank=[int(x) for x in rows[::run.cfg.tp, 1]],  # per data-parallel rank
+        # per data-parallel rank (the first stage's ranks: every stage runs the same plan)
+        attn_pairs_per_rank=[int(x) for x in rows[:run.world_size // run.cfg.pp:run.cfg.tp, 1]],
         linear_tokens_per_rank=per_rank(Plan.linear_tokens_per_rank),
         attention_tokens_per_rank=per_rank(Plan.attention_tokens_per_rank),
         micro_batch_tokens=[sum(p.seq_lens) for p in plans],
@@ -390,14 +442,17 @@ def run_shape(cfg: TrainConfig) -> dict[str, object]:
 
 
 def shard_name() -> str:
-    """This rank's model-parallel shard in a checkpoint."""
+    """This rank's model-parallel shard in a checkpoint (its pipeline stage first under PP)."""
     from megatron.core import parallel_state as mpu
-    return f"tp{mpu.get_tensor_model_parallel_rank()}-ep{mpu.get_expert_model_parallel_rank()}"
+    stage = (f"pp{mpu.get_pipeline_model_parallel_rank()}-"
+             if mpu.get_pipeline_model_parallel_world_size() > 1 else "")
+    return f"{stage}tp{mpu.get_tensor_model_parallel_rank()}-ep{mpu.get_expert_model_parallel_rank()}"
 
 
 def model_parallel_layout(cfg: TrainConfig) -> dict[str, int]:
-    """The TP and EP sizes a checkpoint's shards are cut at."""
-    return {"tp": cfg.tp, "ep": cfg.expert_parallel_size}
+    """The TP and EP sizes (and the PP size, above 1) a checkpoint's shards are cut at."""
+    pipeline = {"pp": cfg.pp} if cfg.pp > 1 else {}
+    return {"tp": cfg.tp, "ep": cfg.expert_parallel_size, **pipeline}
 
 
 def _on_cpu(state):
@@ -420,8 +475,12 @@ def check_resume(cfg: TrainConfig, model_name: str, path: Path, state: dict) -> 
     layout = model_parallel_layout(cfg)
     if state["layout"] != layout:
         saved = state["layout"] if isinstance(state["layout"], dict) else {}
-        raise ConfigError(f"{path} holds shards of --tp {saved.get('tp')} --ep {saved.get('ep')}, this run is "
-                          f"--tp {layout['tp']} --ep {layout['ep']}; resume with the layout it was saved at")
+        pipeline = saved.get("pp", 1) != 1 or layout.get("pp", 1) != 1   # name --pp where it differs from 1
+        raise ConfigError(f"{path} holds shards of --tp {saved.get('tp')} --ep {saved.get('ep')}"
+                          + (f" --pp {saved.get('pp', 1)}" if pipeline else "")
+                          + f", this run is --tp {layout['tp']} --ep {layout['ep']}"
+                          + (f" --pp {layout.get('pp', 1)}" if pipeline else "")
+                          + "; resume with the layout it was saved at")
     saved, now = state["shape"] if isinstance(state["shape"], dict) else {}, run_shape(cfg)
     changed = [f"{flag} {saved.get(flag)} -> {value}" for flag, value in now.items() if saved.get(flag) != value]
     if changed:
@@ -465,6 +524,8 @@ def describe(run: Run) -> str:
                 f"{type(run.backend).__name__} kernels, routing {on[routing_on(cfg)]}, remap {on[run.remap]}")
     if cfg.tp > 1:
         features += f", TP {cfg.tp}" + (" with sequence parallelism" if cfg.sequence_parallel else "")
+    if cfg.pp > 1:
+        features += f", PP {cfg.pp} (Megatron-Core's 1F1B schedule)"
     if m.moe_enabled:
         features += f", {m.num_experts} experts over EP {m.expert_parallel_size}"
     return (f"{cfg.strategy} on {topo.nodes} nodes x {topo.gpus_per_node} GPUs ({topo.nics_per_node} NICs "
@@ -487,7 +548,8 @@ def run_rank(cfg: TrainConfig, rank: int, world_size: int, device: torch.device)
     # Megatron's groups (data-parallel: the gradient all-reduce; TP; experts) get the
     # --timeout deadline too: with its default of 30 minutes, a run whose live ranks
     # all waited in the gradient all-reduce on a stalled peer hung that long.
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tp,  # PP = CP = 1
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tp,  # CP = 1
+                                             pipeline_model_parallel_size=cfg.pp,
                                              expert_model_parallel_size=cfg.expert_parallel_size,
                                              distributed_timeout_minutes=cfg.timeout_s / 60)
     if device.type == "cuda":

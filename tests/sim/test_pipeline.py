@@ -1,0 +1,205 @@
+"""The simulator's pipeline model (``sim/pipeline.py``) and ``sim --pp``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.sim.pipeline import (MicroBatchWork, ends_light_order, ideal_bubble, one_f_one_b_order,
+                                            pipeline_order, pipeline_step, replay_1f1b, stage_memory,
+                                            stage_parameters)
+from megatron_zeppelin.topology import load_cluster
+from tests.sim.test_cli import REPO, TINY, finish, lengths_file, sim  # noqa: F401  (lengths_file: fixture)
+
+
+def _uniform(stages: int, micro: int, f: float = 1.0, b: float = 2.0):
+    return np.full((stages, micro), f), np.full((stages, micro), b)
+
+
+def test_order_is_megatrons_1f1b():
+    """Stage s runs min(P - s - 1, M) warm-up forwards, then forward/backward pairs,
+    then the remaining backwards; every micro-batch once each way."""
+    for stages, micro in ((4, 6), (4, 2), (2, 4)):
+        for s in range(stages):
+            order = one_f_one_b_order(s, stages, micro)
+            warmup = min(stages - s - 1, micro)
+            assert order[:warmup] == [("F", m) for m in range(warmup)]
+            assert sorted(order) == sorted([("F", m) for m in range(micro)] + [("B", m) for m in range(micro)])
+            assert all(order.index(("F", m)) < order.index(("B", m)) for m in range(micro))
+    assert one_f_one_b_order(0, 2, 3) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+
+
+def test_equal_micro_batches_give_the_textbook_bubble():
+    for stages, micro in ((2, 4), (4, 8), (8, 8)):
+        r = replay_1f1b(*_uniform(stages, micro), [0.0] * micro)
+        assert r.makespan_s == pytest.approx((micro + stages - 1) * 3.0)
+        assert r.bubble == pytest.approx(ideal_bubble(stages, micro))
+
+
+def test_transfers_sit_on_the_critical_path():
+    """P 2, M 4, f 1, b 2, 0.5 s per crossing, worked by hand: stage 1's B0 ends at
+    4.5, stage 0's B0 runs 5-7, F2 7-8, B1 8-10, F3 10-11, B2 12-14, B3 15-17."""
+    assert replay_1f1b(*_uniform(2, 4), [0.5] * 4).makespan_s == pytest.approx(17.0)
+
+
+def test_micro_batches_of_different_time_widen_the_bubble():
+    """One micro-batch four times the others' stalls every stage behind it; over
+    random orders of log-normal times the bubble exceeds that of equal
+    micro-batches of the same total work, every time."""
+    stages, micro = 4, 8
+    times = np.array([1, 1, 1, 4, 1, 1, 1, 1], dtype=float)
+    varied = replay_1f1b(np.tile(times, (stages, 1)), np.tile(2 * times, (stages, 1)), [0.0] * micro)
+    equal = replay_1f1b(*_uniform(stages, micro, times.mean(), 2 * times.mean()), [0.0] * micro)
+    assert varied.busy_s == pytest.approx(equal.busy_s)
+    assert varied.bubble > equal.bubble + 0.05
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        w = rng.lognormal(0, 0.6, micro)
+        r = replay_1f1b(np.tile(w, (stages, 1)), np.tile(2 * w, (stages, 1)), [0.0] * micro)
+        assert r.bubble > replay_1f1b(*_uniform(stages, micro, w.mean(), 2 * w.mean()), [0.0] * micro).bubble
+
+
+def test_stage_memory_and_parameters():
+    model = load_model("llama-70b")
+    assert model.num_parameters == pytest.approx(68.98e9, rel=1e-3)   # Llama-2-70B
+    assert sum(stage_parameters(model, s, 8) for s in range(8)) == pytest.approx(model.num_parameters)
+    cost = CostModel(load_cluster("h200-8x400g", nodes=2), model)
+    works = [MicroBatchWork((1.0,) * 4, (2.0,) * 4, 0.0, tuple([1000 * (m + 1)] * 16)) for m in range(6)]
+    memory = stage_memory(works, cost, 4)
+    assert [m.in_flight for m in memory] == [4, 3, 2, 1]
+    per_token = model.activation_bytes_per_token / 4
+    # Stage 0 keeps the heaviest 4 consecutive micro-batches: 3000 + 4000 + 5000 + 6000 tokens.
+    assert memory[0].activations == pytest.approx(18000 * per_token)
+    assert memory[3].activations == pytest.approx(6000 * per_token)
+    params = stage_parameters(model, 1, 4)
+    assert memory[1].weights == pytest.approx(2 * params) and memory[1].gradients == pytest.approx(4 * params)
+    assert memory[1].optimizer == pytest.approx(12 * params / 16)
+    step = pipeline_step(works, cost, 4)
+    assert step.step_s > step.replay.makespan_s > 0   # the largest stage's gradient sync after the pipeline
+    assert step.replay.bubble == pytest.approx(step.equal.bubble)   # equal times: nothing to lose
+
+
+def test_sim_pp_prints_bubble_and_memory_per_stage(tmp_path):
+    lengths = tmp_path / "lens.npy"
+    rng = np.random.default_rng(7)
+    np.save(lengths, rng.permutation(np.concatenate([rng.integers(64, 2048, 300), rng.integers(4096, 16000, 12)])))
+    code, out, err = finish(sim(*TINY, "--lengths", str(lengths), "--pp", "2", "--micro-batches", "4",
+                                "--tokens-per-gpu", "8192", "--strategies", "te_cp,zeppelin", "--json", str(tmp_path / "r.json")))
+    assert code == 0, err
+    assert "as PP 2: stages of 2 nodes, each plan over 4 GPUs" in out
+    assert "(P-1)/(M+P-1) = 20.0% at M = 4" in out
+    assert "stage 0 (2 in flight)" in out and "stage 1 (1 in flight)" in out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["config"]["pipeline_parallel"] == 2 and doc["config"]["world_size"] == 4
+    for name in ("te_cp", "zeppelin"):
+        r = doc["strategies"][name]
+        assert r["feasible"] and len(r["step_times_s"]) == 2 and all(0 < b < 1 for b in r["bubble"])
+        assert [m["in_flight"] for m in r["memory_per_stage"]] == [2, 1]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--pp", "3", "--micro-batches", "3"), "--pp 3 does not divide --nodes 4"),
+    (("--pp", "2", "--micro-batches", "1"), "--micro-batches 1 is fewer than the 2 pipeline stages"),
+    (("--pp", "4", "--micro-batches", "4"), "--pp 4 does not divide model tiny's 2 layers"),
+    (("--pp", "0"), "--pp must be >= 1"),
+])
+def test_sim_pp_bad_inputs_exit_2_with_one_line(args, message):
+    code, out, err = finish(sim(*TINY, *args))
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_pp_search_keeps_the_batches_and_pp1_is_the_plain_simulator(tmp_path, lengths_file):
+    """``--pp 1,2``: both sizes train the same global batches (PP 2 in twice the
+    micro-batches); at PP 1 the replay is the simulator's own step, to the last
+    bit; the tuned table keeps each strategy's fastest size that fits."""
+    common = (*TINY, "--lengths", str(lengths_file), "--tokens-per-gpu", "8192", "--strategies", "te_cp,zeppelin")
+    code, out, err = finish(sim(*common, "--pp", "1,2", "--micro-batches", "2", "--json", str(tmp_path / "pp.json")))
+    assert code == 0, err
+    code, _, err = finish(sim(*common, "--micro-batches", "2", "--json", str(tmp_path / "plain.json")))
+    assert code == 0, err
+    pp, plain = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("pp", "plain"))
+    one, two = pp["layouts"]["1"], pp["layouts"]["2"]
+    assert one["config"]["tokens_per_batch"] == two["config"]["tokens_per_batch"] == plain["config"]["tokens_per_batch"]
+    assert (one["config"]["micro_batches"], two["config"]["micro_batches"]) == (2, 4)
+    for name in ("te_cp", "zeppelin"):
+        assert one["strategies"][name]["step_times_s"] == plain["strategies"][name]["step_times_s"]
+        assert one["strategies"][name]["bubble"] == pytest.approx([0.0] * 2, abs=1e-12)
+        best = min((1, 2), key=lambda p: pp["layouts"][str(p)]["strategies"][name]["step_time_s"])
+        assert pp["tuned"][name]["pp"] == best and pp["tuned"][name]["fits"]
+    assert "tuned on 4 nodes, the same global batches at every PP" in out
+
+
+def test_pp_search_sizes_must_share_the_global_batch():
+    code, _, err = finish(sim(*TINY, "--pp", "2,3", "--micro-batches", "2"))
+    assert code == 2 and "every size must be a multiple of the smallest (2)" in err, err
+
+
+def test_full_recompute_trades_memory_for_a_second_forward(tmp_path, lengths_file):
+    model = load_model("llama-70b")
+    cost = CostModel(load_cluster("h200-8x400g", nodes=2), model)
+    works = [MicroBatchWork((1.0,) * 4, (2.0,) * 4, 0.0, tuple([1000 * (m + 1)] * 16)) for m in range(6)]
+    kept = stage_memory(works, cost, 4, recompute=True)
+    # Layer inputs of the 4 micro-batches in flight, plus one layer's activations of the largest.
+    assert kept[0].activations == pytest.approx(18000 * model.hidden_bytes_per_token * 20
+                                                + 6000 * model.activation_bytes_per_token / 80)
+    assert kept[0].activations < stage_memory(works, cost, 4)[0].activations / 10
+    steps = {}
+    for recompute in ("none", "full"):
+        code, _, err = finish(sim(*TINY, "--lengths", str(lengths_file), "--tokens-per-gpu", "8192", "--pp", "2",
+                                  "--micro-batches", "2", "--strategies", "zeppelin", "--recompute", recompute,
+                                  "--json", str(tmp_path / f"{recompute}.json")))
+        assert code == 0, err
+        steps[recompute] = json.loads((tmp_path / f"{recompute}.json").read_text())["strategies"]["zeppelin"]
+    assert steps["full"]["step_time_s"] > steps["none"]["step_time_s"]
+    assert steps["full"]["memory_per_stage"][0]["activations"] < steps["none"]["memory_per_stage"][0]["activations"]
+
+
+def test_pp_search_goes_on_without_a_size_the_stage_cannot_hold(tmp_path, lengths_file):
+    """At PP 4 a stage of one node (2 GPUs x 4096 tokens) cannot hold a 16K
+    sequence: the search says so and keeps PP 2."""
+    model = tmp_path / "tiny4.yaml"
+    model.write_text((REPO / "configs/models/tiny.yaml").read_text().replace("num_layers: 2", "num_layers: 4"))
+    code, out, err = finish(sim(*TINY, "--lengths", str(lengths_file), "--pp", "2,4", "--micro-batches", "2",
+                                "--model", str(model), "--strategies", "zeppelin", "--json", str(tmp_path / "r.json")))
+    assert code == 0, err
+    assert "PP 4: not simulated: --tokens-per-gpu 4096 x 2 GPUs cannot hold one 16384-token sequence" in out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert list(doc["layouts"]) == ["2"] and "4" in doc["not_simulated"] and doc["tuned"]["zeppelin"]["pp"] == 2
+
+
+def test_lightest_at_the_ends_shortens_the_pipeline():
+    """ends_light_order puts the heaviest micro-batches in the middle; on the
+    llama-70b PP 4 shape (three micro-batches of one 128K sequence, twice the
+    others) and over random log-normal times it shortens 1F1B against the given
+    order; pipeline_order keeps the given order where that replays shorter."""
+    assert ends_light_order([3.0, 1.0, 2.0, 5.0, 4.0]) == [1, 0, 3, 4, 2]   # times 1, 3, 5 to the front; 4, 2 back
+    assert ends_light_order([1.0, 1.0, 1.0]) == [0, 2, 1]                   # ties: index order
+
+    def makespan(times, stages=4, transfer=0.04):
+        t = np.array(times) / stages
+        return replay_1f1b(np.tile(t / 3, (stages, 1)), np.tile(2 * t / 3, (stages, 1)), [transfer] * len(t)).makespan_s
+
+    split = [15.6, 15.6, 15.6, 7.7, 7.7, 7.7, 7.7, 7.7]
+    ordered = [split[i] for i in pipeline_order(split, 4)]
+    assert sorted(ordered[:3] + ordered[-2:]) == [7.7] * 5 and ordered[3:6] == [15.6] * 3
+    assert makespan(ordered) < 0.95 * makespan(split)
+    rng = np.random.default_rng(1)
+    gains = []
+    for _ in range(30):
+        w = list(rng.lognormal(0, 0.5, 8))
+        gains.append(makespan([w[i] for i in pipeline_order(w, 4)], transfer=0) / makespan(w, transfer=0))
+    assert np.mean(gains) < 0.9 and max(gains) <= 1.0 + 1e-9   # never longer than the given order (its own model)
+    # Light ends already: lightest-at-the-ends would replay longer, the given order stays.
+    given = [1.0, 2.2, 1.3, 0.8]
+    assert ends_light_order(given) == [3, 2, 1, 0] and pipeline_order(given, 2) == [0, 1, 2, 3]
+
+
+def test_pp_alone_runs_one_micro_batch_per_stage(lengths_file):
+    code, out, err = finish(sim(*TINY, "--lengths", str(lengths_file), "--tokens-per-gpu", "8192", "--pp", "2",
+                                "--strategies", "zeppelin"))
+    assert code == 0, err
+    assert "2 steps of 2 micro-batches" in out and "stage 1 (1 in flight)" in out
