@@ -159,11 +159,12 @@ def test_pipeline_bad_inputs_exit_2_before_spawning(tmp_path, capsys, monkeypatc
     assert "stages of 3 ranks" in line
 
 
-def _stage_checkpoint(source, target, layers: int, pp: int) -> None:
+def _stage_checkpoint(source, target, layers: int, pp: int, shape: dict) -> None:
     """The --pp 1 checkpoint ``source`` (one shard, step 0, no optimizer moments)
     cut into the shards of ``pp`` stages: layer i to stage i // (layers / pp),
     renumbered from 0; the embedding to the first stage, the final norm and
-    output layer to the last."""
+    output layer to the last.  ``shape``: the run-shape entries of the run that
+    loads it (a resume checks them)."""
     from megatron_zeppelin.train.checkpoint import load_state, save_state
 
     _, state = load_state(source, torch.device("cpu"))
@@ -183,7 +184,8 @@ def _stage_checkpoint(source, target, layers: int, pp: int) -> None:
             {**whole["optimizer"]["param_groups"][0],
              "params": list(range(sum(not k.endswith("_extra_state") for k in model)))}]}
         shards[f"pp{stage}-{name}"] = {"model": model, "optimizer": optimizer}
-    save_state(target, {**state, "shards": shards, "layout": {**state["layout"], "pp": pp}})
+    save_state(target, {**state, "shards": shards, "layout": {**state["layout"], "pp": pp},
+                        "shape": {**state["shape"], **shape}})
 
 
 def test_pp2_equals_the_same_weights_without_a_pipeline(tmp_path):
@@ -192,12 +194,15 @@ def test_pp2_equals_the_same_weights_without_a_pipeline(tmp_path):
     equal the --pp 1 run's for 3 steps (the schedule neither divides the loss by
     the micro-batch count nor drops a stage's gradient)."""
     init = tmp_path / "init"
-    launch(parse_args(_argv("reference", tmp_path / "i.jsonl", 2, 1, "--save", str(init), steps=0)))
-    _stage_checkpoint(init, tmp_path / "init_pp2", layers=2, pp=2)
+    launch(parse_args(_argv("reference", tmp_path / "i.jsonl", 2, 1, "--micro-batches", "2", "--save", str(init),
+                            steps=0)))
+    for strategy in ("reference", "zeppelin"):
+        _stage_checkpoint(init, tmp_path / f"init_pp2_{strategy}", layers=2, pp=2,
+                          shape={"--nodes x --gpus-per-node": 4, "--strategy": strategy})
     logs = {}
     for name, nodes, extra in (("plain", 2, ()), ("reference", 4, ("--pp", "2")), ("zeppelin", 4, ("--pp", "2"))):
         strategy = "zeppelin" if name == "zeppelin" else "reference"
-        load = str(tmp_path / ("init_pp2" if extra else "init"))
+        load = str(tmp_path / (f"init_pp2_{strategy}" if extra else "init"))
         launch(parse_args(_argv(strategy, tmp_path / f"{name}.jsonl", nodes, 1, "--micro-batches", "2",
                                 "--load", load, *extra)))
         logs[name] = [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
