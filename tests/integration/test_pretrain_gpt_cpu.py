@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHIM = Path(__file__).parent / "cpu_pretrain"
 MLM = os.environ.get("MEGATRON_LM_DIR")
 ITERS, RESUME_AT = 20, 10
-RUN_TIMEOUT_S = 480
+RUN_TIMEOUT_S, FAILED_PEER_GRACE_S = 480, 60
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not MLM, reason="set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1 to run its pretrain()")]
@@ -70,27 +70,34 @@ def pretrain_argv(data: str, ckpt: str) -> list[str]:
             "--distributed-backend", "gloo"]
 
 
-def torchrun_two_nodes(checkout: Path, argv: list[str]) -> str:
+def torchrun_two_nodes(checkout: Path, argv: list[str], log: Path) -> str:
     """``torchrun --nnodes 2 --nproc-per-node 2 --node-rank N ... pretrain_gpt.py ARGV`` for N = 0, 1;
-    both launchers' output.  On a failure or after RUN_TIMEOUT_S both process groups are killed."""
+    both launchers' output.  Both process groups are killed after RUN_TIMEOUT_S, or
+    FAILED_PEER_GRACE_S after one launcher failed (its peer may wait in the rendezvous)."""
     path = [str(SHIM), str(checkout), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     endpoint = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank",
-         str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "cpu-pretrain",
-         "pretrain_gpt.py", *argv], cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True) for node in (0, 1)]
-    deadline, outs = time.monotonic() + RUN_TIMEOUT_S, []
+    logs = [log.with_suffix(f".node{node}.log") for node in (0, 1)]
+    procs = []
+    for node, out in enumerate(logs):
+        with out.open("w") as f:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                 "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id",
+                 "cpu-pretrain", "pretrain_gpt.py", *argv], cwd=checkout, env=env, stdout=f,
+                stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() for p in procs):
+                deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)
+            time.sleep(1)
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-    out = "\n".join(outs)
+    out = "\n".join(f.read_text() for f in logs)
     missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", out)
     if any(p.returncode for p in procs) and missing:
         pytest.skip(f"Megatron-LM needs {missing.group(1)} (see docs/megatron-lm.md, step 1)")
@@ -116,11 +123,11 @@ def test_pretrain_gpt_trains_saves_and_resumes_on_two_cpu_launchers(checkout, tm
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
 
     start = time.monotonic()
-    straight = torchrun_two_nodes(checkout, pretrain_argv(data, str(straight_dir)))
+    straight = torchrun_two_nodes(checkout, pretrain_argv(data, str(straight_dir)), tmp_path / "straight")
     # The checkpoint a run stopped after iteration 10 leaves (the tracker names its last save).
     shutil.copytree(straight_dir / f"iter_{RESUME_AT:07d}", resumed_dir / f"iter_{RESUME_AT:07d}")
     (resumed_dir / "latest_checkpointed_iteration.txt").write_text(str(RESUME_AT))
-    resumed = torchrun_two_nodes(checkout, pretrain_argv(data, str(resumed_dir)))
+    resumed = torchrun_two_nodes(checkout, pretrain_argv(data, str(resumed_dir)), tmp_path / "resumed")
     seconds = time.monotonic() - start
 
     assert f"saving checkpoint at iteration {RESUME_AT:7d} to {straight_dir} in torch_dist format" in straight
