@@ -75,7 +75,10 @@ def torchrun_two_nodes(checkout: Path, argv: list[str], log: Path) -> str:
     both launchers' output.  Both process groups are killed after RUN_TIMEOUT_S, or
     FAILED_PEER_GRACE_S after one launcher failed (its peer may wait in the rendezvous)."""
     path = [str(SHIM), str(checkout), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    # Megatron's dataset-helper Makefile runs `python3 -m pybind11` from PATH: this interpreter's,
+    # as in an activated venv.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path),
+           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
     endpoint = f"127.0.0.1:{_free_port()}"
     logs = [log.with_suffix(f".node{node}.log") for node in (0, 1)]
     procs = []
