@@ -16,6 +16,7 @@ guards those calls (and says which it used) without changing what is computed.
 * the loss falls.
 """
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -70,9 +71,22 @@ def pretrain_argv(data: str, ckpt: str) -> list[str]:
             "--distributed-backend", "gloo"]
 
 
+def kill_launcher(launcher: subprocess.Popen) -> None:
+    """Kill a torchrun launcher and its ranks: torchrun starts each rank in a session of its own,
+    so killing the launcher's process group alone would leave them running."""
+    import psutil
+
+    ranks = psutil.Process(launcher.pid).children(recursive=True)
+    os.killpg(launcher.pid, signal.SIGKILL)
+    for rank in ranks:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            rank.kill()
+    launcher.wait()
+
+
 def torchrun_two_nodes(checkout: Path, argv: list[str], log: Path) -> str:
     """``torchrun --nnodes 2 --nproc-per-node 2 --node-rank N ... pretrain_gpt.py ARGV`` for N = 0, 1;
-    both launchers' output.  Both process groups are killed after RUN_TIMEOUT_S, or
+    both launchers' output.  Both launchers and their ranks are killed after RUN_TIMEOUT_S, or
     FAILED_PEER_GRACE_S after one launcher failed (its peer may wait in the rendezvous)."""
     path = [str(SHIM), str(checkout), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     # Megatron's dataset-helper Makefile runs `python3 -m pybind11` from PATH: this interpreter's,
@@ -96,15 +110,16 @@ def torchrun_two_nodes(checkout: Path, argv: list[str], log: Path) -> str:
                 deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)
             time.sleep(1)
     finally:
+        killed = [p.pid for p in procs if p.poll() is None]
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            if p.pid in killed:
+                kill_launcher(p)
     out = "\n".join(f.read_text() for f in logs)
     missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", out)
     if any(p.returncode for p in procs) and missing:
         pytest.skip(f"Megatron-LM needs {missing.group(1)} (see docs/megatron-lm.md, step 1)")
-    assert [p.returncode for p in procs] == [0, 0], out[-6000:]
+    assert not killed and [p.returncode for p in procs] == [0, 0], (
+        f"launchers {killed} killed at the deadline\n" if killed else "") + out[-6000:]
     return out
 
 
