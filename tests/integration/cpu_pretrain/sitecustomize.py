@@ -16,10 +16,10 @@ the patched model builder applies on any rank without CUDA):
   (its CPU), and ``torch.cuda.set_device`` does nothing.
 * ``fused_kernels.load`` (nvcc builds of the fused softmax): nothing to build.
 * A tensor asked for on a CUDA device (``device="cuda"`` or
-  ``torch.cuda.current_device()``, ``.cuda()``) is made on the CPU; ``Tensor.type()`` answers the CUDA name of its
-  dtype (Megatron asserts its fp32 grads are ``torch.cuda.FloatTensor``):
-  :class:`CudaMeansCpu`.
-* ``torch.cuda`` functions a CPU build of torch raises on: :data:`CUDA_ON_CPU`.
+  ``torch.cuda.current_device()``, ``.cuda()``) is made on the CPU;
+  ``Tensor.type()`` answers the CUDA name of its dtype (Megatron asserts its fp32
+  grads are ``torch.cuda.FloatTensor``): :class:`CudaMeansCpu`.
+* ``torch.cuda`` functions that raise where torch finds no GPU: :data:`CUDA_ON_CPU`.
 
 So a CPU run does not exercise: CUDA streams and kernels, NCCL, Megatron's fused
 kernels, device memory, or the CUDA generator's state (dropout here is 0).
@@ -34,13 +34,13 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
-import types
+from types import SimpleNamespace
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 _CPU = torch.device("cpu")
-_CPU_STREAM = types.SimpleNamespace(wait_stream=lambda other: None)
+_CPU_STREAM = SimpleNamespace(wait_stream=lambda other: None)
 USED: collections.Counter = collections.Counter()
 
 
@@ -72,7 +72,7 @@ def _counted(name, answer):
     return guarded
 
 
-#: torch.cuda functions a CPU build of torch raises on, as Megatron-LM's pretrain() path calls them.
+#: torch.cuda functions that raise where torch finds no GPU, as Megatron-LM's pretrain() path calls them.
 CUDA_ON_CPU = {
     "current_device": lambda: _CPU,  # as megatron/cpu_compat.py answers it
     "synchronize": lambda *a, **k: None,  # CPU ops run in order: nothing is pending
