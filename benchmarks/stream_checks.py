@@ -288,16 +288,19 @@ def section_overhead(args: Any, dry_run: bool = False) -> SectionResult:
 def stream_overlap(trace: dict) -> tuple[float, float]:
     """(µs the transfer lanes were busy, µs of it beside compute kernels on other streams).
 
-    A lane stream is one that ran copies; its busy time is its copies and the sleep
-    kernels that stand for a slow link (``Delays.transfer_s``)."""
+    A lane stream is one that ran the sleep kernels standing for a slow link
+    (``Delays.transfer_s``: only lanes get them); its busy time is those and its
+    copies.  The ranks' own streams copy too (the harness writes q/k/v and clones
+    the results), so copying does not make a stream a lane."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "stream" in e.get("args", {})]
-    copies = [e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset") or "Memcpy" in e.get("name", "")]
-    lanes = {e["args"]["stream"] for e in copies}
+    span = lambda e: (e["ts"], e["ts"] + e["dur"], e["args"]["stream"])  # noqa: E731
     kernels = [e for e in events if e.get("cat") == "kernel"]
-    busy = [(e["ts"], e["ts"] + e["dur"], e["args"]["stream"]) for e in copies] + [
-        (e["ts"], e["ts"] + e["dur"], e["args"]["stream"]) for e in kernels
-        if e["args"]["stream"] in lanes and any(w in e.get("name", "").lower() for w in ("sleep", "spin"))]
-    compute = [(e["ts"], e["ts"] + e["dur"], e["args"]["stream"]) for e in kernels if e["args"]["stream"] not in lanes]
+    sleeps = [e for e in kernels if any(w in e.get("name", "").lower() for w in ("sleep", "spin"))]
+    lanes = {e["args"]["stream"] for e in sleeps}
+    copies = [e for e in events if e["args"]["stream"] in lanes
+              and (e.get("cat") in ("gpu_memcpy", "gpu_memset") or "Memcpy" in e.get("name", ""))]
+    busy = [span(e) for e in (*sleeps, *copies)]
+    compute = [span(e) for e in kernels if e["args"]["stream"] not in lanes]
     total = overlap = 0.0
     for start, end, stream in busy:
         total += end - start

@@ -261,12 +261,15 @@ def test_traces_take_the_devices_times():
 
 
 def test_stream_overlap_counts_lane_time_beside_compute():
-    """Lane streams are those that copy; their copies and sleep kernels are transfer
-    time; compute is any kernel on another stream."""
+    """Lane streams are those that ran the slow-link sleeps; their sleeps and copies
+    are transfer time; compute is any other kernel on another stream -- a rank's
+    stream that also copies (the harness's clones) stays a compute stream."""
     def event(cat, ts, dur, stream, name="k"):
         return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": name, "args": {"stream": stream}}
 
     trace = {"traceEvents": [event("kernel", 0, 10, 7), event("kernel", 12, 10, 7),     # compute stream 7
+                             event("gpu_memcpy", 40, 5, 7),                            # a rank's own copy
                              event("gpu_memcpy", 5, 10, 20), event("kernel", 30, 4, 20, "spin_kernel"),
-                             event("kernel", 40, 4, 20, "other")]}                     # not transfer time
-    assert stream_checks.stream_overlap(trace) == (14, 5 + 3)
+                             event("kernel", 20, 4, 20, "spin_kernel"),
+                             event("gpu_memcpy", 50, 4, 30)]}                          # no sleeps: not a lane
+    assert stream_checks.stream_overlap(trace) == (18, 5 + 3 + 2)

@@ -166,7 +166,8 @@ def test_pp_search_goes_on_without_a_size_the_stage_cannot_hold(tmp_path, length
     code, out, err = finish(sim(*TINY, "--lengths", str(lengths_file), "--pp", "2,4", "--micro-batches", "2",
                                 "--model", str(model), "--strategies", "zeppelin", "--json", str(tmp_path / "r.json")))
     assert code == 0, err
-    assert "PP 4: not simulated: --tokens-per-gpu 4096 x 2 GPUs cannot hold one 16384-token sequence" in out
+    assert ("PP 4: not simulated: --max-seq-len 16384 is longer than the cluster can hold "
+            "(2 GPUs x 4096 tokens per GPU = 8192)") in out
     doc = json.loads((tmp_path / "r.json").read_text())
     assert list(doc["layouts"]) == ["2"] and "4" in doc["not_simulated"] and doc["tuned"]["zeppelin"]["pp"] == 2
 
