@@ -273,3 +273,47 @@ def test_stream_overlap_counts_lane_time_beside_compute():
                              event("kernel", 20, 4, 20, "spin_kernel"),
                              event("gpu_memcpy", 50, 4, 30)]}                          # no sleeps: not a lane
     assert stream_checks.stream_overlap(trace) == (18, 5 + 3 + 2)
+
+
+class _SlowEventStreams(HostStreams):
+    """Host streams whose events report "not yet" a few times (a transfer in flight)."""
+
+    def new_event(self, timing: bool = False):
+        return SimpleNamespace(asked=0)
+
+    def fired(self, event) -> bool:
+        event.asked += 1
+        return event.asked > 3
+
+
+def test_local_work_runs_while_a_ring_step_waits_for_its_transfer():
+    """Rule 3: the compute lane runs the first op whose inputs have fired, so a ring
+    step whose K/V is still in flight does not hold local work behind it, although
+    the ring step comes first in lane order (on CUDA it would sit at the head of the
+    compute stream, waiting)."""
+    from loopback import LoopbackCommunicator, LoopbackHub, run_ranks
+
+    from megatron_zeppelin.comm.lanes import StepRecorder
+
+    plan = stream_checks.cases(2)[1].plan                       # a ring of 2 and locals on both ranks
+    hub = LoopbackHub(2, torch.device("cpu"), _SlowEventStreams())
+    recorders = [StepRecorder() for _ in range(2)]
+    seqs = random_sequences(plan, 4, 2, 8, torch.float32, 0)
+    schedules = {}
+
+    def rank(r):
+        comm = LoopbackCommunicator(hub, r)
+        comm.recorder = recorders[r]
+        spans = plan.attention_spans(r)
+        q, k, v = (torch.cat([seqs[sp.seq][i][sp.start:sp.end] for sp in spans]) for i in range(3))
+        plan_attention(q, k, v, plan=plan, rank=r, comm=comm, backend=TorchBackend(), cache=schedules.setdefault(r, {}))
+
+    run_ranks(hub, rank)
+    for r, rec in enumerate(recorders):
+        (trace,) = rec.calls
+        (layer,) = [v for k, v in schedules[r].items() if k[0] == "layer_schedules"]
+        compute = layer.forward.lanes(r).compute
+        waiting = [op for op in compute if op.key[0] == "ring" and op.deps]        # steps after the first
+        local = [op for op in compute if op.key[0] == "local"]
+        assert waiting and local and compute.index(waiting[0]) < compute.index(local[0])   # lane order: ring first
+        assert trace.start_ns[local[0].id] < trace.start_ns[waiting[0].id]                 # run order: local first
