@@ -423,6 +423,13 @@ class _Call:
                 self.done.cv.wait(min(left, POLL_S if in_flight else 1.0))
 
     def run_compute(self) -> None:
+        try:
+            self._run_compute()
+        except BaseException as exc:
+            self.done.fail(exc)          # the lanes stop waiting for ops that will never run
+            raise
+
+    def _run_compute(self) -> None:
         s = self.r.streams
         pending = list(self.compute_ops)
         while pending:

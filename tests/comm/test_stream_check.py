@@ -317,3 +317,33 @@ def test_local_work_runs_while_a_ring_step_waits_for_its_transfer():
         local = [op for op in compute if op.key[0] == "local"]
         assert waiting and local and compute.index(waiting[0]) < compute.index(local[0])   # lane order: ring first
         assert trace.start_ns[local[0].id] < trace.start_ns[waiting[0].id]                 # run order: local first
+
+
+def test_a_failing_kernel_ends_the_call_at_once():
+    """A compute op that raises stops the lanes waiting on it: the call ends with
+    that error now, not at the transfer deadline (60 s here)."""
+    import time
+
+    from loopback import LoopbackCommunicator, LoopbackHub, run_ranks
+
+    from megatron_zeppelin.attention.backends import TorchBackend as Kernels
+
+    class Broken(Kernels):               # the backward's dK/dV sends wait on its compute ops
+        def backward(self, *args, **kwargs):
+            raise RuntimeError("kernel failed")
+
+    plan = stream_checks.cases(2)[1].plan
+    hub = LoopbackHub(2, torch.device("cpu"))
+    seqs = random_sequences(plan, 4, 2, 8, torch.float32, 0)
+
+    def rank(r):
+        comm = LoopbackCommunicator(hub, r, timeout=__import__("datetime").timedelta(seconds=60))
+        spans = plan.attention_spans(r)
+        q, k, v = (torch.cat([seqs[sp.seq][i][sp.start:sp.end] for sp in spans]).requires_grad_()
+                   for i in range(3))
+        plan_attention(q, k, v, plan=plan, rank=r, comm=comm, backend=Broken()).sum().backward()
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        run_ranks(hub, rank)
+    assert time.monotonic() - t0 < 20
