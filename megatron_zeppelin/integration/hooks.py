@@ -84,9 +84,10 @@ def layer_spec_for(args: Any, transformer_config: Any) -> Any:
     spec = get_zeppelin_layer_spec(qk_layernorm=bool(transformer_config.qk_layernorm), remap=args.zeppelin_remap == "on",
                                    use_te=transformer_config.transformer_impl == "transformer_engine",
                                    num_experts=getattr(transformer_config, "num_moe_experts", None))
-    # Megatron's local norm refuses sequence parallelism: the block gets norms that accept it.
-    return (sequence_parallel_block_spec(spec, transformer_config.num_layers)
-            if transformer_config.sequence_parallel else spec)
+    # Megatron's local norm refuses sequence parallelism: the block (this pipeline
+    # stage's layers) gets norms that accept it.
+    stage_layers = transformer_config.num_layers // (transformer_config.pipeline_model_parallel_size or 1)
+    return (sequence_parallel_block_spec(spec, stage_layers) if transformer_config.sequence_parallel else spec)
 
 
 # ------------------------------------------------------------------- model

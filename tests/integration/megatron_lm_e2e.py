@@ -46,7 +46,7 @@ from megatron_zeppelin.megatron import build_gpt_model
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.sampler import GlobalBatch
 from megatron_zeppelin.topology import load_cluster
-from megatron_zeppelin.train.batch import num_label_tokens
+from megatron_zeppelin.train.batch import num_label_tokens, padded_length
 from megatron_zeppelin.train.reference import reference_plan
 from megatron_zeppelin.step_context import RemapCounters
 from megatron_zeppelin.train.micro import MicroBatch
@@ -244,7 +244,8 @@ def pipelined(args, rank, world, tp, pp, dp, *, cluster, steps, model_name):
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model_cfg = dataclasses.replace(load_model(model_name), vocab_size=args.padded_vocab_size,
                                     num_layers=args.num_layers)
-    reference = build_gpt_model(model_cfg, max_seq_len=args.seq_length, tp=tp, pp=pp)
+    sp = args.sequence_parallel
+    reference = build_gpt_model(model_cfg, max_seq_len=args.seq_length, tp=tp, sequence_parallel=sp, pp=pp)
     rows = []  # the hidden states' rows this stage's first layer got, micro-batch by micro-batch
     model.decoder.layers[0].register_forward_pre_hook(
         lambda mod, inp, kwargs: rows.append((kwargs.get("hidden_states", inp[0] if inp else None)).shape[0]),
@@ -264,9 +265,12 @@ def pipelined(args, rank, world, tp, pp, dp, *, cluster, steps, model_name):
             seq_length=args.seq_length, micro_batch_size=1, forward_only=False)
         parts = handed_out[first_seen:first_seen + micro]
         assert len(parts) == micro and len({p.batch.index for p in parts}) == 1
-        # Each micro-batch's boundary shape is this rank's token count in its Plan; only
-        # the first and last stages read tokens.
-        held = [sum(sp.length for sp in p.plan.attention_spans(run.dp_rank)) for p in parts]
+        # Each micro-batch's boundary shape is this rank's token count in its Plan (under
+        # sequence parallelism padded to a multiple of TP and split over it); only the
+        # first and last stages read tokens.
+        split = tp if sp else 1
+        held = [padded_length(sum(s.length for s in p.plan.attention_spans(run.dp_rank)), split) // split
+                for p in parts]
         assert rows[-micro:] == held, (rows[-micro:], held)
         reads = parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
         assert all((p.data is not None) == reads for p in parts)
@@ -275,11 +279,13 @@ def pipelined(args, rank, world, tp, pp, dp, *, cluster, steps, model_name):
         label_count = num_label_tokens(batch.seq_lens)
         for param in model.parameters():
             param.grad /= label_count  # calculate_per_token_loss: the schedule summed token losses
-        allreduce_gradients(model, False)
+        allreduce_gradients(model, sp)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        loss = torch.tensor(sum(float(d["lm loss"][0]) for d in stored), dtype=torch.float64)
-        dist.all_reduce(loss)  # the last stage's data-parallel ranks hold the loss, every other rank 0
+        # The last stage's data-parallel ranks hold the loss (its TP ranks the same one), every other rank none.
+        loss = torch.tensor(sum(float(d["lm loss"][0]) for d in stored) if rank % tp == 0 else 0.0,
+                            dtype=torch.float64)
+        dist.all_reduce(loss)
         micros, at = [], 0
         for i, p in enumerate(parts):
             own = tuple(pieces[at:at + len(p.batch.pieces)])

@@ -187,10 +187,12 @@ def test_moe(patched, tmp_path, ep, tp):
     assert len(remap) == STEPS and all(b > 0 for b in remap), out
 
 
-@pytest.mark.parametrize("pp, layers", [(2, 2), (4, 4)], ids=["pp2-dp2", "pp4-dp1"])
-def test_pipeline_parallel(patched, tmp_path, pp, layers):
+@pytest.mark.parametrize("pp, layers, tp", [(2, 2, 1), (4, 4, 1), (2, 2, 2)], ids=["pp2-dp2", "pp4-dp1", "pp2-tp2-sp"])
+def test_pipeline_parallel(patched, tmp_path, pp, layers, tp):
     """``--pipeline-model-parallel-size P`` on 4 gloo ranks (PP 2 x DP 2; PP 4 x DP 1,
-    whose two middle stages read no token), 4 micro-batches per global batch:
+    whose two middle stages read no token; PP 2 x TP 2 with sequence parallelism,
+    each stage's sequence-parallel block holding its own layers), 16 / (P x TP)
+    micro-batches per global batch:
     Megatron-Core's 1F1B schedule runs the patched ``forward_step``; the hidden
     states cross each boundary with the rank's token count in the micro-batch's Plan
     (``variable_seq_lengths``; the driver checks every stage's first layer got
@@ -199,7 +201,8 @@ def test_pipeline_parallel(patched, tmp_path, pp, layers):
     prefix, cluster = _dataset(tmp_path), _one_node_cluster(tmp_path, 4)
     out = _run_ranks(patched, 4, "megatron_lm_e2e.py", prefix, str(cluster), str(tmp_path), str(STEPS), "tiny",
                      "--pipeline-model-parallel-size", str(pp), "--num-layers", str(layers),
-                     "--global-batch-size", str(16 // pp), "--zeppelin-log-interval", "0")
+                     "--global-batch-size", str(16 // (pp * tp)), "--zeppelin-log-interval", "0",
+                     *(("--tensor-model-parallel-size", "2", "--sequence-parallel") if tp > 1 else ()))
     steps = [line.split(" ", 4) for line in out.splitlines() if line.startswith("STEP ")]
     print("\n".join(" ".join(s) for s in steps))
     assert [int(s[1]) for s in steps] == list(range(STEPS)), out
