@@ -86,7 +86,7 @@ def layer_spec_for(args: Any, transformer_config: Any) -> Any:
                                    num_experts=getattr(transformer_config, "num_moe_experts", None))
     # Megatron's local norm refuses sequence parallelism: the block (this pipeline
     # stage's layers) gets norms that accept it.
-    stage_layers = transformer_config.num_layers // (transformer_config.pipeline_model_parallel_size or 1)
+    stage_layers = transformer_config.num_layers // (getattr(transformer_config, "pipeline_model_parallel_size", 1) or 1)
     return (sequence_parallel_block_spec(spec, stage_layers) if transformer_config.sequence_parallel else spec)
 
 
