@@ -28,6 +28,11 @@ ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 #: builder taking the model config: native at 0.19, backported by the 0.16.1 patch).
 SPEC = ("megatron_zeppelin.integration.hooks", "zeppelin_layer_spec")
 
+#: Planners whose Plan may differ between ranks: a MILP solved under a wall-clock
+#: limit (flexsp) can stop at a different incumbent on each rank, so one rank plans
+#: and broadcasts (docs/baselines.md).  The others are deterministic: every rank plans.
+PLAN_ON_ONE_RANK = frozenset({"flexsp"})
+
 #: Attention kernel backends the engine can be asked for: ``attention.backends.BACKENDS``
 #: (not imported: this module stays free of torch; a test keeps the two equal).
 BACKENDS = ("auto", "torch", "torch_flash", "flash", "te")
@@ -288,11 +293,53 @@ def _flag(args: argparse.Namespace, name: str, default=None):
     return default if value is None else value
 
 
-def _check_megatron_conflicts(args: argparse.Namespace) -> None:
+def _check_pipeline(args: argparse.Namespace) -> None:
+    """``--pipeline-model-parallel-size P``: every stage runs each micro-batch's Plan
+    (its per-rank token count is the boundary shape, ``variable_seq_lengths``)."""
     pp = _flag(args, "pipeline_model_parallel_size", 1)
-    if pp > 1:
-        raise ConfigError(f"--zeppelin does not support pipeline parallelism (--pipeline-model-parallel-size "
-                          f"{pp}): per-rank token counts differ every step; use tensor and data parallelism")
+    if pp == 1:
+        return
+    flag = f"--pipeline-model-parallel-size {pp}"
+    if _flag(args, "num_layers_per_virtual_pipeline_stage", None) or _flag(
+            args, "virtual_pipeline_model_parallel_size", None):
+        raise ConfigError(f"--zeppelin with {flag} runs the non-interleaved 1F1B schedule only (the "
+                          "interleaved one is not tested with per-micro-batch shapes); drop "
+                          "--num-layers-per-virtual-pipeline-stage")
+    layers = _flag(args, "num_layers", None)
+    if layers is not None and layers % pp:
+        raise ConfigError(f"{flag} does not divide --num-layers {layers} (every stage holds the same "
+                          "number under --zeppelin); pick a size that divides them")
+    world, gpus_per_node = getattr(args, "world_size", None), load_cluster(args.zeppelin_cluster).topology.gpus_per_node
+    if world and world % pp == 0 and (world // pp) % gpus_per_node and gpus_per_node % (world // pp):
+        raise ConfigError(f"{flag} gives stages of {world // pp} ranks, neither whole nodes of {gpus_per_node} GPUs "
+                          "nor a slice of one node; pick a size that divides the nodes or a node's GPUs")
+    micro = zeppelin_micro_batches(args)
+    if data_parallel_size(args) is not None and micro < pp:
+        raise ConfigError(f"--global-batch-size / data-parallel size = {micro} micro-batches is fewer than "
+                          f"the {pp} pipeline stages (1F1B needs one per stage); raise --global-batch-size")
+    if _flag(args, "zeppelin_planner", "zeppelin") in PLAN_ON_ONE_RANK:
+        raise ConfigError(f"--zeppelin-planner {args.zeppelin_planner} plans on one rank and broadcasts "
+                          f"inside the step, which {flag} would deadlock; use --zeppelin-planner zeppelin")
+    if _flag(args, "zeppelin_log_interval", 0):
+        raise ConfigError(f"--zeppelin-log-interval {args.zeppelin_log_interval} sums each iteration's report "
+                          f"over every rank inside the step, which {flag} would deadlock (a stage waits in "
+                          "1F1B for another); drop it and read Megatron's own --log-interval lines")
+    if _flag(args, "num_experts", None) or megatron_core_version() >= (0, 19):
+        raise ConfigError(f"--zeppelin with {flag} is tested with dense models at Megatron-LM core_v0.16.1 "
+                          "only; drop --num-experts, or use that release")
+
+
+def megatron_core_version() -> tuple[int, int]:
+    """(major, minor) of the Megatron-Core imported here ((0, 0) where none is)."""
+    try:
+        from megatron.core.package_info import MAJOR, MINOR
+    except ImportError:
+        return (0, 0)
+    return (int(MAJOR), int(MINOR))
+
+
+def _check_megatron_conflicts(args: argparse.Namespace) -> None:
+    _check_pipeline(args)
     if _flag(args, "sequence_parallel", False) and _flag(args, "tensor_model_parallel_size", 1) == 1:
         raise ConfigError("--sequence-parallel splits tokens over tensor-parallel ranks; it needs "
                           "--tensor-model-parallel-size > 1 (or drop it)")

@@ -40,7 +40,8 @@ from megatron_zeppelin.comm.collectives import torch_all_reduce_max
 from megatron_zeppelin.comm.groups import LaneGroups
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import ConfigError, InfeasibleError
-from megatron_zeppelin.integration.args import check_args, megatron_terms, zeppelin_micro_batches
+from megatron_zeppelin.integration.args import (PLAN_ON_ONE_RANK, check_args, megatron_terms,
+                                                zeppelin_micro_batches)
 from megatron_zeppelin.integration.checkpoint import data_state, restore_sampler
 from megatron_zeppelin.integration.data import SPLITS, DocumentBlend, open_blends
 from megatron_zeppelin.megatron.groups import data_parallel_comm_groups
@@ -56,8 +57,9 @@ from megatron_zeppelin.sampler import GlobalBatch, batch_budget
 from megatron_zeppelin.sampler.deferral import DeferringSampler
 from megatron_zeppelin.sim.timeline import decision_step_s
 from megatron_zeppelin.step_context import StepContext
-from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster, plan_topology
-from megatron_zeppelin.train.batch import RankBatch, build_rank_batch
+from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
+from megatron_zeppelin.train.batch import RankBatch, build_rank_batch, padded_length
+from megatron_zeppelin.train.pipeline_layout import data_parallel_stage_view
 
 
 
@@ -82,9 +84,10 @@ def layer_spec_for(args: Any, transformer_config: Any) -> Any:
     spec = get_zeppelin_layer_spec(qk_layernorm=bool(transformer_config.qk_layernorm), remap=args.zeppelin_remap == "on",
                                    use_te=transformer_config.transformer_impl == "transformer_engine",
                                    num_experts=getattr(transformer_config, "num_moe_experts", None))
-    # Megatron's local norm refuses sequence parallelism: the block gets norms that accept it.
-    return (sequence_parallel_block_spec(spec, transformer_config.num_layers)
-            if transformer_config.sequence_parallel else spec)
+    # Megatron's local norm refuses sequence parallelism: the block (this pipeline
+    # stage's layers) gets norms that accept it.
+    stage_layers = transformer_config.num_layers // (getattr(transformer_config, "pipeline_model_parallel_size", 1) or 1)
+    return (sequence_parallel_block_spec(spec, stage_layers) if transformer_config.sequence_parallel else spec)
 
 
 # ------------------------------------------------------------------- model
@@ -115,8 +118,22 @@ def gpt_builder(base: Callable[..., Any]) -> Callable[..., Any]:
         if not args.zeppelin:
             return base(args, *rest, **kwargs)
         prepare_cpu_rank(args.seed)
+        pipeline_shapes(args)
         return as_zeppelin_model(base(args, *rest, **kwargs))
     return build
+
+
+def pipeline_shapes(args: Any) -> None:
+    """Under ``--pipeline-model-parallel-size P > 1`` a rank's hidden states hold its
+    token count in the micro-batch's Plan, which changes every micro-batch: the
+    model's config must let Megatron-Core's p2p code exchange each shape first
+    (``variable_seq_lengths``, which ``validate_args`` always clears).  Megatron
+    refuses that flag beside its default all-gather MoE dispatcher even for a dense
+    model (MoE under PP is refused, ``args._check_pipeline``): the unused
+    dispatcher type says all-to-all."""
+    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+        args.variable_seq_lengths = True
+        args.moe_token_dispatcher_type = "alltoall"
 
 
 def prepare_cpu_rank(seed: int) -> None:
@@ -178,7 +195,8 @@ class PreparedBatch:
     """Validated Plan of the batch (None until it arrives, where another rank plans)."""
     data: RankBatch | None
     """This rank's input ids, labels and loss mask in attention-layout order (host memory),
-    padded with one masked row when the Plan gives the rank no token."""
+    padded with one masked row when the Plan gives the rank no token (None on a
+    middle pipeline stage, which reads no token)."""
     sampler_state: dict
     """Sampler state right after drawing this batch (what a checkpoint taken after it holds)."""
 
@@ -187,12 +205,12 @@ class PreparedBatch:
 class ZeppelinBatch:
     """What one Megatron micro-batch (= one global batch per rank) gets."""
 
-    tokens: torch.Tensor
-    """``[1, t]`` input ids."""
-    labels: torch.Tensor
-    """``[1, t]`` next-token ids."""
-    loss_mask: torch.Tensor
-    """``[1, t]`` float mask (0 on each sequence's last token)."""
+    tokens: torch.Tensor | None
+    """``[1, t]`` input ids (None on a middle pipeline stage)."""
+    labels: torch.Tensor | None
+    """``[1, t]`` next-token ids (None on a middle pipeline stage)."""
+    loss_mask: torch.Tensor | None
+    """``[1, t]`` float mask, 0 on each sequence's last token (None on a middle pipeline stage)."""
     position_ids: torch.Tensor
     """``[1, t]`` each token's position inside its own sequence."""
     packed_seq_params: Any
@@ -209,7 +227,7 @@ class ZeppelinLoader:
                  on_batch: Callable[[PreparedBatch, StepContext], None] | None = None,
                  broadcast_plan: Callable[[Plan | None], Plan] | None = None,
                  tp_size: int = 1, tp_rank: int = 0, split: Split | None = None,
-                 pad_multiple: int = 1, sequence_parallel_group: Any = None,
+                 pad_multiple: int = 1, sequence_parallel_group: Any = None, reads_tokens: bool = True,
                  note: Callable[[str], None] = lambda line: None) -> None:
         """``sampler``: the split's token-budget sampler; a global batch no plan can
         hold defers its last piece to the next global batch (``note`` hears of each
@@ -224,12 +242,14 @@ class ZeppelinLoader:
         padded (rows without loss) to a multiple of it, at least one row (the TP
         size under ``--sequence-parallel``, which splits rows evenly).
         ``sequence_parallel_group``: Megatron's TP group under ``--sequence-parallel``
-        (the remapped MLP gathers its rows over it), else None."""
+        (the remapped MLP gathers its rows over it), else None.  ``reads_tokens``:
+        False on a middle pipeline stage, which gets the Plan and shapes only (its
+        hidden states come from the previous stage)."""
         self.sampler, self.blend, self.make_plan = sampler, blend, make_plan
         self.rank, self.device, self.communicator, self.backend = rank, device, communicator, backend
         self.all_reduce_max, self.on_batch, self.broadcast_plan = all_reduce_max, on_batch, broadcast_plan
         self.tp_size, self.tp_rank, self.pad_multiple = tp_size, tp_rank, pad_multiple
-        self.sequence_parallel_group = sequence_parallel_group
+        self.sequence_parallel_group, self.reads_tokens = sequence_parallel_group, reads_tokens
         self.split, self.note = split, note
         self.plans_here = broadcast_plan is None or dist.get_rank() == 0
         """This rank computes Plans (all ranks, or the one that broadcasts)."""
@@ -271,6 +291,8 @@ class ZeppelinLoader:
         return self._with_plan(PreparedBatch(batch, plan, None, state))
 
     def _with_plan(self, p: PreparedBatch) -> PreparedBatch:
+        if not self.reads_tokens:
+            return p
         data = build_rank_batch(p.plan.attention_spans(self.rank), self.blend.blend_pieces(p.batch.pieces),
                                 self.blend, torch.device("cpu"), multiple_of=self.pad_multiple)
         return dataclasses.replace(p, data=data)
@@ -297,8 +319,13 @@ class ZeppelinLoader:
         context = StepContext(plan=p.plan, rank=self.rank, communicator=self.communicator, backend=self.backend,
                               tp_size=self.tp_size, tp_rank=self.tp_rank,
                               sequence_parallel_group=self.sequence_parallel_group)
-        packed = build_packed_seq_params(p.plan.attention_spans(self.rank), context=context, device=self.device,
-                                         pad_tokens=p.data.pad_tokens)
+        spans = p.plan.attention_spans(self.rank)
+        if p.data is None:  # a middle pipeline stage: the rows its hidden states will have
+            held = sum(sp.length for sp in spans)
+            packed = build_packed_seq_params(spans, context=context, device=self.device,
+                                             pad_tokens=padded_length(held, self.pad_multiple) - held)
+            return ZeppelinBatch(None, None, None, packed.position_ids[None], packed)
+        packed = build_packed_seq_params(spans, context=context, device=self.device, pad_tokens=p.data.pad_tokens)
         move = lambda t: t.to(self.device, non_blocking=True)[None]  # noqa: E731  [t] -> [1, t]
         return ZeppelinBatch(move(p.data.tokens), move(p.data.labels), move(p.data.loss_mask),
                              packed.position_ids[None], packed)
@@ -361,19 +388,13 @@ def _build_communicator(groups: LaneGroups, topology: Topology, cost: CostModel,
     return DirectCommunicator(groups.intra, topology, timeout=timeout, device=device, inter_group=groups.inter)
 
 
-def _resolve_cluster(args: Any, world_size: int, tp: int, tp_rank: int) -> ClusterConfig:
+def _resolve_cluster(args: Any, world_size: int, tp: int, pp: int, tp_rank: int) -> ClusterConfig:
     cluster = load_cluster(args.zeppelin_cluster)
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local is not None and int(local) != cluster.topology.gpus_per_node:
         raise ConfigError(f"--zeppelin-cluster {args.zeppelin_cluster} has {cluster.topology.gpus_per_node} "
                           f"GPUs per node but this node runs {local} processes; use a matching preset")
-    return dataclasses.replace(cluster, topology=plan_topology(cluster.topology, world_size, tp, tp_rank))
-
-
-#: Planners whose Plan may differ between ranks: a MILP solved under a wall-clock
-#: limit (flexsp) can stop at a different incumbent on each rank, so one rank plans
-#: and broadcasts (docs/baselines.md).  The others are deterministic: every rank plans.
-PLAN_ON_ONE_RANK = frozenset({"flexsp"})
+    return data_parallel_stage_view(cluster, world_size, tp, pp, tp_rank)
 
 
 def broadcast_plan_from_rank0(device: torch.device) -> Callable[[Plan | None], Plan]:
@@ -397,10 +418,11 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
 
     check_args(args)
     tp, dp = args.tensor_model_parallel_size, mpu.get_data_parallel_world_size()
+    pp = args.pipeline_model_parallel_size or 1
     sequence_parallel = bool(getattr(args, "sequence_parallel", False))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    plan_cluster = _resolve_cluster(args, dist.get_world_size(), tp, tp_rank=0)
-    own_cluster = _resolve_cluster(args, dist.get_world_size(), tp, tp_rank=dist.get_rank() % tp)
+    plan_cluster = _resolve_cluster(args, dist.get_world_size(), tp, pp, tp_rank=0)
+    own_cluster = _resolve_cluster(args, dist.get_world_size(), tp, pp, tp_rank=dist.get_rank() % tp)
     plan_cluster.topology.check_world_size(dp)
     model = model_config_from_args(args)
     routing = args.zeppelin_routing == "on"
@@ -411,7 +433,7 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
     broadcast = broadcast_plan_from_rank0(device) if args.zeppelin_planner in PLAN_ON_ONE_RANK else None
     # Every wait on a peer has Megatron's own deadline (--distributed-timeout-minutes).
     timeout = timedelta(minutes=getattr(args, "distributed_timeout_minutes", 10))
-    communicator = _build_communicator(data_parallel_comm_groups(tp, dp, timeout), own_cluster.topology, cost,
+    communicator = _build_communicator(data_parallel_comm_groups(tp, dp, timeout, pp=pp), own_cluster.topology, cost,
                                        routing, timeout,
                                        getattr(args, "params_dtype", torch.float32), device)
     backend = get_backend(args.zeppelin_backend)
@@ -419,7 +441,7 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
     seed = args.seed if args.zeppelin_seed is None else args.zeppelin_seed
     consumed = {"train": args.iteration,
                 "valid": getattr(args, "consumed_valid_samples", 0) // args.global_batch_size, "test": 0}
-    check = torch_all_reduce_max(device) if args.zeppelin_check_plans == "on" else None
+    check = plan_check(device, pp) if args.zeppelin_check_plans == "on" else None
     micro = zeppelin_micro_batches(args)  # --global-batch-size / DP
     into_micro = micro_batch_split(micro, tokens_per_gpu=args.zeppelin_tokens_per_gpu, data_parallel_size=dp,
                               max_seq_len=args.seq_length, batch_fill=args.zeppelin_batch_fill, cost=cost)
@@ -452,9 +474,30 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
             prefetch=args.zeppelin_prefetch == "on", split=into_micro,
             pad_multiple=tp if sequence_parallel else 1,
             sequence_parallel_group=mpu.get_tensor_model_parallel_group() if sequence_parallel else None,
+            reads_tokens=mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage(),
             on_batch=on_batch, broadcast_plan=broadcast, tp_size=tp, tp_rank=dist.get_rank() % tp,
             note=lambda line, split=split: say(f"zeppelin {split}: {megatron_terms(line)}")))
     return tuple(loaders)
+
+
+def plan_check(device: torch.device, pp: int) -> AllReduceMax:
+    """The plan fingerprint all-reduce: over every rank, or under pipeline
+    parallelism over this rank's stage (its tensor- and data-parallel ranks).  A
+    collective spanning stages inside Megatron's 1F1B schedule would wait on a
+    stage that is itself waiting to receive; a stage's ranks call the loader in
+    step.  The stages agree by construction (the same sampler, split and planner
+    on every rank, no communication), which each stage's check proves within it."""
+    if pp == 1:
+        return torch_all_reduce_max(device)
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_tensor_and_data_parallel_group()
+
+    def reduce(values: Sequence[int]) -> list[int]:
+        t = torch.tensor(list(values), dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t.tolist()
+    return reduce
 
 
 def saved_data_state(args: Any) -> dict | None:

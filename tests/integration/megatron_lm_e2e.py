@@ -40,12 +40,13 @@ from megatron.training.global_vars import _set_timers, set_args
 
 from megatron_zeppelin import integration as zeppelin
 from megatron_zeppelin.attention.backends import TorchBackend
+from megatron_zeppelin.integration.args import zeppelin_micro_batches
 from megatron_zeppelin.comm.base import ByteCounters
 from megatron_zeppelin.megatron import build_gpt_model
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.sampler import GlobalBatch
 from megatron_zeppelin.topology import load_cluster
-from megatron_zeppelin.train.batch import num_label_tokens
+from megatron_zeppelin.train.batch import num_label_tokens, padded_length
 from megatron_zeppelin.train.reference import reference_plan
 from megatron_zeppelin.step_context import RemapCounters
 from megatron_zeppelin.train.micro import MicroBatch
@@ -57,7 +58,8 @@ def build_megatron_model(seed):
     from model_provider import model_provider
 
     torch.manual_seed(seed)  # CPU initialisation draws from torch's default generator: same on every rank
-    return partial(model_provider, zeppelin.gpt_builder(gpt_builder))(pre_process=True, post_process=True)
+    return partial(model_provider, zeppelin.gpt_builder(gpt_builder))(
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage())
 
 
 @contextlib.contextmanager
@@ -117,6 +119,24 @@ def gather(value):
     return out
 
 
+def reference_run(args, rank, world, dp, cluster, model_cfg, reference, blend):
+    """The project's trainer (``--strategy reference``: plain data parallelism at the same
+    TP/SP/EP/PP) on ``reference``, a copy of the Megatron model's weights."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cfg = SimpleNamespace(strategy="reference", dump_plans=None, dump_trace=None, tp=tp, pp=pp,
+                          sequence_parallel=args.sequence_parallel, timeout_s=300.0, lr=1e-3,
+                          max_seq_len=args.seq_length)
+    return Run(cfg=cfg, rank=rank, world_size=world, dp_rank=rank % (world // pp) // tp, device=torch.device("cpu"),
+               cluster=load_cluster(cluster), model_cfg=model_cfg, model=reference,
+               optimizer=torch.optim.Adam(reference.parameters(), lr=1e-3), sampler=None,
+               make_plan=lambda lens: reference_plan(lens, dp, dp), split=None, comm=None,
+               counters=ByteCounters(), remap_counters=RemapCounters(), backend=TorchBackend(),
+               source=blend, remap=False,
+               # The order 1F1B runs a global batch's micro-batches in changes only the
+               # summation order of gradients: keep the loader's.
+               modeled_s=lambda plan: 0.0)
+
+
 def main():
     prefix, cluster, ckpt_dir, steps, model_name = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
     extra = sys.argv[6:]
@@ -131,8 +151,13 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, sp, ep = args.tensor_model_parallel_size, args.sequence_parallel, args.expert_model_parallel_size
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-    dp, dp_group = world // tp, parallel_state.get_data_parallel_group()
+    pp = args.pipeline_model_parallel_size
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             pipeline_model_parallel_size=pp)
+    dp, dp_group = world // (tp * pp), parallel_state.get_data_parallel_group()
+    if pp > 1:
+        return pipelined(args, rank, world, tp, pp, dp, cluster=cluster, steps=steps,
+                         model_name=model_name)
 
     import pretrain_gpt  # the patched script, as a module
 
@@ -147,14 +172,7 @@ def main():
     handed_out = []
     log_batch = train_loader.on_batch
     train_loader.on_batch = lambda p, context: (handed_out.append(p), log_batch(p, context))
-    cfg = SimpleNamespace(strategy="reference", dump_plans=None, dump_trace=None, tp=tp, sequence_parallel=sp,
-                          timeout_s=300.0, lr=1e-3)
-    run = Run(cfg=cfg, rank=rank, world_size=world, dp_rank=rank // tp, device=torch.device("cpu"),
-              cluster=load_cluster(cluster), model_cfg=model_cfg, model=reference,
-              optimizer=torch.optim.Adam(reference.parameters(), lr=1e-3), sampler=None,
-              make_plan=lambda lens: reference_plan(lens, dp, dp), split=None, comm=None,
-              counters=ByteCounters(), remap_counters=RemapCounters(), backend=TorchBackend(),
-              source=train_loader.blend, remap=False)
+    run = reference_run(args, rank, world, dp, cluster, model_cfg, reference, train_loader.blend)
 
     mlp_rows = []  # what the first MLP's first linear layer (MoE: its router) saw on this rank, step by step
 
@@ -207,6 +225,76 @@ def main():
                   f"{ratio(linear_rows):.4f} linear={csv(linear_rows)} plan_linear={csv(prepared.plan.linear_tokens_per_rank())}",
                   flush=True)
     next(data)  # hands out one more batch: the last step's zeppelin log line (with remap_bytes) prints now
+    train_loader.close()
+    dist.destroy_process_group()
+
+
+def pipelined(args, rank, world, tp, pp, dp, *, cluster, steps, model_name):
+    """``--pipeline-model-parallel-size P``: each global batch through Megatron-Core's 1F1B
+    schedule with the patched ``forward_step``; beside it the trainer's reference at the
+    same PP (``train.pipeline``) on the same micro-batches.  Prints per step on rank 0:
+    STEP k megatron_loss trainer_loss."""
+    import pretrain_gpt
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_zeppelin.train.parallel import allreduce_gradients
+
+    model = build_megatron_model(args.seed)
+    assert model.config.variable_seq_lengths and model.config.calculate_per_token_loss
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model_cfg = dataclasses.replace(load_model(model_name), vocab_size=args.padded_vocab_size,
+                                    num_layers=args.num_layers)
+    sp = args.sequence_parallel
+    reference = build_gpt_model(model_cfg, max_seq_len=args.seq_length, tp=tp, sequence_parallel=sp, pp=pp)
+    rows = []  # the hidden states' rows this stage's first layer got, micro-batch by micro-batch
+    model.decoder.layers[0].register_forward_pre_hook(
+        lambda mod, inp, kwargs: rows.append((kwargs.get("hidden_states", inp[0] if inp else None)).shape[0]),
+        with_kwargs=True)
+    reference.load_state_dict(model.state_dict())  # this stage's parameters, name by name
+    train_loader, _, _ = pretrain_gpt.train_valid_test_datasets_provider([1, 1, 1])
+    handed_out = []
+    log_batch = train_loader.on_batch
+    train_loader.on_batch = lambda p, context: (handed_out.append(p), log_batch(p, context))
+    run = reference_run(args, rank, world, dp, cluster, model_cfg, reference, train_loader.blend)
+    micro = zeppelin_micro_batches(args)
+    data = RerunDataIterator(train_loader)
+    for step in range(steps):
+        first_seen = len(handed_out)
+        stored = get_forward_backward_func()(
+            forward_step_func=pretrain_gpt.forward_step, data_iterator=data, model=[model], num_microbatches=micro,
+            seq_length=args.seq_length, micro_batch_size=1, forward_only=False)
+        parts = handed_out[first_seen:first_seen + micro]
+        assert len(parts) == micro and len({p.batch.index for p in parts}) == 1
+        # Each micro-batch's boundary shape is this rank's token count in its Plan (under
+        # sequence parallelism padded to a multiple of TP and split over it); only the
+        # first and last stages read tokens.
+        split = tp if sp else 1
+        held = [padded_length(sum(s.length for s in p.plan.attention_spans(run.dp_rank)), split) // split
+                for p in parts]
+        assert rows[-micro:] == held, (rows[-micro:], held)
+        reads = parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+        assert all((p.data is not None) == reads for p in parts)
+        pieces = [piece for p in parts for piece in train_loader.blend.blend_pieces(p.batch.pieces)]
+        batch = GlobalBatch(parts[0].batch.index, parts[0].batch.epoch, tuple(pieces))
+        label_count = num_label_tokens(batch.seq_lens)
+        for param in model.parameters():
+            param.grad /= label_count  # calculate_per_token_loss: the schedule summed token losses
+        allreduce_gradients(model, sp)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        # The last stage's data-parallel ranks hold the loss (its TP ranks the same one), every other rank none.
+        loss = torch.tensor(sum(float(d["lm loss"][0]) for d in stored) if rank % tp == 0 else 0.0,
+                            dtype=torch.float64)
+        dist.all_reduce(loss)
+        micros, at = [], 0
+        for i, p in enumerate(parts):
+            own = tuple(pieces[at:at + len(p.batch.pieces)])
+            at += len(own)
+            micros.append(MicroBatch(batch, i, micro, own, reference_plan(GlobalBatch(0, 0, own).seq_lens, dp, dp), {}))
+        record = train_step(run, iter(micros))
+        shapes = gather(held)
+        if rank == 0:
+            print(f"STEP {step} {float(loss) / label_count:.8f} {record.loss:.8f} rows={shapes}", flush=True)
     train_loader.close()
     dist.destroy_process_group()
 

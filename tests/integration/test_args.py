@@ -84,8 +84,25 @@ def test_valid_namespace_passes():
     assert data_parallel_size(ns) == 4
 
 
+def test_pipeline_parallel_passes():
+    """PP 2 x TP 2 x DP 2 on 8 ranks, 2 micro-batches per global batch (one per stage)."""
+    ns = megatron_args(pipeline_model_parallel_size=2, num_layers=4)
+    assert validate_zeppelin_args(ns) is ns
+    assert data_parallel_size(ns) == 2
+
+
 @pytest.mark.parametrize("overrides, words", [
-    ({"pipeline_model_parallel_size": 2}, ["pipeline", "--pipeline-model-parallel-size 2"]),
+    ({"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1},
+     ["--pipeline-model-parallel-size 2", "drop --num-layers-per-virtual-pipeline-stage"]),
+    ({"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 1, "world_size": 6, "global_batch_size": 6},
+     ["stages of 3 ranks, neither whole nodes of 2 GPUs"]),
+    ({"pipeline_model_parallel_size": 2, "num_layers": 3},
+     ["--pipeline-model-parallel-size 2 does not divide --num-layers 3"]),
+    ({"pipeline_model_parallel_size": 2, "global_batch_size": 2},
+     ["= 1 micro-batches is fewer than the 2 pipeline stages"]),
+    ({"pipeline_model_parallel_size": 2, "zeppelin_planner": "flexsp"}, ["--zeppelin-planner flexsp", "deadlock"]),
+    ({"pipeline_model_parallel_size": 2, "zeppelin_log_interval": 1}, ["--zeppelin-log-interval 1", "--log-interval"]),
+    ({"pipeline_model_parallel_size": 2, "num_experts": 8}, ["--pipeline-model-parallel-size 2", "--num-experts"]),
     ({"context_parallel_size": 2}, ["--context-parallel-size 2", "drop --context-parallel-size"]),
     ({"hybrid_context_parallel": True}, ["--hybrid-context-parallel", "megatron_hybrid_cp"]),
     ({"num_experts": 8, "moe_expert_capacity_factor": 1.0}, ["--moe-expert-capacity-factor", "no token dropping"]),

@@ -20,14 +20,13 @@ from megatron_zeppelin.integration.hooks import (
     get_batch,
     get_batch_by_keys,
     model_config_from_args,
-    plan_topology,
     record_batch,
 )
 from megatron_zeppelin.integration.step_report import StepClock
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.sampler import batch_budget
 from megatron_zeppelin.sampler.deferral import DeferringSampler
-from megatron_zeppelin.topology import Topology, load_cluster
+from megatron_zeppelin.topology import Topology, load_cluster, plan_topology
 
 from tests.integration.indexed_data import doc_tokens
 
