@@ -51,7 +51,7 @@ from megatron_zeppelin.comm.lane_trace import OpTrace, StepRecorder
 from megatron_zeppelin.comm.p2p import TorchP2P, Transfer
 from megatron_zeppelin.comm.streams import StreamOps, streams_for
 from megatron_zeppelin.errors import brief
-from megatron_zeppelin.schedule.ops import Op, Schedule
+from megatron_zeppelin.schedule.ops import Op, Schedule, lane_of
 
 __all__ = ["CALLS_IN_FLIGHT", "DEFAULT_TIMEOUT", "LANES", "Binding", "LaneRunner", "OpTrace", "StepRecorder",
            "lane_of", "run_without_transfers"]
@@ -64,11 +64,6 @@ DEFAULT_TIMEOUT = timedelta(seconds=300)
 LANES = ("inter", "intra")
 #: Seconds between looks at unfired events (CUDA: a receive still in flight).
 POLL_S = 0.0002
-
-
-def lane_of(op: Op) -> str:
-    """The lane a transfer travels on: ``inter`` through a NIC, else ``intra``."""
-    return "intra" if op.nic is None else "inter"
 
 
 class Binding(Protocol):
@@ -236,11 +231,7 @@ class _Call:
         me = runner.rank
         lanes = schedule.lanes(me)
         self.compute_ops = lanes.compute
-        self.batches: dict[str, list[list[Op]]] = {}
-        for op in lanes.comm:
-            waves = self.batches.setdefault(lane_of(op), {})
-            waves.setdefault(schedule.wave(op.id), []).append(op)
-        self.batches = {lane: [waves[w] for w in sorted(waves)] for lane, waves in self.batches.items()}
+        self.batches = schedule.wave_batches(me)
         self.done = _Done()
         self.events: dict[int, Any] = {}
         """Op id -> the event recorded after it (compute: caller's stream; receive: its lane's)."""

@@ -85,6 +85,11 @@ class Op:
         return self.rank == rank or (self.kind == COMM and self.peer == rank)
 
 
+def lane_of(op: Op) -> str:
+    """The lane a transfer travels on: ``inter`` through a NIC, else ``intra``."""
+    return "intra" if op.nic is None else "inter"
+
+
 @dataclass(frozen=True)
 class RankOps:
     """One rank's lanes."""
@@ -108,6 +113,7 @@ class Schedule:
     a transfer op's ``key`` starts with its message id."""
     _lanes: dict[int, RankOps] = field(default_factory=dict, repr=False, compare=False)
     _waves: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    _batches: dict[int, dict[str, list[list[Op]]]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate(self.ops, self.world_size)
@@ -140,6 +146,17 @@ class Schedule:
                 level.append(before + 1 if op.kind == COMM else before)
             self._waves = tuple(level)
         return self._waves[op_id]
+
+    def wave_batches(self, rank: int) -> dict[str, list[list[Op]]]:
+        """``rank``'s transfers by lane (:func:`lane_of`), each lane's as its waves in
+        order, each wave in lane order: what the engine posts a batch at a time
+        (computed once per rank: every layer of a step runs the same schedule)."""
+        if rank not in self._batches:
+            by_lane: dict[str, dict[int, list[Op]]] = {}
+            for op in self.lanes(rank).comm:
+                by_lane.setdefault(lane_of(op), {}).setdefault(self.wave(op.id), []).append(op)
+            self._batches[rank] = {lane: [waves[w] for w in sorted(waves)] for lane, waves in by_lane.items()}
+        return self._batches[rank]
 
     def shifted(self, offset: int) -> tuple[Op, ...]:
         """The ops renumbered by ``offset`` (to concatenate schedules)."""
