@@ -347,3 +347,30 @@ def test_a_failing_kernel_ends_the_call_at_once():
     with pytest.raises(RuntimeError, match="kernel failed"):
         run_ranks(hub, rank)
     assert time.monotonic() - t0 < 20
+
+
+def _inter_group_case(rank, world_size):
+    """A communicator given a second group runs its inter-node lane on it (NCCL: a
+    communicator of its own); a routed round still lands every message."""
+    import torch.distributed as dist
+
+    from megatron_zeppelin.comm.base import Message
+
+    inter = dist.new_group(list(range(world_size)))        # collective, as data_parallel_lane_groups
+    topo = Topology(nodes=2, gpus_per_node=2, nics_per_node=2)
+    comm = RoutedCommunicator(None, topo, None, 0, inter_group=inter)
+    lanes = {lane: p2p.group for lane, p2p in comm.runner.p2p.items()}
+    messages = [Message(i, src, (src + 2) % 4, 8) for i, src in enumerate(range(4))]   # every one crosses nodes
+    sends = {m.id: torch.full((8,), float(m.src)) for m in messages if m.src == rank}
+    recvs = {m.id: torch.empty(8) for m in messages if m.dst == rank}
+    comm.start_round(messages, sends, recvs).wait()
+    inter_bytes = sum(comm.counters.inter_node_per_nic.values())
+    comm.close()
+    return lanes["inter"] is inter, lanes["intra"] is None, {m: t.tolist() for m, t in recvs.items()}, inter_bytes
+
+
+def test_the_inter_lane_runs_on_its_own_group(world):
+    for rank, (own, intra_default, got, inter_bytes) in enumerate(world.run(_inter_group_case)):
+        assert own and intra_default and inter_bytes > 0
+        src = (rank + 2) % 4
+        assert got == {src: [float(src)] * 8}
