@@ -20,7 +20,6 @@ and on CPU tensors with the recording checker by the tests.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 import threading
 import time
 from dataclasses import dataclass
@@ -34,7 +33,6 @@ from megatron_zeppelin.comm.lanes import LaneRunner
 from megatron_zeppelin.comm.p2p import Transfer
 from megatron_zeppelin.comm.rounds import LaneCommunicator
 from megatron_zeppelin.comm.streams import StreamOps, streams_for
-from megatron_zeppelin.schedule.attention import Transport
 from megatron_zeppelin.topology import Topology
 
 
@@ -176,18 +174,13 @@ class LoopbackCommunicator(LaneCommunicator):
     def __init__(self, hub: LoopbackHub, rank: int, topology: Topology | None = None,
                  min_routed_bytes: float = math.inf, timeout: timedelta = timedelta(seconds=120),
                  dtype: torch.dtype = torch.float32) -> None:
-        # No process group: the parts LaneCommunicator.__init__ would take from one.
-        self.group, self.rank, self.device = None, rank, hub.device
-        self.topology = topology or Topology(nodes=1, gpus_per_node=hub.world_size, nics_per_node=1)
-        self.topology.check_world_size(hub.world_size)
-        self.counters = ByteCounters()
-        self.min_routed_bytes = min_routed_bytes
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
-        self.transport = Transport(self.topology, min_routed_bytes)
-        self.runner = LaneRunner(None, rank, self.counters, device=hub.device, timeout=timeout,
-                                 p2p=LoopbackP2P(hub, rank), streams=hub.streams)
-        self._rounds = OrderedDict()
-        self.recorder = None
+        # No process group: the rank, device and lane runner LaneCommunicator.__init__ would take from one.
+        topology = topology or Topology(nodes=1, gpus_per_node=hub.world_size, nics_per_node=1)
+        topology.check_world_size(hub.world_size)
+        counters = ByteCounters()
+        self._bind(None, rank, topology, counters, min_routed_bytes, dtype, hub.device,
+                   LaneRunner(None, rank, counters, device=hub.device, timeout=timeout,
+                              p2p=LoopbackP2P(hub, rank), streams=hub.streams))
 
 
 def run_ranks(hub: LoopbackHub, work: Callable[[int], object]) -> list:

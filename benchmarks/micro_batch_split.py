@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Sequence
 
-import numpy as np
-
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.model_config import load_model

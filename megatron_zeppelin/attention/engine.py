@@ -30,8 +30,6 @@ from megatron_zeppelin.comm.lanes import run_without_transfers
 from megatron_zeppelin.comm.rounds import LaneCommunicator
 from megatron_zeppelin.comm.streams import StreamOps, streams_for
 from megatron_zeppelin.plan.plan import Mode, Plan
-from megatron_zeppelin.plan.shards import causal_pairs
-from megatron_zeppelin.schedule import geometry as geo
 from megatron_zeppelin.schedule.attention import AttnShape, Transport, attention_schedule
 from megatron_zeppelin.schedule.ops import Op, Schedule
 from megatron_zeppelin.topology import Topology

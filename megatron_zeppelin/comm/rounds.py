@@ -70,12 +70,7 @@ class LaneCommunicator:
         ``streams``: how the lanes reach streams (default: the device's own).
         ``inter_group``: a second group over the same ranks for the inter-node lane
         (NCCL: its own communicator and stream, ``comm/groups.py``); None: ``group``."""
-        self.group = group
-        self.topology = topology
-        self.counters = counters if counters is not None else ByteCounters()
-        self.min_routed_bytes = min_routed_bytes
-        self.itemsize = torch.empty((), dtype=dtype or torch.get_default_dtype()).element_size()
-        self.rank = dist.get_rank(group)
+        rank = dist.get_rank(group)
         topology.check_world_size(dist.get_world_size(group))
         nccl = dist.get_backend(group) == "nccl"
         if device is None:
@@ -85,10 +80,23 @@ class LaneCommunicator:
         if inter_group is not None:
             warm_up_nccl(inter_group)
             lane_p2p = {"inter": TorchP2P(inter_group)}
-        self.device = device
+        counters = counters if counters is not None else ByteCounters()
+        self._bind(group, rank, topology, counters, min_routed_bytes, dtype, device,
+                   LaneRunner(group, rank, counters, device=device, timeout=timeout, streams=streams,
+                              lane_p2p=lane_p2p))
+
+    def _bind(self, group: dist.ProcessGroup | None, rank: int, topology: Topology, counters: ByteCounters,
+              min_routed_bytes: float, dtype: torch.dtype | None, device: torch.device,
+              runner: LaneRunner) -> None:
+        """Every field of a communicator, given its rank and lane runner (a process
+        group's, or a stand-in's that has no group: ``benchmarks/loopback.py``)."""
+        self.group, self.rank, self.device = group, rank, device
+        self.topology = topology
+        self.counters = counters
+        self.min_routed_bytes = min_routed_bytes
+        self.itemsize = torch.empty((), dtype=dtype or torch.get_default_dtype()).element_size()
         self.transport = Transport(topology, min_routed_bytes)
-        self.runner = LaneRunner(group, self.rank, self.counters, device=device, timeout=timeout, streams=streams,
-                                 lane_p2p=lane_p2p)
+        self.runner = runner
         self._rounds: OrderedDict[tuple, tuple[Schedule, dict[int, int]]] = OrderedDict()
         """Round schedules by their messages: every layer of a step switches with the
         same ones, and rebuilding a routed round costs milliseconds at 64 ranks."""

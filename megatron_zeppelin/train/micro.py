@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import ConfigError, InfeasibleError
 from megatron_zeppelin.plan import Plan
-from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split, micro_batches_of
+from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split
 from megatron_zeppelin.sampler import GlobalBatch, Piece, ZeppelinBatchSampler
 from megatron_zeppelin.sampler.deferral import DeferringSampler
 from megatron_zeppelin.topology import ClusterConfig
