@@ -219,6 +219,9 @@ class HybridCpPlanner(MergedRounds):
     in rounds with a barrier after each (:mod:`~megatron_zeppelin.planner.rounds`)."""
 
     name = "megatron_hybrid_cp"
+    #: Megatron-Core 0.16's argument check (``megatron/training/arguments.py``) asserts
+    #: ``not args.pipeline_model_parallel_size > 1`` with ``--hybrid-context-parallel``.
+    refuses_pipeline = "Megatron-Core 0.16 refuses --hybrid-context-parallel with pipeline parallelism"
 
     def plan_rounds(self, seq_lens: Sequence[int], ctx: PlanContext) -> RoundsPlan:
         lens = check_lengths(seq_lens)

@@ -135,6 +135,9 @@ def simulate_strategy(s: Strategy, batches: list[list[int]], split: Callable, pp
                       args: argparse.Namespace) -> PipelineResult:
     # A TP view's GPU is the TP group (its memory tp times one GPU's).
     r = PipelineResult(s.name, error=s.infeasible, memory_gib=s.cost.cluster.gpu.memory_gib / s.cost.tp_size)
+    refusal = getattr(s.planner, "refuses_pipeline", None)
+    if r.error is None and pp > 1 and refusal:
+        r.error = f"{s.name}: {refusal}"
     if r.error is not None:
         return r
     ctx = plan_context(s, args.tokens_per_gpu, args.flexsp_time_limit)
