@@ -41,6 +41,16 @@ def test_dynamic_cp_hand_example():
     assert [g.load for g in mbs[1]] == [4.5, 9.0, 1.0]
 
 
+def test_dynamic_cp_falls_back_to_the_whole_world():
+    """World 7 (not a power of two), cap 256, lengths 228 and 34: each opens a group of
+    one (34 cannot join 228: 262 tokens); filling the 5 idle ranks doubles 228's group
+    to 2, 34's to 2, 228's to 4; 34's cannot reach 4 (ranks 4-7 pass the last rank),
+    so the micro-batch becomes one group of all 7 ranks holding both
+    (``fill_with_full_dpxcp_group``)."""
+    [[g]] = dynamic_cp_micro_batches([228, 34], 256, 7)
+    assert (g.first_rank, g.size, g.seqs) == (0, 7, [0, 1])
+
+
 def test_dynamic_cp_plans_cover_exactly_and_hold_the_cap():
     """Random batches: every sequence in exactly one micro-batch, every rank in
     exactly one power-of-two aligned group per micro-batch, a group's tokens per
@@ -99,15 +109,22 @@ def test_dynamic_cp_matches_megatron_dev_scheduler():
     ns = _megatron_dev("data_schedule_utils.py",
                        {"next_hdp_group_packing_aware", "dcp_gpus_needed", "_DYNAMIC_CP_WORKLOAD_CAP_DELTA"})
     assert ns["_DYNAMIC_CP_WORKLOAD_CAP_DELTA"] == WORKLOAD_CAP_DELTA
-    for trial in range(300):
+    for trial in range(400):
         rng = random.Random(trial)
-        world, cap = rng.choice([1, 2, 4, 8, 16]), rng.choice([64, 256])
-        lens = [max(1, int((cap * world) ** rng.random())) if rng.random() < 0.5 else rng.randint(1, cap)
+        # Powers of two, and worlds where filling idle ranks can fail (the whole-world
+        # fallback) or overrun the last rank (Megatron raises; we refuse).
+        world, cap = rng.choice([1, 2, 4, 8, 16, 6, 7, 12]), rng.choice([64, 256])
+        lens = [max(1, int((cap * min(world, 4)) ** rng.random())) if rng.random() < 0.5 else rng.randint(1, cap)
                 for _ in range(rng.randint(1, 40))]
         samples, want = sorted(enumerate(lens), key=lambda s: s[1], reverse=True), []
-        while samples:
-            _, samples, _, per_rank = ns["next_hdp_group_packing_aware"](samples, world, cap)
-            want.append(sorted({(per_rank.count(ids), tuple(ids)) for ids in per_rank}))
+        try:
+            while samples:
+                _, samples, _, per_rank = ns["next_hdp_group_packing_aware"](samples, world, cap)
+                want.append(sorted({(per_rank.count(ids), tuple(ids)) for ids in per_rank}))
+        except IndexError:
+            with pytest.raises(InfeasibleError, match="power of two"):
+                dynamic_cp_micro_batches(lens, cap, world)
+            continue
         got = [sorted((g.size, tuple(g.seqs)) for g in mb) for mb in dynamic_cp_micro_batches(lens, cap, world)]
         assert got == want, (world, cap, lens)
 
