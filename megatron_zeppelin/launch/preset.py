@@ -206,6 +206,9 @@ def check_pipeline(p: LaunchPreset, m: ModelConfig) -> None:
     """What ``pretrain_gpt.py --zeppelin`` refuses under pipeline parallelism
     (``integration/args.py``'s checks, the single source), before launch and in
     the preset's own words."""
+    if p.pipeline_parallel == 1 and p.virtual_pipeline_stages > 1:
+        raise ConfigError(f"preset {p.name}: virtual_pipeline_stages {p.virtual_pipeline_stages} interleaves "
+                          "pipeline stages, and pipeline_parallel is 1; set virtual_pipeline_stages: 1")
     flags = argparse.Namespace(
         pipeline_model_parallel_size=p.pipeline_parallel, num_layers=m.num_layers,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_stages if p.virtual_pipeline_stages > 1 else None,
@@ -213,9 +216,6 @@ def check_pipeline(p: LaunchPreset, m: ModelConfig) -> None:
         tensor_model_parallel_size=p.tensor_parallel, context_parallel_size=1,
         global_batch_size=p.micro_batches * p.data_parallel_size, zeppelin_planner=p.planner,
         zeppelin_log_interval=p.zeppelin_log_every, num_experts=m.num_experts if m.moe_enabled else None)
-    if p.pipeline_parallel == 1 and p.virtual_pipeline_stages > 1:
-        raise ConfigError(f"preset {p.name}: virtual_pipeline_stages {p.virtual_pipeline_stages} interleaves "
-                          "pipeline stages, and pipeline_parallel is 1; set virtual_pipeline_stages: 1")
     try:
         with warnings.catch_warnings():
             # Its release check imports megatron.core, which warns on a host without TE or Apex.
