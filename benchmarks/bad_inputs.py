@@ -11,7 +11,7 @@ Megatron are imported once), with its stderr captured, and is classed as
 * ``hang``: still running after the case's time limit (then killed).
 
 Prints one line per case that is not clear (all with --verbose) and the counts.
-Cases marked ``(issue 13)``, ``(issue 12)`` or ``(issue 24)`` are the inputs listed in that issue.
+Cases marked ``(issue 13)``, ``(issue 12)``, ``(issue 20)`` or ``(issue 24)`` are the inputs listed in that issue.
 """
 
 from __future__ import annotations
@@ -232,6 +232,14 @@ def build_cases(d: Path) -> list[Case]:
                          ("expert_parallel_size 4 over 2 data-parallel ranks", {"model": ep4, "tensor_parallel": 2})]:
         path = _write_variant(d, "presets", "tiny-cpu", change, name.split()[0] + name.split()[1])
         add(f"launch {name} (issue 12)", "launch", ["--preset", path, "--print-args"])
+    for name, change in [("pipeline_parallel 2 with 1 micro-batch", {"pipeline_parallel": 2}),
+                         ("pipeline_parallel 4 over 2 layers", {"pipeline_parallel": 4, "micro_batches": 4}),
+                         ("virtual_pipeline_stages 2", {"pipeline_parallel": 2, "micro_batches": 2,
+                                                        "virtual_pipeline_stages": 2}),
+                         ("pipeline_parallel 2 with zeppelin_log_interval 1", {"pipeline_parallel": 2,
+                                                                               "micro_batches": 2})]:
+        path = _write_variant(d, "presets", "tiny-cpu", change, name.split()[0] + name.split()[-1])
+        add(f"launch {name} (issue 20)", "launch", ["--preset", path, "--print-args"])
 
     # --- simulator flags
     sim_base = ["--cluster", "cpu-sim", "--nodes", "2", "--model", "tiny", "--lengths", str(good),

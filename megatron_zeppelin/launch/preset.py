@@ -9,10 +9,14 @@ fails before anything is launched.
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
+import warnings
 from dataclasses import dataclass, field
 
 from megatron_zeppelin.errors import ConfigError
+from megatron_zeppelin.integration.args import _check_pipeline as check_pipeline_flags
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.planner.base import PLANNERS
 from megatron_zeppelin.presets import build_dataclass, load_yaml, resolve_preset
@@ -47,6 +51,16 @@ class LaunchPreset:
     """``--data-path`` entries: ``PREFIX`` or ``WEIGHT PREFIX WEIGHT PREFIX ...``."""
     tensor_parallel: int = 1
     """Tensor-parallel size (heads split across TP ranks inside the engine)."""
+    pipeline_parallel: int = 1
+    """``--pipeline-model-parallel-size``: stages of whole nodes (or a slice of one
+    node), each holding ``num_layers / pipeline_parallel`` layers; every stage runs
+    each micro-batch's plan (non-interleaved 1F1B)."""
+    virtual_pipeline_stages: int = 1
+    """Interleaved 1F1B's model chunks per stage; only 1: ``pretrain_gpt.py --zeppelin``
+    refuses interleaving (its schedule is not tested with per-micro-batch shapes)."""
+    micro_batches: int = 1
+    """Packed micro-batches per data-parallel rank per step (``--global-batch-size`` =
+    micro_batches x data-parallel size); at least ``pipeline_parallel``."""
     planner: str = "zeppelin"
     """``--zeppelin-planner``: zeppelin or a baseline."""
     routing: bool = True
@@ -95,8 +109,10 @@ class LaunchPreset:
     """Steps between validation runs."""
     eval_iters: int = 10
     """Global batches per validation run."""
-    zeppelin_log_interval: int = 50
-    """``--zeppelin-log-interval``: tier counts and balance every N steps."""
+    zeppelin_log_interval: int | None = None
+    """``--zeppelin-log-interval``: tier counts and balance every N steps (0: off).
+    Default 50, and 0 under pipeline parallelism, where ``pretrain_gpt.py`` refuses
+    it (its report sums over every rank inside the step)."""
     plan_dump_dir: str | None = None
     """``--zeppelin-plan-dump-dir`` (None: no plan dumps)."""
     rdzv_port: int = 29500
@@ -107,17 +123,24 @@ class LaunchPreset:
     """More Megatron flags, appended verbatim (e.g. ``--use-flash-attn``)."""
 
     def __post_init__(self) -> None:
-        for key in ("nodes", "gpus_per_node", "tensor_parallel", "seq_length", "tokens_per_gpu", "train_iters",
-                    "save_interval", "log_interval", "eval_interval", "zeppelin_log_interval"):
+        for key in ("nodes", "gpus_per_node", "tensor_parallel", "pipeline_parallel", "virtual_pipeline_stages",
+                    "micro_batches", "seq_length", "tokens_per_gpu", "train_iters", "save_interval", "log_interval",
+                    "eval_interval"):
             check_int(getattr(self, key), f"preset {self.name}: {key}", minimum=1)
         for key in ("warmup_iters", "eval_iters", "seed"):
             check_int(getattr(self, key), f"preset {self.name}: {key}", minimum=0)
+        if self.zeppelin_log_interval is not None:
+            check_int(self.zeppelin_log_interval, f"preset {self.name}: zeppelin_log_interval", minimum=0)
         check_int(self.rdzv_port, f"preset {self.name}: rdzv_port", minimum=1, maximum=65535)
         for key in ("lr", "min_lr", "weight_decay", "clip_grad"):
             check_float(getattr(self, key), f"preset {self.name}: {key}", minimum=0)
         if self.gpus_per_node % self.tensor_parallel:
             raise ConfigError(f"preset {self.name}: tensor_parallel {self.tensor_parallel} must divide "
                               f"gpus_per_node {self.gpus_per_node} (a TP group stays inside one node)")
+        if self.world_size % (self.tensor_parallel * self.pipeline_parallel):
+            raise ConfigError(f"preset {self.name}: tensor_parallel {self.tensor_parallel} x pipeline_parallel "
+                              f"{self.pipeline_parallel} does not divide the {self.world_size} GPUs; pick sizes "
+                              "whose product divides nodes x gpus_per_node")
         if self.seq_length > self.tokens_per_gpu * self.data_parallel_size:
             raise ConfigError(f"preset {self.name}: seq_length {self.seq_length} is longer than the "
                               f"{self.data_parallel_size} data-parallel ranks x tokens_per_gpu "
@@ -140,7 +163,14 @@ class LaunchPreset:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.tensor_parallel
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+
+    @property
+    def zeppelin_log_every(self) -> int:
+        """The ``--zeppelin-log-interval`` rendered (:attr:`zeppelin_log_interval`'s default)."""
+        if self.zeppelin_log_interval is not None:
+            return self.zeppelin_log_interval
+        return 50 if self.pipeline_parallel == 1 else 0
 
 
 def check_model_fits(p: LaunchPreset, m: ModelConfig) -> None:
@@ -155,6 +185,47 @@ def check_model_fits(p: LaunchPreset, m: ModelConfig) -> None:
         raise ConfigError(f"preset {p.name}: model {m.name}'s expert_parallel_size {m.expert_parallel_size} "
                           f"does not divide the {p.data_parallel_size} data-parallel ranks; pick a model "
                           "expert_parallel_size or a rank count that fits")
+    check_pipeline(p, m)
+
+
+#: ``pretrain_gpt.py``'s flags in the pipeline checks' messages, and the preset keys they come from.
+PRESET_TERMS = (
+    (re.compile(r"--zeppelin with --pipeline-model-parallel-size"), "pipeline_parallel"),
+    (re.compile(r"--pipeline-model-parallel-size"), "pipeline_parallel"),
+    (re.compile(r"drop --num-layers-per-virtual-pipeline-stage"), "set virtual_pipeline_stages: 1"),
+    (re.compile(r"--num-layers (\d+)"), r"the model's \1 layers"),
+    (re.compile(r"--global-batch-size / data-parallel size = (\d+) micro-batches"), r"micro_batches \1"),
+    (re.compile(r"raise --global-batch-size"), "raise micro_batches"),
+    (re.compile(r"--zeppelin-planner"), "planner"),
+    (re.compile(r"--zeppelin-log-interval (\d+)(.*); drop it"), r"zeppelin_log_interval \1\2; set it to 0"),
+    (re.compile(r"drop --num-experts"), "use a dense model"),
+)
+
+
+def check_pipeline(p: LaunchPreset, m: ModelConfig) -> None:
+    """What ``pretrain_gpt.py --zeppelin`` refuses under pipeline parallelism
+    (``integration/args.py``'s checks, the single source), before launch and in
+    the preset's own words."""
+    if p.pipeline_parallel == 1 and p.virtual_pipeline_stages > 1:
+        raise ConfigError(f"preset {p.name}: virtual_pipeline_stages {p.virtual_pipeline_stages} interleaves "
+                          "pipeline stages, and pipeline_parallel is 1; set virtual_pipeline_stages: 1")
+    flags = argparse.Namespace(
+        pipeline_model_parallel_size=p.pipeline_parallel, num_layers=m.num_layers,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_stages if p.virtual_pipeline_stages > 1 else None,
+        num_layers_per_virtual_pipeline_stage=None, world_size=p.world_size, zeppelin_cluster=p.cluster,
+        tensor_model_parallel_size=p.tensor_parallel, context_parallel_size=1,
+        global_batch_size=p.micro_batches * p.data_parallel_size, zeppelin_planner=p.planner,
+        zeppelin_log_interval=p.zeppelin_log_every, num_experts=m.num_experts if m.moe_enabled else None)
+    try:
+        with warnings.catch_warnings():
+            # Its release check imports megatron.core, which warns on a host without TE or Apex.
+            warnings.simplefilter("ignore")
+            check_pipeline_flags(flags)
+    except ConfigError as exc:
+        message = str(exc)
+        for pattern, replacement in PRESET_TERMS:
+            message = pattern.sub(replacement, message)
+        raise ConfigError(f"preset {p.name}: {message}") from None
 
 
 def load_launch_preset(name_or_path: str | os.PathLike) -> LaunchPreset:

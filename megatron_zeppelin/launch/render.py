@@ -52,10 +52,11 @@ def model_args(m: ModelConfig, p: LaunchPreset) -> list[str]:
 
 def training_args(p: LaunchPreset) -> list[str]:
     """Parallelism, batch shape, optimizer, precision, recompute, data and checkpoints."""
-    # One packed micro-batch per data-parallel rank per step: the global batch is
-    # a token budget, so Megatron's sample counts are 1 per rank.
-    args = ["--tensor-model-parallel-size", str(p.tensor_parallel), "--pipeline-model-parallel-size", "1",
-            "--micro-batch-size", "1", "--global-batch-size", str(p.data_parallel_size),
+    # micro_batches packed micro-batches per data-parallel rank per step: the global
+    # batch is a token budget, so Megatron's sample counts are 1 per micro-batch.
+    args = ["--tensor-model-parallel-size", str(p.tensor_parallel),
+            "--pipeline-model-parallel-size", str(p.pipeline_parallel),
+            "--micro-batch-size", "1", "--global-batch-size", str(p.micro_batches * p.data_parallel_size),
             "--calculate-per-token-loss", "--dataloader-type", "external",
             "--train-iters", str(p.train_iters), "--seed", str(p.seed),
             "--lr", repr(p.lr), "--min-lr", repr(p.min_lr), "--lr-decay-style", "cosine",
@@ -84,7 +85,7 @@ def zeppelin_args(p: LaunchPreset) -> list[str]:
     args = ["--zeppelin", "--zeppelin-planner", p.planner, "--zeppelin-tokens-per-gpu", str(p.tokens_per_gpu),
             "--zeppelin-cluster", p.cluster, "--zeppelin-routing", on_off[p.routing],
             "--zeppelin-remap", on_off[p.remap], "--zeppelin-decide", on_off[p.decide],
-            "--zeppelin-log-interval", str(p.zeppelin_log_interval)]
+            "--zeppelin-log-interval", str(p.zeppelin_log_every)]
     if p.plan_dump_dir:
         args += ["--zeppelin-plan-dump-dir", p.plan_dump_dir]
     return args

@@ -72,6 +72,8 @@ PLANNERS: dict[str, str] = {
     "te_cp": "megatron_zeppelin.planner.te_cp:TeCpPlanner",
     "packing_dp": "megatron_zeppelin.planner.packing_dp:PackingDpPlanner",
     "megatron_hybrid_cp": "megatron_zeppelin.planner.hybrid_cp:HybridCpPlanner",
+    "megatron_dynamic_cp": "megatron_zeppelin.planner.dynamic_cp:DynamicCpPlanner",
+    "megatron_dp_balanced": "megatron_zeppelin.planner.dp_balanced:DpBalancedPlanner",
     "flexsp": "megatron_zeppelin.planner.flexsp:FlexSpPlanner",
     "ulysses_sp": "megatron_zeppelin.planner.ulysses_sp:UlyssesSpPlanner",
 }

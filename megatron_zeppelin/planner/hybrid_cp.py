@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, placement
+from megatron_zeppelin.plan import Mode, SeqPlacement, placement
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.packing import check_lengths
-from megatron_zeppelin.planner.rounds import RoundsPlan, build_rounds
+from megatron_zeppelin.planner.rounds import MergedRounds, RoundsPlan, build_rounds
 
 #: ``next_hdp_group`` defaults: balance slack (5 %) and bucket overshoot (10 %).
 BALANCE_DELTA = 0.05
@@ -58,11 +58,40 @@ class CpGroup:
     """Scheduler workload estimate: sum of ``L**2 / gpus_needed(L)``."""
     first_rank: int = 0
     """First rank, set when the round is laid out."""
+    tokens: float = 0.0
+    """Tokens per rank, ``sum(L / size)`` (dynamic CP's packing bound; unused here)."""
 
 
 def gpus_needed(length: int, cap: int) -> int:
     """``BalancedCPScheduler.gpus_needed``: next power of two of ``length / cap``."""
     return max(1, 2 ** math.ceil(math.log2(length / cap)))
+
+
+def lay_out(groups: list[CpGroup]) -> list[CpGroup]:
+    """Place a round's groups largest first: prefix sums of descending powers of
+    two are aligned offsets, so each group is one of Megatron's aligned process
+    groups ``[i*cp, (i+1)*cp)``."""
+    groups.sort(key=lambda g: -g.size)
+    offset = 0
+    for g in groups:
+        g.first_rank, offset = offset, offset + g.size
+    return groups
+
+
+def group_placements(groups: Sequence[CpGroup], lens: Sequence[int]) -> list[SeqPlacement]:
+    """Each group's sequences zigzag-split over its ranks (a ring).  Megatron pads
+    a sequence shorter than ``2*cp`` tokens; a Plan cannot, so such a
+    (negligible) sequence runs on the group's first rank."""
+    out = []
+    for g in groups:
+        ranks = range(g.first_rank, g.first_rank + g.size)
+        for seq in g.seqs:
+            L = lens[seq]
+            if g.size == 1 or L < 2 * g.size:
+                out.append(placement(seq, L, Mode.LOCAL, [g.first_rank]))
+            else:
+                out.append(placement(seq, L, Mode.RING, ranks))
+    return out
 
 
 def _workload(length: int, cap: int) -> float:
@@ -181,41 +210,23 @@ def hybrid_cp_rounds(seq_lens: Sequence[int], tokens_per_gpu: int, world_size: i
     rounds = []
     while samples:
         groups, samples = _next_round(samples, lens, tokens_per_gpu, world_size)
-        # Largest first: prefix sums of descending powers of two are aligned offsets.
-        groups.sort(key=lambda g: -g.size)
-        offset = 0
-        for g in groups:
-            g.first_rank, offset = offset, offset + g.size
-        rounds.append(groups)
+        rounds.append(lay_out(groups))
     return rounds
 
 
-class HybridCpPlanner:
+class HybridCpPlanner(MergedRounds):
     """Per-sequence power-of-two CP groups from Megatron's BalancedCPScheduler,
     in rounds with a barrier after each (:mod:`~megatron_zeppelin.planner.rounds`)."""
 
     name = "megatron_hybrid_cp"
+    #: Megatron-Core 0.16's argument check (``megatron/training/arguments.py``) asserts
+    #: ``not args.pipeline_model_parallel_size > 1`` with ``--hybrid-context-parallel``.
+    refuses_pipeline = "Megatron-Core 0.16 refuses --hybrid-context-parallel with pipeline parallelism"
 
     def plan_rounds(self, seq_lens: Sequence[int], ctx: PlanContext) -> RoundsPlan:
         lens = check_lengths(seq_lens)
         return build_rounds(self.name, ctx.topology, lens, self._rounds(lens, ctx), None)
 
-    def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
-        return self.plan_rounds(seq_lens, ctx).merged
-
     def _rounds(self, lens: tuple[int, ...], ctx: PlanContext) -> list[list[SeqPlacement]]:
-        rounds = []
-        for groups in hybrid_cp_rounds(lens, ctx.tokens_per_gpu, ctx.topology.world_size):
-            attention = []
-            for g in groups:
-                ranks = range(g.first_rank, g.first_rank + g.size)
-                for seq in g.seqs:
-                    L = lens[seq]
-                    # Megatron pads a sub-sample shorter than 2*cp tokens; a Plan cannot,
-                    # so such a (negligible) sequence runs on the group's first rank.
-                    if g.size == 1 or L < 2 * g.size:
-                        attention.append(placement(seq, L, Mode.LOCAL, [g.first_rank]))
-                    else:
-                        attention.append(placement(seq, L, Mode.RING, ranks))
-            rounds.append(attention)
-        return rounds
+        return [group_placements(groups, lens)
+                for groups in hybrid_cp_rounds(lens, ctx.tokens_per_gpu, ctx.topology.world_size)]

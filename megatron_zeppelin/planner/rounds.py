@@ -42,6 +42,13 @@ class RoundPlanner(Protocol):
     def plan_rounds(self, seq_lens: Sequence[int], ctx: PlanContext) -> RoundsPlan: ...
 
 
+class MergedRounds:
+    """A round planner's ``plan``: the merged plan of its ``plan_rounds``."""
+
+    def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
+        return self.plan_rounds(seq_lens, ctx).merged      # type: ignore[attr-defined]
+
+
 def build_rounds(strategy: str, topo: Topology, lens: Sequence[int],
                  rounds: Sequence[Sequence[SeqPlacement]], token_cap: int | None) -> RoundsPlan:
     """The merged plan and the per-round plans of ``rounds`` (placements with

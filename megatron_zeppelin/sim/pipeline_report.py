@@ -20,7 +20,7 @@ from megatron_zeppelin.errors import ConfigError, InfeasibleError
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.sim.pipeline import (GIB, PipelineStep, StageMemory, ideal_bubble, micro_batch_work,
                                             pipeline_step, stage_memory)
-from megatron_zeppelin.sim.rounds import timed_batch
+from megatron_zeppelin.sim.rounds import batch_groups, timed_batch
 from megatron_zeppelin.sim.simulate import BASELINE, Strategy, plan_context
 
 
@@ -135,6 +135,9 @@ def simulate_strategy(s: Strategy, batches: list[list[int]], split: Callable, pp
                       args: argparse.Namespace) -> PipelineResult:
     # A TP view's GPU is the TP group (its memory tp times one GPU's).
     r = PipelineResult(s.name, error=s.infeasible, memory_gib=s.cost.cluster.gpu.memory_gib / s.cost.tp_size)
+    refusal = getattr(s.planner, "refuses_pipeline", None)
+    if r.error is None and pp > 1 and refusal:
+        r.error = f"{s.name}: {refusal}"
     if r.error is not None:
         return r
     ctx = plan_context(s, args.tokens_per_gpu, args.flexsp_time_limit)
@@ -142,7 +145,7 @@ def simulate_strategy(s: Strategy, batches: list[list[int]], split: Callable, pp
     for step, lens in enumerate(batches):
         works = []
         try:
-            for group in split(lens):
+            for group in batch_groups(s.planner, lens, split(lens)):
                 timed = timed_batch(s.planner, [lens[i] for i in group], ctx)
                 works += [micro_batch_work(plan, part, s.cost, pp, recompute)
                           for plan, part in zip(timed.rounds, timed.parts)]

@@ -29,6 +29,16 @@ def plan_batch(planner: Planner, lens: Sequence[int], ctx: PlanContext) -> tuple
     return rounds.merged, rounds.rounds
 
 
+def batch_groups(planner: Planner, lens: Sequence[int], split_groups: list[list[int]]) -> list[list[int]]:
+    """The sequence groups ``planner`` plans one by one: the micro-batch split's,
+    or the whole global batch for a planner that cuts it into micro-batches
+    itself (``schedules_global_batch``: Megatron-LM's sequence-packing
+    schedulers gather the global batch's lengths over DP and re-pack them)."""
+    if getattr(planner, "schedules_global_batch", False):
+        return [list(range(len(lens)))]
+    return split_groups
+
+
 def rounds_timeline(rounds: Sequence[Plan], cost: CostModel) -> StepTimeline:
     """The step of ``rounds`` run one after another: the first round's timeline
     (for plots and imbalance) with the step time of all of them."""

@@ -24,7 +24,7 @@ from megatron_zeppelin.planner.base import PLANNERS, get_planner
 from megatron_zeppelin.planner.micro_batches import Split
 from megatron_zeppelin.sampler.batch_sampler import ZeppelinBatchSampler
 from megatron_zeppelin.sim.progress import Progress
-from megatron_zeppelin.sim.rounds import plan_batch, rounds_timeline
+from megatron_zeppelin.sim.rounds import batch_groups, plan_batch, rounds_timeline
 from megatron_zeppelin.sim.static_layout import choose_layout
 from megatron_zeppelin.sim.strategy import Strategy, plan_context
 from megatron_zeppelin.sim.timeline import ReplayCharge, StepTimeline
@@ -133,8 +133,9 @@ def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | No
     return strategies
 
 
-#: Baselines whose layout is fixed for the whole run.
-STATIC = ("te_cp", "ulysses_sp")
+#: Baselines whose layout is searched and then fixed for the whole run: TP x CP
+#: (``te_cp``, ``megatron_dp_balanced``), SP, or TP alone where CP is per sequence.
+STATIC = ("te_cp", "ulysses_sp", "megatron_dp_balanced", "megatron_hybrid_cp", "megatron_dynamic_cp")
 
 
 def _static_strategy(name: str, cost: CostModel, batches: Sequence[Sequence[int]], max_seq_len: int | None,
@@ -273,7 +274,7 @@ def _run_one(step: int, lens: list[int], s: Strategy, r: StrategyResult, tokens_
     ctx = plan_context(s, tokens_per_gpu, time_limit_s, charge)
     try:
         t0 = time.perf_counter()
-        planned = [plan_batch(s.planner, [lens[i] for i in g], ctx) for g in groups]
+        planned = [plan_batch(s.planner, [lens[i] for i in g], ctx) for g in batch_groups(s.planner, lens, groups)]
         elapsed_ms = (time.perf_counter() - t0 + charge.reused_s) * 1e3
     except InfeasibleError as exc:
         r.error = f"step {step}: {exc}"

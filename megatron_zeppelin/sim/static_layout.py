@@ -46,9 +46,10 @@ class LayoutChoice:
 
 
 def layouts_for(name: str, cost: CostModel, max_seq_len: int, tokens_per_gpu: int) -> list[StaticLayout]:
-    """The candidate layouts of strategy ``name``: TP x CP for ``te_cp``, SP for
-    ``ulysses_sp``, TP alone for Zeppelin (its CP is decided per sequence)."""
-    if name == "te_cp":
+    """The candidate layouts of strategy ``name``: TP x CP for ``te_cp`` and
+    ``megatron_dp_balanced``, SP for ``ulysses_sp``, TP alone for Zeppelin and
+    Megatron's hybrid and dynamic CP (their CP is decided per sequence)."""
+    if name in ("te_cp", "megatron_dp_balanced"):
         return te_cp_layouts(cost, max_seq_len, tokens_per_gpu)
     if name == "ulysses_sp":
         return ulysses_layouts(cost, max_seq_len, tokens_per_gpu)
@@ -86,7 +87,7 @@ def choose_layout(name: str, cost: CostModel, batches: Sequence[Sequence[int]], 
 
 
 def _label(name: str, layout: StaticLayout) -> str:
-    if name == "te_cp":
+    if name in ("te_cp", "megatron_dp_balanced"):
         return str(layout)
     return f"SP={layout.size}" if name == "ulysses_sp" else f"TP={layout.tp}"
 

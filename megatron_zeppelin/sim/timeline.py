@@ -172,7 +172,7 @@ def step_parts(plan: Plan, cost: CostModel, *, pack: bool = False, attn: AttnSha
     shape = step_shape(cost, bool(messages))
     if attn is not None:
         shape = dataclasses.replace(shape, attn=attn)
-    elif plan.strategy == "te_cp":
+    elif plan.strategy in TE_RING_STRATEGIES:
         # TE's p2p ring (AttnFuncWithCPAndKVP2P.backward, non-FP8) sends dK/dV in
         # the K/V dtype: one buffer of two K/V-shaped halves per step, so its
         # backward moves twice the forward's bytes, not the engine's fp32 dK/dV.
@@ -212,10 +212,14 @@ def sync_tail(cost: CostModel, busy_s: dict[tuple[int, str], float], finish_s: S
     return step_sync(cost, *forward_backward_split(attn, linear))
 
 
+#: Strategies whose CP groups run TransformerEngine's THD p2p ring: static CP and
+#: Megatron-LM's sequence-packing schedulers (a rank's packed micro-batch is one
+#: THD tensor over its CP group).
+TE_RING_STRATEGIES = ("te_cp", "megatron_dp_balanced", "megatron_dynamic_cp")
 #: Strategies whose attention the engine does not run as Zeppelin does: TE packs
 #: a CP group's sequences into one ring, FlexSP and DeepSpeed-Ulysses a group's
 #: sequences into one all-to-all.
-PACKED_STRATEGIES = ("te_cp", "flexsp", "ulysses_sp")
+PACKED_STRATEGIES = (*TE_RING_STRATEGIES, "flexsp", "ulysses_sp")
 
 
 @dataclass

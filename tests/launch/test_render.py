@@ -10,6 +10,7 @@ import pytest
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.integration import SPEC, add_zeppelin_args, validate_zeppelin_args
 from megatron_zeppelin.launch import format_command, load_launch_preset, pretrain_args, render_command
+from megatron_zeppelin.launch.preset import check_model_fits
 from megatron_zeppelin.launch.__main__ import main
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.presets import preset_names
@@ -59,7 +60,8 @@ def test_rendered_zeppelin_flags_validate(name):
     ns.world_size = p.world_size
     ns.apply_rope_fusion, ns.persist_layer_norm = not ns.no_rope_fusion, not ns.no_persist_layer_norm
     validate_zeppelin_args(ns)
-    assert tuple(ns.spec) == SPEC and ns.global_batch_size == p.data_parallel_size
+    assert tuple(ns.spec) == SPEC and ns.global_batch_size == p.micro_batches * p.data_parallel_size
+    assert ns.pipeline_model_parallel_size == p.pipeline_parallel
 
 
 def test_tensor_parallel_preset_shrinks_the_global_batch():
@@ -67,6 +69,53 @@ def test_tensor_parallel_preset_shrinks_the_global_batch():
     argv = pretrain_args(p, load_model(p.model))
     assert argv[argv.index("--global-batch-size") + 1] == "32"
     assert argv[argv.index("--tensor-model-parallel-size") + 1] == "2"
+
+
+def test_pipeline_preset_renders_its_stages_and_micro_batches():
+    """llama-70b PP 2 x TP 4 on 64 GPUs: 8 data-parallel ranks, 4 micro-batches each,
+    and the per-iteration report off (pretrain_gpt.py refuses it under PP)."""
+    p = load_launch_preset("llama-70b-128k-pp2-h200-8x8")
+    argv = pretrain_args(p, load_model(p.model))
+    flag = {f: argv[argv.index(f) + 1] for f in ("--pipeline-model-parallel-size", "--tensor-model-parallel-size",
+                                                 "--global-batch-size", "--zeppelin-log-interval")}
+    assert flag == {"--pipeline-model-parallel-size": "2", "--tensor-model-parallel-size": "4",
+                    "--global-batch-size": "32", "--zeppelin-log-interval": "0"}
+    assert p.data_parallel_size == 8
+    plain = pretrain_args(load_launch_preset("llama-7b-128k-h100-8x8"), load_model("llama-7b"))   # PP 1: every 50
+    assert plain[plain.index("--zeppelin-log-interval") + 1] == "50"
+    assert plain[plain.index("--pipeline-model-parallel-size") + 1] == "1"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("pipeline_parallel: 4\nmicro_batches: 4\n", "pipeline_parallel 4 does not divide the model's 2 layers"),
+    ("pipeline_parallel: 2\n", "micro_batches 1 is fewer than the 2 pipeline stages"),
+    ("pipeline_parallel: 2\nmicro_batches: 2\nvirtual_pipeline_stages: 2\n",
+     "runs the non-interleaved 1F1B schedule only"),
+    ("virtual_pipeline_stages: 2\n", "virtual_pipeline_stages 2 interleaves pipeline stages, and pipeline_parallel is 1"),
+    ("pipeline_parallel: 2\nmicro_batches: 2\nplanner: flexsp\n", "planner flexsp plans on one rank"),
+    ("pipeline_parallel: 2\nmicro_batches: 2\nzeppelin_log_interval: 5\n", "zeppelin_log_interval 5 sums"),
+])
+def test_pipeline_combinations_the_engine_path_refuses(tmp_path, extra, message):
+    """Each bad combination is one line naming the preset key, before anything launches
+    (the checks are pretrain_gpt.py --zeppelin's own, integration/args.py)."""
+    p = load_launch_preset(write(tmp_path, MINIMAL + extra))
+    with pytest.raises(ConfigError, match=message) as info:
+        check_model_fits(p, load_model(p.model))
+    assert "\n" not in str(info.value) and str(info.value).startswith("preset p: ")
+
+
+def test_pipeline_preset_values_are_checked_on_load(tmp_path):
+    with pytest.raises(ConfigError, match="tensor_parallel 2 x pipeline_parallel 4 does not divide the 4 GPUs"):
+        load_launch_preset(write(tmp_path, MINIMAL + "tensor_parallel: 2\npipeline_parallel: 4\n"))
+    with pytest.raises(ConfigError, match="micro_batches"):
+        load_launch_preset(write(tmp_path, MINIMAL + "micro_batches: 0\n"))
+
+
+def test_cli_refuses_a_bad_pipeline_preset_in_one_line(tmp_path):
+    path = write(tmp_path, MINIMAL + "pipeline_parallel: 2\n")
+    r = subprocess.run([sys.executable, "-m", "megatron_zeppelin.launch", "--preset", str(path), "--print-args"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "raise micro_batches" in r.stderr, r.stderr
 
 
 def write(tmp_path, text, name="p.yaml"):

@@ -66,3 +66,18 @@ def test_bind_wrapper_picks_the_ranks_nic(tmp_path):
     r = subprocess.run(["bash", str(SBATCH), "--bind", "sh", "-c", "echo $NCCL_IB_HCA"], capture_output=True,
                        text=True, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "mlx5_1"
+
+
+def test_dry_run_renders_pipeline_parallelism_and_refuses_a_bad_preset_in_one_line(tmp_path):
+    """The PP preset's launch carries its stages; a preset the launcher refuses stops
+    the script with the launcher's one line and exit 2 (before: a traceback, exit 1)."""
+    r = dry_run(tmp_path, PRESET="llama-70b-128k-pp2-h200-8x8", SLURM_JOB_NUM_NODES="8")
+    assert r.returncode == 0, r.stderr
+    assert "--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2" in r.stdout
+    assert "--global-batch-size 32" in r.stdout and "torchrun --nnodes=8 --nproc-per-node=8" in r.stdout
+    for extra in ("pipeline_parallel: 2\n", "tensor_parallel: 2\npipeline_parallel: 4\n"):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("model: tiny\ncluster: cpu-sim\nnodes: 2\ngpus_per_node: 2\nseq_length: 512\n"
+                       "tokens_per_gpu: 1024\ntrain_iters: 5\ndata_path: [d]\ntokenizer_type: NullTokenizer\n" + extra)
+        r = dry_run(tmp_path, PRESET=str(bad))
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "preset bad: " in r.stderr, r.stderr

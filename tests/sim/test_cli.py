@@ -98,8 +98,8 @@ def test_dumped_plans_reproduce_the_reported_numbers(run):
         mine = cost.routed(uses_routing(name))
         mine = tp_view(mine, tp) if tp > 1 else mine
         size = {"te_cp": cfg["te_cp_cp_size"]}.get(name)
-        if name == "ulysses_sp":
-            size = int(cfg["static_layouts"][name].split("SP=")[1].split()[0])
+        if name in ("ulysses_sp", "megatron_dp_balanced"):     # their searched SP / CP size
+            size = int(cfg["static_layouts"][name].split(" (tried")[0].split("P=")[-1])
         ctx = PlanContext(cost=mine, tokens_per_gpu=4096 * tp, cp_size=size, time_limit_s=1.0, tp_size=tp)
         times = []
         for k, f in enumerate(files):

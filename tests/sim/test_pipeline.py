@@ -204,3 +204,44 @@ def test_pp_alone_runs_one_micro_batch_per_stage(lengths_file):
                                 "--strategies", "zeppelin"))
     assert code == 0, err
     assert "2 steps of 2 micro-batches" in out and "stage 1 (1 in flight)" in out
+
+
+def test_megatron_packing_schedulers_run_under_pp_with_their_own_micro_batches(tmp_path, lengths_file):
+    """``sim --pp 2`` runs Megatron-LM's dynamic CP and its dp_balanced baseline: each
+    re-packs the whole global batch (not the --micro-batches split) and its
+    micro-batches are the pipeline's, as many as its scheduler makes."""
+    code, out, err = finish(sim(*TINY, "--lengths", str(lengths_file), "--tokens-per-gpu", "8192", "--pp", "2",
+                                "--micro-batches", "2", "--strategies",
+                                "te_cp,megatron_dp_balanced,megatron_dynamic_cp,zeppelin",
+                                "--json", str(tmp_path / "r.json")))
+    assert code == 0, err
+    doc = json.loads((tmp_path / "r.json").read_text())
+    for name in ("megatron_dp_balanced", "megatron_dynamic_cp"):
+        r = doc["strategies"][name]
+        assert r["feasible"] and all(0 < b < 1 for b in r["bubble"]), (name, r["error"])
+    from megatron_zeppelin.planner.dynamic_cp import dynamic_cp_micro_batches
+    from megatron_zeppelin.sim.pipeline_report import simulate_strategy
+    from megatron_zeppelin.sim.simulate import build_strategies, sample_batches
+    cost = CostModel(load_cluster("cpu-sim", nodes=2), load_model("tiny"))
+    [s] = build_strategies(["megatron_dynamic_cp"], cost, cp_size=1)
+    batches = sample_batches(np.load(lengths_file), max_seq_len=16384, tokens_per_batch=4 * 8192 * 4, steps=2)
+    halves = lambda lens: [list(range(0, len(lens), 2)), list(range(1, len(lens), 2))]   # noqa: E731
+    args = __import__("argparse").Namespace(tokens_per_gpu=8192, flexsp_time_limit=1.0, recompute="none")
+    r = simulate_strategy(s, batches, halves, 2, args)
+    assert r.error is None
+    assert [step.micro_batches for step in r.steps] == [len(dynamic_cp_micro_batches(b, 8192, 4)) for b in batches]
+    assert all(step.micro_batches > 2 for step in r.steps)     # more than the split's two halves
+
+
+def test_hybrid_cp_is_refused_under_pp_as_megatron_core_refuses_it(tmp_path, lengths_file):
+    """Megatron-Core 0.16 asserts PP 1 with --hybrid-context-parallel: at PP 2 the
+    strategy is infeasible with that reason, at PP 1 it runs."""
+    code, out, err = finish(sim(*TINY, "--lengths", str(lengths_file), "--tokens-per-gpu", "8192", "--pp", "1,2",
+                                "--micro-batches", "2", "--strategies", "te_cp,megatron_hybrid_cp",
+                                "--json", str(tmp_path / "r.json")))
+    assert code == 0, err
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["layouts"]["1"]["strategies"]["megatron_hybrid_cp"]["feasible"]
+    assert "refuses --hybrid-context-parallel with pipeline parallelism" in \
+        doc["layouts"]["2"]["strategies"]["megatron_hybrid_cp"]["error"]
+    assert doc["tuned"]["megatron_hybrid_cp"]["pp"] == 1

@@ -67,7 +67,7 @@ def test_variant_flags_and_names():
             assert not s.cost.routing, s.name
         assert s.cp_size == (4 if s.name in STATIC else None), s.name
     assert STRATEGY_NAMES[0] == BASELINE and STRATEGY_NAMES[-len(EXPECTED):] == tuple(EXPECTED)
-    assert len(set(STRATEGY_NAMES)) == len(STRATEGY_NAMES) == 10
+    assert len(set(STRATEGY_NAMES)) == len(STRATEGY_NAMES) == 12
 
 
 def test_unknown_variant_is_a_config_error():
