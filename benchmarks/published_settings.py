@@ -52,6 +52,14 @@ SHARED_LENGTHS = REPO.parent / "shared" / "data" / "lengths"
 #: FlexSP's cluster (its paper's Sec. 6, the preset's header) and its GPU.
 FLEXSP_CLUSTER = "a100-40g-4x100g"
 FLEXSP_GPU = load_cluster(FLEXSP_CLUSTER).gpu
+
+
+def _short_block_rate(block: int, whole: int) -> float:
+    """FlexSP's GPU's attention rate on ``block``-token blocks over its rate on ``whole``-token ones."""
+    g = FLEXSP_GPU
+    return (block / (block + g.attn_half_block)) / (whole / (whole + g.attn_half_block))
+
+
 #: FlexSP's global batch, in sequences.
 FLEXSP_BATCH = 512
 #: DeepSpeed-Ulysses' SP size in FlexSP's comparison.
@@ -414,15 +422,16 @@ NOTES = {
         "a 7B model's TP shard of weights, gradients and optimizer states and those activations fit a "
         "40 GB A100, which the common cap does not model: `--tokens-per-gpu` stands for the activation memory of every strategy alike, "
         "`cost/memory.py`); the paper gives neither Megatron's layout nor its recomputation, so the rows "
-        "keep the search's layout. At 192K (CP=4, 3 ring steps) the largest term is te_cp's attention "
-        "kernels: TE cuts *every* packed sequence into 2 x CP chunks, so a Wikipedia sequence of ~1K "
-        "tokens runs its ring steps on ~128-row blocks, where the kernel-efficiency curve "
-        f"(`CostModel.attn_efficiency`, `attn_half_block` = {FLEXSP_GPU.attn_half_block} on this preset, "
-        "fitted to FlashAttention-2's published A100 figures from 512 tokens up: "
-        "`docs/results/published-kernels.md`) charges several times FlexSP's whole-sequence kernels. "
-        "The work is real (TE's THD ring does split short sequences); below 512 tokens the curve is an "
-        "extrapolation (the same form fitted to FlashAttention-2's H100 figures follows our own H200 run "
-        "of that kernel, MHA, within 4 % down to 128 tokens)."),
+        "keep the search's layout. At 192K (CP=4, 3 ring steps) te_cp pays two things FlexSP does not: "
+        "its ring's transfers (the `ring floor` column) and attention on short blocks. TE cuts *every* "
+        "packed sequence into 2 x CP chunks, so a Wikipedia sequence of ~1K tokens runs its ring steps "
+        "on ~128-row blocks, which the kernel-efficiency curve (`CostModel.attn_efficiency`, "
+        f"`attn_half_block` = {FLEXSP_GPU.attn_half_block} on this preset, fitted to FlashAttention-2's "
+        "published A100 figures from 512 tokens up: `docs/results/published-kernels.md`) runs at "
+        f"{_short_block_rate(128, 1024):.2f} of the rate of a whole 1K-token sequence. The work is real "
+        "(TE's THD ring does split short sequences); below 512 tokens the curve is an extrapolation (the "
+        "same form fitted to FlashAttention-2's H100 figures follows our own H200 run of that kernel, "
+        "MHA, within 4 % down to 128 tokens)."),
     "FlexSP all-to-all": (
         "**FlexSP's all-to-all share (term: `exposed_comm`, Ulysses all-to-all over NVLink).** The share "
         "is the all-to-all wait averaged over every GPU's step (FlexSP's groups differ, and an SP=1 "
