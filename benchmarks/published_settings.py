@@ -49,6 +49,17 @@ from published_data import (FLEXSP_ALLTOALL_SHARE, FLEXSP_SPEEDUPS, ZEPPELIN_SPE
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_LENGTHS = REPO.parent / "shared" / "data" / "lengths"
+#: FlexSP's cluster (its paper's Sec. 6, the preset's header) and its GPU.
+FLEXSP_CLUSTER = "a100-40g-4x100g"
+FLEXSP_GPU = load_cluster(FLEXSP_CLUSTER).gpu
+
+
+def _short_block_rate(block: int, whole: int) -> float:
+    """FlexSP's GPU's attention rate on ``block``-token blocks over its rate on ``whole``-token ones."""
+    g = FLEXSP_GPU
+    return (block / (block + g.attn_half_block)) / (whole / (whole + g.attn_half_block))
+
+
 #: FlexSP's global batch, in sequences.
 FLEXSP_BATCH = 512
 #: DeepSpeed-Ulysses' SP size in FlexSP's comparison.
@@ -187,7 +198,7 @@ def speedup_row(paper: str, setting: str, metric: str, published: float, base: M
 
 
 def flexsp_setting(model: str, max_len: int, args: argparse.Namespace) -> tuple[list[Row], dict[str, Measured]]:
-    cost = CostModel(load_cluster("a100-40g-4x100g", nodes=8), load_model(model))
+    cost = CostModel(load_cluster(FLEXSP_CLUSTER, nodes=8), load_model(model))
     rng = np.random.default_rng(args.seed)
     batches = [[int(x) for x in np.minimum(sample_wikipedia(FLEXSP_BATCH, rng), max_len)]
                for _ in range(args.steps)]
@@ -411,13 +422,16 @@ NOTES = {
         "a 7B model's TP shard of weights, gradients and optimizer states and those activations fit a "
         "40 GB A100, which the common cap does not model: `--tokens-per-gpu` stands for the activation memory of every strategy alike, "
         "`cost/memory.py`); the paper gives neither Megatron's layout nor its recomputation, so the rows "
-        "keep the search's layout. At 192K (CP=4, 3 ring steps) the largest term is te_cp's attention "
-        "kernels: TE cuts *every* packed sequence into 2 x CP chunks, so a Wikipedia sequence of ~1K "
-        "tokens runs its ring steps on ~128-row blocks, where the kernel-efficiency curve "
-        "(`CostModel.attn_efficiency`, `attn_half_block` = 768 on this preset: an estimate, not "
-        "calibrated on a GPU) charges several times FlexSP's whole-sequence kernels. The work is real "
-        "(TE's THD ring does split short sequences); how slow FlashAttention's varlen kernels are on "
-        "such short blocks is what is unknown here."),
+        "keep the search's layout. At 192K (CP=4, 3 ring steps) te_cp pays two things FlexSP does not: "
+        "its ring's transfers (the `ring floor` column) and attention on short blocks. TE cuts *every* "
+        "packed sequence into 2 x CP chunks, so a Wikipedia sequence of ~1K tokens runs its ring steps "
+        "on ~128-row blocks, which the kernel-efficiency curve (`CostModel.attn_efficiency`, "
+        f"`attn_half_block` = {FLEXSP_GPU.attn_half_block} on this preset, fitted to FlashAttention-2's "
+        "published A100 figures from 512 tokens up: `docs/results/published-kernels.md`) runs at "
+        f"{_short_block_rate(128, 1024):.2f} of the rate of a whole 1K-token sequence. The work is real "
+        "(TE's THD ring does split short sequences); below 512 tokens the curve is an extrapolation (the "
+        "same form fitted to FlashAttention-2's H100 figures follows our own H200 run of that kernel, "
+        "MHA, within 4 % down to 128 tokens)."),
     "FlexSP all-to-all": (
         "**FlexSP's all-to-all share (term: `exposed_comm`, Ulysses all-to-all over NVLink).** The share "
         "is the all-to-all wait averaged over every GPU's step (FlexSP's groups differ, and an SP=1 "
@@ -441,8 +455,9 @@ NOTES = {
         "against TE CP as its authors configured it. The model also puts H800's speedups above A800's "
         "(per-cluster means above), the paper the other way round: the H800 preset has the A800's "
         "NVLink rate, three times its compute and eight NICs whose speed the paper does not give "
-        "(assumed 400 Gb/s); with compute that fast more of TE CP's transfers stay exposed, and the "
-        "H800 preset's kernel efficiencies are uncalibrated estimates."),
+        "(assumed 400 Gb/s); with compute that fast more of TE CP's transfers stay exposed. Its attention "
+        "curve is FlashAttention-2's published H100 fit (as the A800's is the A100 fit), its "
+        "`linear_efficiency` an estimate."),
     "TE CP (TP=1, CP only)": (
         "**Zeppelin over CP-only TE (term: the settings).** Against TE CP without TP the modeled gap "
         "grows with the CP size the maximum length forces: smallest where its ring fits one node, "

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks.scripts import BENCHMARKS, load_script
+
+REPO = BENCHMARKS.parent
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("published_settings", REPO / "benchmarks" / "published_settings.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["published_settings"] = module   # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script("published_settings")
 
 
 def test_quick_subset_prints_every_row_and_the_summary_line(capsys):

@@ -4,7 +4,9 @@ at the commit it names): every plan -- Zeppelin with routing and remap on and
 off, a TP view, TE CP, Ulysses, hybrid CP, FlexSP and packed DP, on H100 and
 A800 clusters of 8 to 32 GPUs -- replays bit for bit as before: the step, every
 rank's finish, every (rank, tier) busy sum in its order, every part's time,
-an exact 3-layer replay, and one schedule's op timings."""
+an exact 3-layer replay, and one schedule's op timings.  The cluster constants
+are the ones the goldens were recorded with (``golden/clusters/``, pinned copies
+of the presets), so retuning ``configs/clusters/`` leaves the goldens alone."""
 
 from __future__ import annotations
 
@@ -21,14 +23,15 @@ from megatron_zeppelin.sim.replay import replay_schedule, replay_step
 from megatron_zeppelin.sim.timeline import PACKED_STRATEGIES, step_parts, step_timeline
 from megatron_zeppelin.topology import load_cluster
 
-CASES = json.loads((Path(__file__).parent / "golden" / "replay_steps.json").read_text())["cases"]
+GOLDEN = Path(__file__).parent / "golden"
+CASES = json.loads((GOLDEN / "replay_steps.json").read_text())["cases"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c['plan']['strategy']}-{c['cluster']}-{c['plan']['world_size']}"
                                              f"-r{int(c['routing'])}-tp{c['tp']}" for c in CASES])
 def test_replay_equals_the_recorded_one(case):
-    cost = CostModel(load_cluster(case["cluster"], nodes=case["nodes"]), load_model(case["model"]),
-                     routing=case["routing"])
+    cluster = load_cluster(GOLDEN / "clusters" / f"{case['cluster']}.yaml", nodes=case["nodes"])
+    cost = CostModel(cluster, load_model(case["model"]), routing=case["routing"])
     cost = tp_view(cost, case["tp"]) if case["tp"] > 1 else cost
     plan = Plan.from_dict(case["plan"])
     parts = step_parts(plan, cost, pack=plan.strategy in PACKED_STRATEGIES)
