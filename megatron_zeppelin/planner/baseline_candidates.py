@@ -9,7 +9,8 @@ any of them *run by Zeppelin's engine*:
 
 * static CP's uniform layouts (``te_cp``; ``c = 1`` is ``packing_dp``'s
   whole-sequence packing), the two smallest ``c`` that hold the batch in one
-  pass, the sizes a static run picks;
+  pass, the sizes a static run picks (a run whose maximum length is longer
+  than the batch's longest sequence launches a wider ``c``: not held);
 * static Ulysses SP (``ulysses_sp``), every ``d >= 2`` that does, as the
   simulator's layout search tries them;
 * Megatron-Core's hybrid CP groups (``megatron_hybrid_cp``) when its schedule
@@ -24,6 +25,14 @@ and TE, FlexSP and DeepSpeed-Ulysses pack a group's sequences into one ring or
 one all-to-all where the engine runs one per sequence
 (``sim/timeline.py: PACKED_STRATEGIES``).  A candidate here is relabelled
 ``zeppelin`` and is timed, and run, as the engine runs it.
+
+Above :data:`MAX_SEQUENCES_ALL_SOURCES` sequences only static CP's layouts
+are offered: building the others' plans costs seconds at 1,024 GPUs.
+
+When a surrogate ranks the candidates in place of the replay, a baseline's plan
+can lose to a slower one within the surrogate's error;
+:func:`fastest_within_error` replays just the candidates inside that band and
+keeps the decision exact.
 
 Baselines run every crossing direct (NCCL p2p, each GPU through its own NIC):
 each candidate is offered direct, and, where the run routes and the plan has a
