@@ -11,8 +11,9 @@ any of them *run by Zeppelin's engine*:
   whole-sequence packing), the two smallest ``c`` that hold the batch in one
   pass, the sizes a static run picks (a run whose maximum length is longer
   than the batch's longest sequence launches a wider ``c``: not held);
-* static Ulysses SP (``ulysses_sp``), every ``d >= 2`` that does, as the
-  simulator's layout search tries them;
+* static Ulysses SP (``ulysses_sp``), every ``d >= 2`` up to a node that
+  does (the two smallest beyond a node when none within does; the
+  simulator's layout search also tries wider groups: not held);
 * Megatron-Core's hybrid CP groups (``megatron_hybrid_cp``) when its schedule
   is one round and no rank holds more than the cap (it runs sub-samples one
   after another, so its merged plan may exceed it);
@@ -57,9 +58,10 @@ from megatron_zeppelin.planner.static_groups import StaticGroupPlanner
 from megatron_zeppelin.planner.te_cp import TeCpPlanner
 from megatron_zeppelin.planner.ulysses_sp import UlyssesSpPlanner
 
-#: Static CP sizes tried: a wider ring holds the same tokens in more steps, so
-#: a user (and the simulator's layout search, ``planner/te_cp.py:
-#: CP_SIZES_PER_TP``) stops after the first two that fit.
+#: Static CP sizes tried (and Ulysses sizes beyond a node): a wider ring holds
+#: the same tokens in more steps, so a user (and the simulator's layout
+#: search, ``planner/te_cp.py: CP_SIZES_PER_TP``) stops after the first two
+#: that fit.
 STATIC_CP_SIZES = 2
 #: The label every candidate runs under: the engine runs it as Zeppelin's own.
 ZEPPELIN = "zeppelin"
@@ -73,14 +75,21 @@ def uniform_cp_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
 
 
 def static_ulysses_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
-    """Static Ulysses SP's layouts that hold the batch in one pass: every SP size
-    of at least 2 dividing the KV heads, as the simulator's layout search tries
-    them (a wider group is not always slower: a whole node's all-to-all beats
-    two half-node groups on some batches; size 1 is :func:`uniform_cp_plans`'
-    ``c = 1``)."""
-    kv = ctx.local_heads[1]
+    """Static Ulysses SP's layouts that hold the batch in one pass, at SP sizes
+    of at least 2 dividing the KV heads (size 1 is :func:`uniform_cp_plans`'
+    ``c = 1``): every such size up to a node -- a wider group is not always
+    slower, a whole node's all-to-all beats two half-node groups on some
+    batches -- and the two smallest beyond it when none fits a node.  Wider
+    groups across nodes are left out: the engine runs one all-to-all per
+    sequence, and on 600 short documents over 64 GPUs a 32-rank group's plan
+    took minutes to replay, for a layout that crosses the NICs with every
+    sequence."""
+    kv, gpn = ctx.local_heads[1], ctx.topology.gpus_per_node
     sizes = [d for d in _powers_of_two(2, ctx.topology.world_size) if kv % d == 0]
-    return _static_plans(UlyssesSpPlanner(), seq_lens, ctx, sizes=sizes, keep=len(sizes))
+    in_node = _static_plans(UlyssesSpPlanner(), seq_lens, ctx, sizes=[d for d in sizes if d <= gpn],
+                            keep=len(sizes))
+    return in_node or _static_plans(UlyssesSpPlanner(), seq_lens, ctx, sizes=[d for d in sizes if d > gpn],
+                                    keep=STATIC_CP_SIZES)
 
 
 def hybrid_cp_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
