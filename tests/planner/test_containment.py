@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings, strategies 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.plan import Mode
 from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.planner.baseline_candidates import (SOURCES, baseline_candidates, fastest_within_error,
                                                            flexsp_greedy_plans)
@@ -30,6 +31,8 @@ from megatron_zeppelin.planner.ulysses_sp import ulysses_layouts
 from megatron_zeppelin.sim.rounds import plan_batch, rounds_timeline
 from megatron_zeppelin.sim.timeline import PACKED_STRATEGIES, decision_step_s
 from megatron_zeppelin.topology import Topology, load_cluster
+from tests.attention.test_engine import _case, _check
+from tests.distributed import world_fixture
 
 CLUSTERS = ("h100-8x400g", "a800-4x200g")
 
@@ -173,3 +176,26 @@ def test_a_surrogate_within_its_error_band_keeps_containment(error):
         assert len(replayed) < len(plans)
         replays += len(replayed)
     assert misranked and replays > 50, "the noise never misranked: the test shows nothing"
+
+
+world = world_fixture(8)
+
+
+def test_the_engine_runs_every_sources_plan(world):
+    """The candidates are plans of the engine: a plan of each source (static
+    CP's wider ring across nodes, hybrid CP's ring in a node, Ulysses SP's
+    groups, FlexSP's mixed groups and local sequences) runs on 2 x 4 gloo ranks,
+    every output and q/k/v gradient equal to plain causal attention, bytes and
+    pairs exact (the engine test's checks)."""
+    base = load_cluster("h100-8x400g")
+    topo = Topology(nodes=2, gpus_per_node=4, nics_per_node=4)
+    cost = CostModel(dataclasses.replace(base, topology=topo), load_model("tiny"))    # 4 heads, 2 KV: the engine test's
+    ctx = PlanContext(cost=cost, tokens_per_gpu=64)
+    rings, ulysses = [200, 90, 40, 30, 12, 8], [120, 60, 30, 12, 8]
+    plans = [SOURCES["te_cp"](rings, ctx)[-1], SOURCES["megatron_hybrid_cp"](rings, ctx)[0],
+             SOURCES["ulysses_sp"](ulysses, ctx)[0], SOURCES["flexsp_greedy"](ulysses, ctx)[0]]
+    shapes = {(p.mode, len({r // 4 for r in p.ranks}) > 1) for plan in plans for p in plan.attention}
+    assert {(Mode.LOCAL, False), (Mode.RING, False), (Mode.RING, True), (Mode.ULYSSES, False)} <= shapes
+    for plan in plans:
+        plan = dataclasses.replace(plan, strategy="zeppelin").validate()
+        _check(plan, topo, world.run(_case, plan, topo, 7, layers=1), layers=1)
