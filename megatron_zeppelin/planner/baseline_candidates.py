@@ -133,8 +133,9 @@ SOURCES: dict[str, Callable[[Sequence[int], PlanContext], list[Plan]]] = {
 #: candidates existed).  Building a baseline's Plan costs about 0.05 ms of CPU
 #: per sequence and plan (every placement's shards, then ``Plan.validate``), and
 #: FlexSP's greedy grows with sequences x groups: on 16,384 sequences over
-#: 1,024 GPUs the other sources took 8 s (Ulysses SP, 4 plans), 1.7 s (hybrid
-#: CP) and 20 s (FlexSP's greedy) of CPU, against the decision's 500 ms.
+#: 1,024 GPUs the other sources took 1.6 s (Ulysses SP, 2 plans), 1.5 s (hybrid
+#: CP, no plan) and 20 s (FlexSP's greedy) of CPU, against the decision's 500 ms
+#: (``benchmarks/containment.py --latency``).
 MAX_SEQUENCES_ALL_SOURCES = 1024
 
 
