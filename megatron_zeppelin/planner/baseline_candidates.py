@@ -57,14 +57,13 @@ from megatron_zeppelin.planner.rounds import merge_rounds
 from megatron_zeppelin.planner.static_groups import StaticGroupPlanner
 from megatron_zeppelin.planner.te_cp import TeCpPlanner
 from megatron_zeppelin.planner.ulysses_sp import UlyssesSpPlanner
+from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
 
 #: Static CP sizes tried (and Ulysses sizes beyond a node): a wider ring holds
 #: the same tokens in more steps, so a user (and the simulator's layout
 #: search, ``planner/te_cp.py: CP_SIZES_PER_TP``) stops after the first two
 #: that fit.
 STATIC_CP_SIZES = 2
-#: The label every candidate runs under: the engine runs it as Zeppelin's own.
-ZEPPELIN = "zeppelin"
 
 
 def uniform_cp_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
@@ -150,7 +149,8 @@ def baseline_candidates(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]
     sources = SOURCES.values() if len(seq_lens) <= MAX_SEQUENCES_ALL_SOURCES else (uniform_cp_plans,)
     for source in sources:
         for plan in source(seq_lens, ctx):
-            layouts.setdefault(plan.attention, dataclasses.replace(plan, strategy=ZEPPELIN))
+            # Relabelled: the engine runs it, and the replay times it, as Zeppelin's own.
+            layouts.setdefault(plan.attention, dataclasses.replace(plan, strategy=ZeppelinPlanner.name))
     out = []
     for plan in layouts.values():
         if ctx.cost.routing and _crosses_nodes_in_a_ring(plan):
