@@ -430,17 +430,21 @@ class FlexSpPlanner:
             # Bucket padding can make the MILP's optimum slightly worse on real lengths.
             logger.debug("flexsp: greedy grouping beats the MILP's on real lengths")
             members = greedy
-        if members is None:
-            return None
-        attention, offset = [], 0
-        for d, local in sorted(members, key=lambda g: -g[0]):  # aligned blocks, largest first
-            ranks = list(range(offset, offset + d))
-            offset += d
-            for i in local:
-                seq = seqs[i]
-                mode = Mode.LOCAL if d == 1 else Mode.ULYSSES
-                attention.append(placement(seq, lens[seq], mode, ranks[:1] if d == 1 else ranks))
-        return attention
+        return None if members is None else group_placements(members, seqs, lens)
+
+
+def group_placements(groups: list[Group], seqs: Sequence[int], lens: Sequence[int]) -> list[SeqPlacement]:
+    """Placements of SP groups over ``seqs`` (group members index into it): the
+    groups as aligned consecutive rank blocks, largest first."""
+    attention, offset = [], 0
+    for d, local in sorted(groups, key=lambda g: -g[0]):
+        ranks = list(range(offset, offset + d))
+        offset += d
+        for i in local:
+            seq = seqs[i]
+            mode = Mode.LOCAL if d == 1 else Mode.ULYSSES
+            attention.append(placement(seq, lens[seq], mode, ranks[:1] if d == 1 else ranks))
+    return attention
 
 
 def _split(lens: Sequence[int], parts: int) -> list[list[int]]:

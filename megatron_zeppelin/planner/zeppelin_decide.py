@@ -14,13 +14,12 @@ step (``PlanContext.step_model``) runs.  Every candidate is timed under the
 run's own cost model, so Zeppelin is never modeled slower than its variants
 at the decision's replay depth.
 
-The uniform layouts static CP would run -- every sequence zigzag-split over
-fixed groups of ``c`` ranks, packed into one ring per group -- are plans
-Zeppelin's engine runs as well, and for a batch of a few very long sequences
-on wide TP groups they can beat the hierarchical partitioning.  They join the
-candidates (the two smallest ``c`` that hold the batch in one pass, the sizes
-a static run would pick), so Zeppelin is not modeled slower than TE CP on the
-same ranks either.
+The baselines' layouts of the batch -- static CP's and Ulysses SP's uniform
+groups, Megatron's hybrid CP groups, FlexSP's heterogeneous Ulysses groups --
+are plans Zeppelin's engine runs as well, and on some batches (a few very long
+sequences on wide TP groups, short documents) they beat the hierarchical
+partitioning.  They join the candidates (``planner/baseline_candidates.py``),
+so Zeppelin is not modeled slower than any of those plans run by its engine.
 """
 
 from __future__ import annotations
@@ -31,13 +30,8 @@ from typing import Sequence
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.planner.te_cp import TeCpPlanner
+from megatron_zeppelin.planner.baseline_candidates import baseline_candidates
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
-
-
-#: Uniform CP sizes tried per batch (planning a plan whose every sequence is
-#: split over a wide ring is the costly part of the decision).
-UNIFORM_CP_CANDIDATES = 2
 
 
 def candidate_contexts(ctx: PlanContext) -> list[PlanContext]:
@@ -70,30 +64,7 @@ class DecidingZeppelinPlanner:
             # on some batches they cost more than they save.
             candidates.append(plan if option.cost.routing == ctx.cost.routing
                               else dataclasses.replace(plan, routed=False))
-        if not (ctx.remap_enabled and not ctx.remap_decided):   # uniform CP plans do not remap
-            uniform = uniform_cp_plans(seq_lens, ctx)
-            candidates += uniform
-            if ctx.cost.routing:    # and run direct, as a run without routing would run them
-                candidates += [dataclasses.replace(plan, routed=False) for plan in uniform]
+        candidates += baseline_candidates(seq_lens, ctx)   # so no baseline's plan is faster
         if not candidates:
             raise errors[0]
         return min(candidates, key=ctx.step_model)   # ties: the first (the run's own choice)
-
-
-def uniform_cp_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
-    """Static CP's layouts that hold the batch in one pass, as Zeppelin plans:
-    the smallest such CP size and twice it (a wider ring only adds steps)."""
-    world, cap = ctx.topology.world_size, ctx.tokens_per_gpu
-    longest = max(seq_lens, default=1)
-    out = []
-    c = 2
-    while c <= world and len(out) < UNIFORM_CP_CANDIDATES:
-        if world % c == 0 and -(-longest // c) <= cap:
-            try:
-                rounds = TeCpPlanner().plan_rounds(seq_lens, dataclasses.replace(ctx, cp_size=c))
-            except InfeasibleError:
-                rounds = None
-            if rounds is not None and len(rounds.rounds) == 1:
-                out.append(dataclasses.replace(rounds.merged, strategy=ZeppelinPlanner.name))
-        c *= 2
-    return out

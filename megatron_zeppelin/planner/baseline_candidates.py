@@ -1,0 +1,213 @@
+"""The baselines' plans of a batch, as candidates of Zeppelin's per-batch decision.
+
+Every baseline's layout of a batch that fits one pass under the per-GPU cap
+is a plan Zeppelin's engine runs: a sequence local on one rank, zigzag-split
+over a ring, or contiguous over a Ulysses group, the linear layout equal to
+the attention layout (no remap).  So the decision (``planner/zeppelin_decide.py``)
+offers them beside its own, and the plan it keeps is never modeled slower than
+any of them *run by Zeppelin's engine*:
+
+* static CP's uniform layouts (``te_cp``; ``c = 1`` is ``packing_dp``'s
+  whole-sequence packing), the two smallest ``c`` that hold the batch in one
+  pass, the sizes a static run picks (a run whose maximum length is longer
+  than the batch's longest sequence launches a wider ``c``: not held);
+* static Ulysses SP (``ulysses_sp``), every ``d >= 2`` up to a node that
+  does (the two smallest beyond a node when none within does; the
+  simulator's layout search also tries wider groups: not held);
+* Megatron-Core's hybrid CP groups (``megatron_hybrid_cp``) when its schedule
+  is one round and no rank holds more than the cap (it runs sub-samples one
+  after another, so its merged plan may exceed it);
+* FlexSP's heterogeneous Ulysses groups from its greedy (``flexsp``: first fit
+  under a bisected makespan), not its MILP, which takes seconds per batch.
+
+What does not carry over is how a baseline *executes* a plan: TE's ring sends
+dK/dV in the model dtype where the engine accumulates and sends them in fp32,
+and TE, FlexSP and DeepSpeed-Ulysses pack a group's sequences into one ring or
+one all-to-all where the engine runs one per sequence
+(``sim/timeline.py: PACKED_STRATEGIES``).  A candidate here is relabelled
+``zeppelin`` and is timed, and run, as the engine runs it.
+
+Above :data:`MAX_SEQUENCES_ALL_SOURCES` sequences only static CP's layouts
+are offered: building the others' plans costs seconds at 1,024 GPUs.
+
+When a surrogate ranks the candidates in place of the replay, a baseline's plan
+can lose to a slower one within the surrogate's error;
+:func:`fastest_within_error` replays just the candidates inside that band and
+keeps the decision exact.
+
+Baselines run every crossing direct (NCCL p2p, each GPU through its own NIC):
+each candidate is offered direct, and, where the run routes and the plan has a
+ring across nodes, also routed (the only messages routing changes).  With the
+remap forced on every batch (``remap_decided`` False) there are none: these
+layouts do not remap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+from megatron_zeppelin.errors import InfeasibleError
+from megatron_zeppelin.plan import Mode, Plan
+from megatron_zeppelin.planner.base import PlanContext
+from megatron_zeppelin.planner.flexsp import greedy_groups, group_placements, seq_time_fn, ulysses_sizes
+from megatron_zeppelin.planner.hybrid_cp import HybridCpPlanner
+from megatron_zeppelin.planner.packing import check_lengths
+from megatron_zeppelin.planner.rounds import merge_rounds
+from megatron_zeppelin.planner.static_groups import StaticGroupPlanner
+from megatron_zeppelin.planner.te_cp import TeCpPlanner
+from megatron_zeppelin.planner.ulysses_sp import UlyssesSpPlanner
+from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
+
+#: Static CP sizes tried (and Ulysses sizes beyond a node): a wider ring holds
+#: the same tokens in more steps, so a user (and the simulator's layout
+#: search, ``planner/te_cp.py: CP_SIZES_PER_TP``) stops after the first two
+#: that fit.
+STATIC_CP_SIZES = 2
+
+
+def uniform_cp_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
+    """Static CP's layouts that hold the batch in one pass: the smallest such CP
+    size and the next (``c = 1``: every sequence whole on one rank)."""
+    return _static_plans(TeCpPlanner(), seq_lens, ctx, sizes=_powers_of_two(1, ctx.topology.world_size),
+                         keep=STATIC_CP_SIZES)
+
+
+def static_ulysses_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
+    """Static Ulysses SP's layouts that hold the batch in one pass, at SP sizes
+    of at least 2 dividing the KV heads (size 1 is :func:`uniform_cp_plans`'
+    ``c = 1``): every such size up to a node -- a wider group is not always
+    slower, a whole node's all-to-all beats two half-node groups on some
+    batches -- and the two smallest beyond it when none fits a node.  Wider
+    groups across nodes are left out: the engine runs one all-to-all per
+    sequence, and on 600 short documents over 64 GPUs a 32-rank group's plan
+    took minutes to replay, for a layout that crosses the NICs with every
+    sequence."""
+    kv, gpn = ctx.local_heads[1], ctx.topology.gpus_per_node
+    sizes = [d for d in _powers_of_two(2, ctx.topology.world_size) if kv % d == 0]
+    in_node = _static_plans(UlyssesSpPlanner(), seq_lens, ctx, sizes=[d for d in sizes if d <= gpn],
+                            keep=len(sizes))
+    return in_node or _static_plans(UlyssesSpPlanner(), seq_lens, ctx, sizes=[d for d in sizes if d > gpn],
+                                    keep=STATIC_CP_SIZES)
+
+
+def hybrid_cp_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
+    """Megatron's hybrid CP schedule when it is one round within the cap."""
+    try:
+        rounds = HybridCpPlanner().plan_rounds(seq_lens, ctx)
+    except InfeasibleError:
+        return []
+    plan = rounds.merged
+    if len(rounds.rounds) > 1 or max(plan.attention_tokens_per_rank(), default=0) > ctx.tokens_per_gpu:
+        return []
+    return [dataclasses.replace(plan, token_cap=ctx.tokens_per_gpu)]
+
+
+def flexsp_greedy_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
+    """FlexSP's heterogeneous Ulysses groups by its greedy, on the real lengths,
+    when they hold the batch in one pass."""
+    lens = check_lengths(seq_lens)
+    cap, topo = ctx.tokens_per_gpu, ctx.topology
+    sizes = ulysses_sizes(topo.world_size, ctx.local_heads[1])
+    groups = greedy_groups(lens, lens, sizes, topo.world_size, cap, seq_time_fn(ctx.cost))
+    if groups is None:
+        return []
+    # Shortest first in each group, as FlexSP's MILP assigns them (buckets in
+    # ascending order): the engine posts a group's all-to-alls in placement
+    # order, and a short sequence's arrives, and its compute starts, while a
+    # long one's is still in flight.
+    shortest_first = [(d, sorted(members, key=lambda i: (lens[i], i))) for d, members in groups]
+    attention = group_placements(shortest_first, range(len(lens)), lens)
+    return [merge_rounds("flexsp", topo, lens, [attention], cap)]
+
+
+#: Every source of candidates (``benchmarks/containment.py --latency`` times each).
+SOURCES: dict[str, Callable[[Sequence[int], PlanContext], list[Plan]]] = {
+    "te_cp": uniform_cp_plans,
+    "ulysses_sp": static_ulysses_plans,
+    "megatron_hybrid_cp": hybrid_cp_plans,
+    "flexsp_greedy": flexsp_greedy_plans,
+}
+#: Batches of more sequences get static CP's layouts only (as before these
+#: candidates existed).  Building a baseline's Plan costs about 0.05 ms of CPU
+#: per sequence and plan (every placement's shards, then ``Plan.validate``), and
+#: FlexSP's greedy grows with sequences x groups: on 16,384 sequences over
+#: 1,024 GPUs the other sources took 1.6 s (Ulysses SP, 2 plans), 1.5 s (hybrid
+#: CP, no plan) and 20 s (FlexSP's greedy) of CPU, against the decision's 500 ms
+#: (``benchmarks/containment.py --latency``).
+MAX_SEQUENCES_ALL_SOURCES = 1024
+
+
+def baseline_candidates(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
+    """Every source's plans as Zeppelin's (static CP's alone above
+    :data:`MAX_SEQUENCES_ALL_SOURCES` sequences), each distinct layout once,
+    direct and (see the module docstring) routed; none when the remap is
+    forced on."""
+    if ctx.remap_enabled and not ctx.remap_decided:
+        return []
+    layouts: dict[tuple, Plan] = {}
+    sources = SOURCES.values() if len(seq_lens) <= MAX_SEQUENCES_ALL_SOURCES else (uniform_cp_plans,)
+    for source in sources:
+        for plan in source(seq_lens, ctx):
+            # Relabelled: the engine runs it, and the replay times it, as Zeppelin's own.
+            layouts.setdefault(plan.attention, dataclasses.replace(plan, strategy=ZeppelinPlanner.name))
+    out = []
+    for plan in layouts.values():
+        if ctx.cost.routing and _crosses_nodes_in_a_ring(plan):
+            out.append(plan)
+        out.append(dataclasses.replace(plan, routed=False))
+    return out
+
+
+def fastest_within_error(candidates: Sequence[Plan], estimate: Callable[[Plan], float],
+                         replay: Callable[[Plan], float], error: float) -> Plan:
+    """The fastest of ``candidates`` by ``replay``, replaying only those whose
+    ``estimate`` (a surrogate within relative ``error`` of the replay on every
+    plan) is within ``(1 + error) / (1 - error)`` of the best estimate.
+
+    The replay's fastest plan ``b`` is always among them: for the estimate's
+    fastest ``a``, ``est(b) <= (1 + error) replay(b) <= (1 + error) replay(a)
+    <= est(a) (1 + error) / (1 - error)``.  So the decision stays exactly as
+    fast as every candidate -- every baseline's plan among them -- at the
+    price of replaying the few the surrogate cannot tell apart.  Ties keep
+    the first candidate."""
+    if not 0 <= error < 1:
+        raise ValueError(f"surrogate error {error} must be in [0, 1)")
+    estimates = [estimate(p) for p in candidates]
+    bound = min(estimates) * (1 + error) / (1 - error)
+    return min((p for p, e in zip(candidates, estimates) if e <= bound), key=replay)
+
+
+def _static_plans(planner: StaticGroupPlanner, seq_lens: Sequence[int], ctx: PlanContext,
+                  sizes: Sequence[int], keep: int) -> list[Plan]:
+    """``planner``'s plans at the first ``keep`` of ``sizes`` that hold the
+    longest sequence and the whole batch in one pass."""
+    world, cap = ctx.topology.world_size, ctx.tokens_per_gpu
+    longest = max(seq_lens, default=1)
+    out = []
+    for size in sizes:
+        if len(out) == keep:
+            break
+        if world % size or -(-longest // size) > cap:
+            continue
+        try:
+            rounds = planner.plan_rounds(seq_lens, dataclasses.replace(ctx, cp_size=size))
+        except InfeasibleError:
+            continue
+        if len(rounds.rounds) == 1:
+            out.append(rounds.merged)
+    return out
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    out, d = [], lo
+    while d <= hi:
+        out.append(d)
+        d *= 2
+    return out
+
+
+def _crosses_nodes_in_a_ring(plan: Plan) -> bool:
+    """Whether routing changes any message of ``plan``: only rings route (an
+    all-to-all and the remap it does not have run direct)."""
+    return any(p.mode is Mode.RING and plan.tier_of(p) == "inter" for p in plan.attention)
