@@ -15,6 +15,7 @@ right after the flag checks, on every rank; no process group exists yet).
 * the checkpoint folders: every shard of a ``--load`` checkpoint is there and as long
   as its index says; the checkpoint drew its batches from the same
   documents, ``--seq-length`` and seed (else its position cannot be continued);
+  the checkpoint was saved at this ``--pipeline-model-parallel-size``;
   ``--save`` never overwrites a checkpoint of another run (other data, seed or
   model) unless ``--load`` points there too.
 
@@ -58,6 +59,7 @@ def check_before_launch(args: argparse.Namespace) -> None:
     check_batches_fill_micro_batches(args, blends)
     check_checkpoint_writer(args)
     check_checkpoint_files(getattr(args, "load", None), args)
+    check_same_pipeline_size(args)
     saved = saved_data_state_on_disk(getattr(args, "load", None), args)
     if saved is not None:
         from megatron_zeppelin.integration.checkpoint import check_same_pieces
@@ -202,6 +204,22 @@ def _checkpoint_directory(folder: str | None, args: argparse.Namespace) -> Path 
     iteration, release = read_metadata(str(tracker))
     directory = Path(get_checkpoint_name(folder, iteration, release, return_base_dir=True))
     return directory if (directory / "common.pt").is_file() else None
+
+
+def check_same_pipeline_size(args: argparse.Namespace) -> None:
+    """A ``--load`` checkpoint resumes at the ``--pipeline-model-parallel-size`` it was
+    saved at: the same P is what the end-to-end test resumes exactly; another P
+    re-splits the layers over other stages, which no test covers under ``--zeppelin``."""
+    if getattr(args, "finetune", False):
+        return
+    theirs = checkpoint_common_args(getattr(args, "load", None), args)
+    saved = getattr(theirs, "pipeline_model_parallel_size", None) or 1
+    now = getattr(args, "pipeline_model_parallel_size", None) or 1
+    if theirs is not None and saved != now:
+        raise ConfigError(f"--load {args.load} was saved at --pipeline-model-parallel-size {saved}, this run has "
+                          f"{now}: --zeppelin resumes a checkpoint at the pipeline size it was saved at only "
+                          f"(another size re-splits the layers over the stages, which is not tested); pass "
+                          f"--pipeline-model-parallel-size {saved}")
 
 
 def saved_data_state_on_disk(folder: str | None, args: argparse.Namespace) -> dict | None:
