@@ -101,7 +101,6 @@ def test_pipeline_parallel_passes():
     ({"pipeline_model_parallel_size": 2, "global_batch_size": 2},
      ["= 1 micro-batches is fewer than the 2 pipeline stages"]),
     ({"pipeline_model_parallel_size": 2, "zeppelin_planner": "flexsp"}, ["--zeppelin-planner flexsp", "deadlock"]),
-    ({"pipeline_model_parallel_size": 2, "zeppelin_log_interval": 1}, ["--zeppelin-log-interval 1", "--log-interval"]),
     ({"pipeline_model_parallel_size": 2, "num_experts": 8}, ["--pipeline-model-parallel-size 2", "--num-experts"]),
     ({"context_parallel_size": 2}, ["--context-parallel-size 2", "drop --context-parallel-size"]),
     ({"hybrid_context_parallel": True}, ["--hybrid-context-parallel", "megatron_hybrid_cp"]),
