@@ -129,11 +129,12 @@ def pipeline_shapes(args: Any) -> None:
     model's config must let Megatron-Core's p2p code exchange each shape first
     (``variable_seq_lengths``, which ``validate_args`` always clears).  Megatron
     refuses that flag beside its default all-gather MoE dispatcher even for a dense
-    model (MoE under PP is refused, ``args._check_pipeline``): the unused
-    dispatcher type says all-to-all."""
+    model: there the unused dispatcher type says all-to-all (an MoE model under PP
+    must pass ``--moe-token-dispatcher-type alltoall``, ``args._check_pipeline``)."""
     if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
         args.variable_seq_lengths = True
-        args.moe_token_dispatcher_type = "alltoall"
+        if not getattr(args, "num_experts", None):
+            args.moe_token_dispatcher_type = "alltoall"
 
 
 def prepare_cpu_rank(seed: int) -> None:
@@ -155,6 +156,11 @@ def _zeppelin_gpt_classes() -> tuple[type, type]:
             from megatron.training import get_args
 
             prepare_cpu_rank(get_args().seed)
+            transformer = self._model_config.transformer
+            # As pipeline_shapes does for 0.16.1 (validate_args clears the flag; the
+            # dense model's unused dispatcher never sees it, MoE must be all-to-all).
+            if (transformer.pipeline_model_parallel_size or 1) > 1:
+                transformer.variable_seq_lengths = True
             return as_zeppelin_model(super().build_model(*args, **kwargs))
 
     @dataclass(kw_only=True)
@@ -505,7 +511,7 @@ def saved_data_state(args: Any) -> dict | None:
 
     Megatron-LM copies only its own counters out of the checkpoint's ``args``; this
     reads that entry again the way Megatron's ``load_args_from_checkpoint`` does
-    (``torch_dist``: the small ``common.pt``; ``torch``: rank 0's file)."""
+    (``torch_dist``: its common state; ``torch``: rank 0's file)."""
     if not getattr(args, "load", None) or not getattr(args, "iteration", 0) or getattr(args, "finetune", False):
         return None
     from megatron.training.checkpointing import _load_base_checkpoint

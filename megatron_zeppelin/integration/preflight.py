@@ -149,8 +149,8 @@ def check_checkpoint_writer(args: argparse.Namespace) -> None:
 
 
 def checkpoint_common_args(folder: str | None, args: argparse.Namespace) -> argparse.Namespace | None:
-    """The ``args`` a ``torch_dist`` checkpoint in ``folder`` was saved with (its small
-    ``common.pt``, read as Megatron's ``load_args_from_checkpoint`` reads it); None
+    """The ``args`` a ``torch_dist`` checkpoint in ``folder`` was saved with (its common
+    state, read as Megatron's ``load_args_from_checkpoint`` reads it); None
     when the folder holds no checkpoint or one of another format."""
     directory = _checkpoint_directory(folder, args)
     if directory is None:
@@ -160,7 +160,7 @@ def checkpoint_common_args(folder: str | None, args: argparse.Namespace) -> argp
     try:
         state_dict = _load_base_checkpoint(folder, args, rank0=True)[0]
     except Exception as exc:  # noqa: BLE001 -- any unreadable file: name it, in one line
-        raise ConfigError(f"{directory / 'common.pt'} cannot be read ({type(exc).__name__}: {str(exc)[:160]}): "
+        raise ConfigError(f"{directory}'s common state cannot be read ({type(exc).__name__}: {str(exc)[:160]}): "
                           "the checkpoint is damaged; point --load/--save elsewhere or load an earlier "
                           "iteration (--ckpt-step)") from None
     return (state_dict or {}).get("args")
@@ -203,7 +203,9 @@ def _checkpoint_directory(folder: str | None, args: argparse.Namespace) -> Path 
 
     iteration, release = read_metadata(str(tracker))
     directory = Path(get_checkpoint_name(folder, iteration, release, return_base_dir=True))
-    return directory if (directory / "common.pt").is_file() else None
+    # Megatron-Core 0.16.1 writes the common state (args, iteration) to common.pt; 0.19
+    # keeps it inside the torch_dist checkpoint itself (its index, .metadata).
+    return directory if (directory / "common.pt").is_file() or (directory / ".metadata").is_file() else None
 
 
 def check_same_pipeline_size(args: argparse.Namespace) -> None:

@@ -50,7 +50,7 @@ def patched(tmp_path_factory):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "apply_megatron_patch.sh"), str(root)], capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stderr
-    if "core_v0.16.1" not in r.stdout:
+    if "core_v0.16.1" not in r.stdout and sys.version_info < (3, 12):
         pytest.skip("Megatron-LM's per-step code runs here at core_v0.16.1 (later tags need Python >= 3.12)")
     for driver in ("megatron_lm_e2e.py", "megatron_lm_resume.py"):
         shutil.copy(Path(__file__).parent / driver, root)
@@ -219,19 +219,47 @@ def test_pipeline_parallel(patched, tmp_path, pp, layers, tp, dp):
     ``save_checkpoint`` (``torch_dist``) saves, a fresh model loads it, new loaders
     resume from its data state with the micro-batches the uninterrupted run would
     train; every step's loss equals the trainer's reference at the same PP on the
-    same micro-batches (which never resumed).  A resume of that checkpoint at another
-    pipeline size is refused in one line before any process group."""
-    world = pp * tp * dp
+    same micro-batches (which never resumed).  ``--zeppelin-log-interval 1`` prints one
+    line per iteration whose remap_bytes is what every rank counted.  A resume
+    of that checkpoint at another pipeline size is refused in one line before any
+    process group."""
+    tensor_parallel = ("--tensor-model-parallel-size", "2", "--sequence-parallel") if tp > 1 else ()
+    _, prefix, cluster, checkpointing = _pipeline_run(
+        patched, tmp_path, pp * tp * dp, "tiny", "--pipeline-model-parallel-size", str(pp), "--num-layers",
+        str(layers), "--global-batch-size", str(4 * dp), *tensor_parallel)
+    if (pp, tp, dp) == (2, 1, 2):
+        argv = [*_tiny_cpu_argv(), "--data-path", prefix, "--split", "100,0,0", "--zeppelin-cluster", str(cluster),
+                "--global-batch-size", "8", "--train-iters", "8", "--num-layers", "2", *checkpointing]
+        error = _refused_before_launch(patched, argv, 4)
+        print(error)
+        assert "--load" in error and "--pipeline-model-parallel-size 2" in error, error
+
+
+def test_pipeline_parallel_with_expert_parallel_moe(patched, tmp_path):
+    """PP 2 x EP 2 on 4 gloo ranks (2 data-parallel ranks per stage, each holding 2 of
+    the 4 experts of each of its layers; Megatron-Core's all-to-all dispatcher, the
+    only one that takes per-micro-batch shapes): what test_pipeline_parallel checks
+    (boundary shapes, torch_dist save/resume, the report), every loss equal to the
+    trainer's reference at the same PP and EP."""
+    out = _pipeline_run(patched, tmp_path, 4, "tiny-moe", "--pipeline-model-parallel-size", "2", "--num-layers",
+                        "2", "--global-batch-size", "8", "--num-experts", "4", "--moe-router-topk", "2",
+                        "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "none",
+                        "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "2")[0]
+    assert "MOE local_experts=2 dispatcher=MoEAlltoAllTokenDispatcher" in out
+
+
+def _pipeline_run(patched, tmp_path, world: int, model: str, *flags: str) -> tuple[str, str, Path, tuple[str, ...]]:
+    """``megatron_lm_e2e.py`` under PP on ``world`` gloo ranks with Megatron-LM ``flags``
+    (4 micro-batches per global batch), saving to and resuming from a ``torch_dist``
+    checkpoint, with the checks every PP layout passes; rank 0's output, the data
+    prefix, the cluster file and the checkpoint flags."""
     prefix, cluster = _dataset(tmp_path), _one_node_cluster(tmp_path, world)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     checkpointing = ("--ckpt-format", "torch_dist", "--no-save-optim", "--no-load-optim", "--no-load-rng",
                      "--save", str(ckpt), "--load", str(ckpt))
-    out = _run_ranks(patched, world, "megatron_lm_e2e.py", prefix, str(cluster), str(ckpt), str(STEPS), "tiny",
-                     "--pipeline-model-parallel-size", str(pp), "--num-layers", str(layers),
-                     "--global-batch-size", str(4 * dp), "--zeppelin-tokens-per-gpu", "500",
-                     "--zeppelin-log-interval", "0", *checkpointing,
-                     *(("--tensor-model-parallel-size", "2", "--sequence-parallel") if tp > 1 else ()))
+    out = _run_ranks(patched, world, "megatron_lm_e2e.py", prefix, str(cluster), str(ckpt), str(STEPS), model,
+                     "--zeppelin-tokens-per-gpu", "500", "--zeppelin-log-interval", "1", *checkpointing, *flags)
     steps = [line.split(" ", 5) for line in out.splitlines() if line.startswith("STEP ")]
     print("\n".join(" ".join(s) for s in steps))
     assert [int(s[1]) for s in steps] == list(range(STEPS)), out
@@ -241,12 +269,17 @@ def test_pipeline_parallel(patched, tmp_path, pp, layers, tp, dp):
     assert f"RESUMED torch_dist {ckpt} at iteration {STEPS // 2}" in out
     shapes = {n for s in steps for rank_rows in json.loads(s[5][len("rows="):]) for n in rank_rows}
     assert len(shapes) > 1  # the boundary shape changed between micro-batches
-    if (pp, tp, dp) == (2, 1, 2):
-        argv = [*_tiny_cpu_argv(), "--data-path", prefix, "--split", "100,0,0", "--zeppelin-cluster", str(cluster),
-                "--global-batch-size", "8", "--train-iters", "8", "--num-layers", "2", *checkpointing]
-        error = _refused_before_launch(patched, argv, 4)
-        print(error)
-        assert "--load" in error and "--pipeline-model-parallel-size 2" in error, error
+    # --zeppelin-log-interval 1: one line per iteration; its remap_bytes is what every rank's
+    # remapping layers counted in all the iteration's micro-batches, summed after the schedule.
+    counted = json.loads(next(line for line in out.splitlines() if line.startswith("REMAP "))[len("REMAP "):])
+    logged = {int(m[1]): int(m[2]) for m in re.finditer(r"zeppelin batch (\d+): .*? in 4 micro-batches, .*"
+                                                          r"remap_bytes=(\d+)", out)}
+    print(f"remap_bytes per iteration: {logged}")
+    # (The driver's last hand-off, which prints the last line, trained nothing: batch STEPS.)
+    assert logged == {int(k): v for k, v in counted.items() if int(k) < STEPS}, (logged, counted)
+    assert sorted(logged) == list(range(STEPS)), logged
+    assert all(logged.values())
+    return out, prefix, cluster, checkpointing
 
 
 def _iterations(out: str) -> list[list[list[int]]]:
