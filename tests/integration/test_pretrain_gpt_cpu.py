@@ -18,6 +18,7 @@ guards those calls (and says which it used) without changing what is computed.
 
 import contextlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -64,12 +65,13 @@ def checkout(tmp_path_factory):
 
 
 def pretrain_argv(data: str, ckpt: str, pp: int = 1) -> list[str]:
-    """The tiny-cpu preset's pretrain_gpt.py flags, on ``data``, saving to and loading from ``ckpt``,
-    at ``--pipeline-model-parallel-size pp``."""
+    """The tiny-cpu preset's pretrain_gpt.py flags, on ``data``, saving to and loading from ``ckpt``
+    (its Plans to ``ckpt``/plans), at ``--pipeline-model-parallel-size pp``."""
     preset = subprocess.run([sys.executable, "-m", "megatron_zeppelin.launch", "--preset", "tiny-cpu", "--print-args",
                              "--only", "megatron"], capture_output=True, text=True, check=True).stdout.split()
     return [*preset, "--data-path", data, "--save", ckpt, "--load", ckpt, "--train-iters", str(ITERS),
-            "--distributed-backend", "gloo", "--pipeline-model-parallel-size", str(pp)]
+            "--distributed-backend", "gloo", "--pipeline-model-parallel-size", str(pp),
+            "--zeppelin-plan-dump-dir", str(Path(ckpt) / "plans")]
 
 
 def kill_launcher(launcher: subprocess.Popen) -> None:
@@ -174,9 +176,14 @@ def test_pretrain_gpt_trains_saves_and_resumes_on_two_cpu_launchers(checkout, tm
     remap = {batch: int(line.rsplit("=", 1)[1]) for batch, line in za.items()}
     # Rank 0 logs each iteration when the next batch is handed out: the last has no line.
     assert sorted(remap) == list(range(ITERS - 1)), za
-    # Over 4 data-parallel ranks every batch remaps; over 2 (PP 2) a micro-batch whose
-    # attention layout already gives both ranks the same tokens moves none.
-    assert all(b > 0 for b in remap.values()) if pp == 1 else sum(b > 0 for b in remap.values()) > ITERS // 2, za
+    # A batch moved bytes exactly when one of its micro-batches' Plans remaps tokens (over
+    # 2 data-parallel ranks, PP 2, a Plan whose attention layout already balances the
+    # tokens moves none).
+    plans = {}
+    for f in (straight_dir / "plans").glob("train_plan_*.json"):
+        plans.setdefault(int(f.name.split("_")[2].split(".")[0]), []).append(json.loads(f.read_text()))
+    assert {k: b > 0 for k, b in remap.items()} == {k: any(p["remap"] for p in plans[k]) for k in remap}, za
+    assert sum(b > 0 for b in remap.values()) > ITERS // 2
     assert sorted(zb) == list(range(RESUME_AT, ITERS - 1)) and all(zb[k] == za[k] for k in zb), (za, zb)
 
     guards = sorted({g for line in re.findall(r"cpu_pretrain: rank \d guarded (.*)", straight + resumed)
