@@ -1,5 +1,5 @@
 """One rank of the end-to-end Megatron-LM test (run by test_megatron_lm_e2e.py, one process per
-rank, inside a patched Megatron-LM core_v0.16.1 tree):
+rank, inside a patched Megatron-LM core_v0.16.1 or core_v0.19.0 tree):
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... \
         python megatron_lm_e2e.py DATA CLUSTER CKPT STEPS MODEL [MEGATRON-LM FLAGS...]

@@ -1,6 +1,7 @@
 """End to end through Megatron-LM's own code (skipped without ``MEGATRON_LM_DIR``).
 
-Applies the patch to a copy of a core_v0.16.1 checkout, then on 2 gloo ranks
+Applies the patch to a copy of a core_v0.16.1 checkout (or core_v0.19.0 under
+Python >= 3.12, which that tag needs), then on 2 gloo ranks
 builds the model through the patched ``pretrain_gpt.py`` functions with
 ``--zeppelin-remap on`` and trains 4 global batches (``megatron_lm_e2e.py``):
 
@@ -31,7 +32,8 @@ MLM = os.environ.get("MEGATRON_LM_DIR")
 STEPS = 4
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not MLM, reason="set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1 to run Megatron-LM's code")]
+    not MLM, reason="set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1 (or core_v0.19.0 under "
+                    "Python >= 3.12) to run Megatron-LM's code")]
 
 
 def _free_port() -> int:
@@ -259,7 +261,7 @@ def _pipeline_run(patched, tmp_path, world: int, model: str, *flags: str) -> tup
     checkpointing = ("--ckpt-format", "torch_dist", "--no-save-optim", "--no-load-optim", "--no-load-rng",
                      "--save", str(ckpt), "--load", str(ckpt))
     out = _run_ranks(patched, world, "megatron_lm_e2e.py", prefix, str(cluster), str(ckpt), str(STEPS), model,
-                     "--zeppelin-tokens-per-gpu", "500", "--zeppelin-log-interval", "1", *checkpointing, *flags)
+                     "--zeppelin-tokens-per-gpu", "512", "--zeppelin-log-interval", "1", *checkpointing, *flags)
     steps = [line.split(" ", 5) for line in out.splitlines() if line.startswith("STEP ")]
     print("\n".join(" ".join(s) for s in steps))
     assert [int(s[1]) for s in steps] == list(range(STEPS)), out
