@@ -320,13 +320,12 @@ def _check_pipeline(args: argparse.Namespace) -> None:
     if _flag(args, "zeppelin_planner", "zeppelin") in PLAN_ON_ONE_RANK:
         raise ConfigError(f"--zeppelin-planner {args.zeppelin_planner} plans on one rank and broadcasts "
                           f"inside the step, which {flag} would deadlock; use --zeppelin-planner zeppelin")
-    if _flag(args, "zeppelin_log_interval", 0):
-        raise ConfigError(f"--zeppelin-log-interval {args.zeppelin_log_interval} sums each iteration's report "
-                          f"over every rank inside the step, which {flag} would deadlock (a stage waits in "
-                          "1F1B for another); drop it and read Megatron's own --log-interval lines")
-    if _flag(args, "num_experts", None) or megatron_core_version() >= (0, 19):
-        raise ConfigError(f"--zeppelin with {flag} is tested with dense models at Megatron-LM core_v0.16.1 "
-                          "only; drop --num-experts, or use that release")
+    dispatcher = _flag(args, "moe_token_dispatcher_type", "allgather")
+    if _flag(args, "num_experts", None) and dispatcher != "alltoall":
+        raise ConfigError(f"--zeppelin with {flag} and MoE needs --moe-token-dispatcher-type alltoall: the "
+                          f"hidden states' rows change every micro-batch (variable_seq_lengths), which "
+                          f"Megatron-Core's {dispatcher} dispatcher does not take; pass "
+                          "--moe-token-dispatcher-type alltoall")
 
 
 def megatron_core_version() -> tuple[int, int]:

@@ -45,8 +45,8 @@ from megatron_zeppelin.integration.args import (PLAN_ON_ONE_RANK, check_args, me
 from megatron_zeppelin.integration.checkpoint import data_state, restore_sampler
 from megatron_zeppelin.integration.data import SPLITS, DocumentBlend, open_blends
 from megatron_zeppelin.megatron.groups import data_parallel_comm_groups
-from megatron_zeppelin.integration.step_report import (StepClock, format_report, megatron_writers,
-                                                        report_iteration, sum_over_ranks, write_report)
+from megatron_zeppelin.integration.step_report import (IterationReports, StepClock, format_report,
+                                                        megatron_writers, sum_over_ranks, write_report)
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.agreement import AllReduceMax, check_same_plan
@@ -129,11 +129,12 @@ def pipeline_shapes(args: Any) -> None:
     model's config must let Megatron-Core's p2p code exchange each shape first
     (``variable_seq_lengths``, which ``validate_args`` always clears).  Megatron
     refuses that flag beside its default all-gather MoE dispatcher even for a dense
-    model (MoE under PP is refused, ``args._check_pipeline``): the unused
-    dispatcher type says all-to-all."""
+    model: there the unused dispatcher type says all-to-all (an MoE model under PP
+    must pass ``--moe-token-dispatcher-type alltoall``, ``args._check_pipeline``)."""
     if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
         args.variable_seq_lengths = True
-        args.moe_token_dispatcher_type = "alltoall"
+        if not getattr(args, "num_experts", None):
+            args.moe_token_dispatcher_type = "alltoall"
 
 
 def prepare_cpu_rank(seed: int) -> None:
@@ -155,6 +156,11 @@ def _zeppelin_gpt_classes() -> tuple[type, type]:
             from megatron.training import get_args
 
             prepare_cpu_rank(get_args().seed)
+            transformer = self._model_config.transformer
+            # As pipeline_shapes does for 0.16.1 (validate_args clears the flag; the
+            # dense model's unused dispatcher never sees it, MoE must be all-to-all).
+            if (transformer.pipeline_model_parallel_size or 1) > 1:
+                transformer.variable_seq_lengths = True
             return as_zeppelin_model(super().build_model(*args, **kwargs))
 
     @dataclass(kw_only=True)
@@ -465,9 +471,8 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
         resumed = restore_sampler(sampler, consumed[split], saved_data_state(args) if split == "train" else None)
         if resumed:
             say(resumed)
-        on_batch = (record_batch(args, split, first, clock, model, budget,
-                                 lambda values: sum_over_ranks(values, device)) if split == "train"
-                    else lambda p, context: clock.other_batch())
+        on_batch = (record_batch(args, split, first, iteration_reports(args, first, clock, model, device), budget)
+                    if split == "train" else lambda p, context: clock.other_batch())
         loaders.append(ZeppelinLoader(
             sampler=sampler, blend=blend, make_plan=make_plan, rank=mpu.get_data_parallel_rank(),
             device=device, communicator=communicator, backend=backend, all_reduce_max=check,
@@ -506,7 +511,7 @@ def saved_data_state(args: Any) -> dict | None:
 
     Megatron-LM copies only its own counters out of the checkpoint's ``args``; this
     reads that entry again the way Megatron's ``load_args_from_checkpoint`` does
-    (``torch_dist``: the small ``common.pt``; ``torch``: rank 0's file)."""
+    (``torch_dist``: its common state; ``torch``: rank 0's file)."""
     if not getattr(args, "load", None) or not getattr(args, "iteration", 0) or getattr(args, "finetune", False):
         return None
     from megatron.training.checkpointing import _load_base_checkpoint
@@ -515,33 +520,22 @@ def saved_data_state(args: Any) -> dict | None:
     return getattr((state_dict or {}).get("args"), "zeppelin_data_state", None)
 
 
-def record_batch(args: Any, split: str, first: bool, clock: StepClock, model: ModelConfig, tokens_per_batch: int,
-                 reduce_sum: Callable[[list[int]], list[int]]) -> Callable[[PreparedBatch, StepContext], None]:
+def record_batch(args: Any, split: str, first: bool, reports: IterationReports | None,
+                 tokens_per_batch: int) -> Callable[[PreparedBatch, StepContext], None]:
     """The training loader's ``on_batch``: record the data state on ``args`` (saved in
-    every Megatron checkpoint); report the iteration that just ended every
-    ``--zeppelin-log-interval`` iterations (``reduce_sum``: an all-reduce over every
-    rank, so every rank calls it for the same batches); on the ``first`` rank also
-    dump plans and print the reports."""
+    every Megatron checkpoint); hand each micro-batch to ``reports`` (the
+    ``--zeppelin-log-interval`` report of each finished iteration; None: off); on the
+    ``first`` rank also dump plans."""
     dump = Path(args.zeppelin_plan_dump_dir) if args.zeppelin_plan_dump_dir else None
-    every = args.zeppelin_log_interval
     micro = zeppelin_micro_batches(args)
     seen = {"index": -1, "micro": 0}  # micro-batches of one global batch share its index
-    previous: list[tuple[PreparedBatch, StepContext]] = []
 
     def handle(p: PreparedBatch, context: StepContext) -> None:
         args.zeppelin_data_state = data_state(p.sampler_state, p.batch.index + 1, tokens_per_batch)
         seen["micro"] = seen["micro"] + 1 if p.batch.index == seen["index"] else 0
         seen["index"] = p.batch.index
-        seconds = clock.training_batch()
-        if previous:
-            done, done_context = previous.pop()
-            if every and done.batch.index % every == 0:
-                report = report_iteration(done.plan, done.batch.num_tokens, done.batch.index, done_context,
-                                          seconds, model, reduce_sum)
-                write_report(report, megatron_writers())
-                if first:
-                    print(f"{format_plan_log(done)}, {format_report(report)}", flush=True)
-        previous.append((p, context))
+        if reports is not None:
+            reports.training_batch(p, context)
         if first and dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
             suffix = f"_mb{seen['micro']}" if micro > 1 else ""
@@ -549,11 +543,59 @@ def record_batch(args: Any, split: str, first: bool, clock: StepClock, model: Mo
     return handle
 
 
-def format_plan_log(p: PreparedBatch) -> str:
-    """Batch, tokens, tiers, attention and linear balance (max / mean) of a Plan."""
-    t = p.plan.tier_counts()
-    pairs, linear = p.plan.attn_pairs_per_rank(), p.plan.linear_tokens_per_rank()
+def iteration_reports(args: Any, first: bool, clock: StepClock, model: ModelConfig,
+                      device: torch.device) -> IterationReports:
+    """The training split's per-iteration reports: written to Megatron's writers on
+    every rank, printed on the ``first``; under pipeline parallelism summed after
+    each step's schedule (:func:`run_after_each_schedule`)."""
+    pipelined = (args.pipeline_model_parallel_size or 1) > 1
+
+    def emit(micro_batches: Sequence[PreparedBatch], report: Any) -> None:
+        write_report(report, megatron_writers())
+        if first:
+            print(f"{format_plan_log(micro_batches)}, {format_report(report)}", flush=True)
+
+    reports = IterationReports(args.zeppelin_log_interval, model, clock,
+                               lambda values: sum_over_ranks(values, device), pipelined=pipelined, emit=emit,
+                               note=(lambda line: print(line, flush=True)) if first else (lambda line: None))
+    if pipelined and args.zeppelin_log_interval:
+        run_after_each_schedule(reports.after_schedule)
+    return reports
+
+
+def run_after_each_schedule(hook: Callable[[], None]) -> None:
+    """Run ``hook`` on every rank right after each training step's pipeline schedule.
+
+    Megatron-LM's ``train()`` hands its ``finalize_model_grads`` (the gradients'
+    all-reduce, called on every rank once the schedule's last backward is done, and
+    already a collective across the pipeline) to the schedule as
+    ``config.finalize_model_grads_func``, read from ``megatron.training.training`` when
+    ``train()`` starts, after the loaders are built: that name gets a wrapper calling
+    it, then ``hook``.  Evaluation (forward only) calls neither."""
+    from megatron.training import training
+
+    finalize = getattr(training.finalize_model_grads, "zeppelin_wrapped", training.finalize_model_grads)
+
+    @functools.wraps(finalize)
+    def finalize_then_hook(*args: Any, **kwargs: Any) -> Any:
+        result = finalize(*args, **kwargs)
+        hook()
+        return result
+
+    finalize_then_hook.zeppelin_wrapped = finalize  # type: ignore[attr-defined]  (a rebuild wraps it once)
+    training.finalize_model_grads = finalize_then_hook
+
+
+def format_plan_log(micro_batches: Sequence[PreparedBatch]) -> str:
+    """Batch, sequences, tokens and tiers (summed over the global batch's micro-batches),
+    attention and linear balance (max / mean; the least balanced micro-batch's)."""
     ratio = lambda xs: max(xs) / (sum(xs) / len(xs)) if sum(xs) else 1.0  # noqa: E731
-    return (f"zeppelin batch {p.batch.index}: {len(p.batch.pieces)} seqs, {p.batch.num_tokens} tokens, "
-            f"local {t.local} intra {t.intra} inter {t.inter} ulysses {t.ulysses}, "
-            f"attention max/mean {ratio(pairs):.3f}, linear max/mean {ratio(linear):.3f}")
+    tiers = [p.plan.tier_counts() for p in micro_batches]
+    tier = {name: sum(getattr(t, name) for t in tiers) for name in ("local", "intra", "inter", "ulysses")}
+    attention = max(ratio(p.plan.attn_pairs_per_rank()) for p in micro_batches)
+    linear = max(ratio(p.plan.linear_tokens_per_rank()) for p in micro_batches)
+    parts = f" in {len(micro_batches)} micro-batches" if len(micro_batches) > 1 else ""
+    return (f"zeppelin batch {micro_batches[0].batch.index}: {sum(len(p.batch.pieces) for p in micro_batches)} "
+            f"seqs, {sum(p.batch.num_tokens for p in micro_batches)} tokens{parts}, "
+            f"local {tier['local']} intra {tier['intra']} inter {tier['inter']} ulysses {tier['ulysses']}, "
+            f"attention max/mean {attention:.3f}, linear max/mean {linear:.3f}")

@@ -15,6 +15,7 @@ right after the flag checks, on every rank; no process group exists yet).
 * the checkpoint folders: every shard of a ``--load`` checkpoint is there and as long
   as its index says; the checkpoint drew its batches from the same
   documents, ``--seq-length`` and seed (else its position cannot be continued);
+  the checkpoint was saved at this ``--pipeline-model-parallel-size``;
   ``--save`` never overwrites a checkpoint of another run (other data, seed or
   model) unless ``--load`` points there too.
 
@@ -58,6 +59,7 @@ def check_before_launch(args: argparse.Namespace) -> None:
     check_batches_fill_micro_batches(args, blends)
     check_checkpoint_writer(args)
     check_checkpoint_files(getattr(args, "load", None), args)
+    check_same_pipeline_size(args)
     saved = saved_data_state_on_disk(getattr(args, "load", None), args)
     if saved is not None:
         from megatron_zeppelin.integration.checkpoint import check_same_pieces
@@ -147,8 +149,8 @@ def check_checkpoint_writer(args: argparse.Namespace) -> None:
 
 
 def checkpoint_common_args(folder: str | None, args: argparse.Namespace) -> argparse.Namespace | None:
-    """The ``args`` a ``torch_dist`` checkpoint in ``folder`` was saved with (its small
-    ``common.pt``, read as Megatron's ``load_args_from_checkpoint`` reads it); None
+    """The ``args`` a ``torch_dist`` checkpoint in ``folder`` was saved with (its common
+    state, read as Megatron's ``load_args_from_checkpoint`` reads it); None
     when the folder holds no checkpoint or one of another format."""
     directory = _checkpoint_directory(folder, args)
     if directory is None:
@@ -158,7 +160,7 @@ def checkpoint_common_args(folder: str | None, args: argparse.Namespace) -> argp
     try:
         state_dict = _load_base_checkpoint(folder, args, rank0=True)[0]
     except Exception as exc:  # noqa: BLE001 -- any unreadable file: name it, in one line
-        raise ConfigError(f"{directory / 'common.pt'} cannot be read ({type(exc).__name__}: {str(exc)[:160]}): "
+        raise ConfigError(f"{directory}'s common state cannot be read ({type(exc).__name__}: {str(exc)[:160]}): "
                           "the checkpoint is damaged; point --load/--save elsewhere or load an earlier "
                           "iteration (--ckpt-step)") from None
     return (state_dict or {}).get("args")
@@ -201,7 +203,25 @@ def _checkpoint_directory(folder: str | None, args: argparse.Namespace) -> Path 
 
     iteration, release = read_metadata(str(tracker))
     directory = Path(get_checkpoint_name(folder, iteration, release, return_base_dir=True))
-    return directory if (directory / "common.pt").is_file() else None
+    # Megatron-Core 0.16.1 writes the common state (args, iteration) to common.pt; 0.19
+    # keeps it inside the torch_dist checkpoint itself (its index, .metadata).
+    return directory if (directory / "common.pt").is_file() or (directory / ".metadata").is_file() else None
+
+
+def check_same_pipeline_size(args: argparse.Namespace) -> None:
+    """A ``--load`` checkpoint resumes at the ``--pipeline-model-parallel-size`` it was
+    saved at: the same P is what the end-to-end test resumes exactly; another P
+    re-splits the layers over other stages, which no test covers under ``--zeppelin``."""
+    if getattr(args, "finetune", False):
+        return
+    theirs = checkpoint_common_args(getattr(args, "load", None), args)
+    saved = getattr(theirs, "pipeline_model_parallel_size", None) or 1
+    now = getattr(args, "pipeline_model_parallel_size", None) or 1
+    if theirs is not None and saved != now:
+        raise ConfigError(f"--load {args.load} was saved at --pipeline-model-parallel-size {saved}, this run has "
+                          f"{now}: --zeppelin resumes a checkpoint at the pipeline size it was saved at only "
+                          f"(another size re-splits the layers over the stages, which is not tested); pass "
+                          f"--pipeline-model-parallel-size {saved}")
 
 
 def saved_data_state_on_disk(folder: str | None, args: argparse.Namespace) -> dict | None:

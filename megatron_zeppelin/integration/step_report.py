@@ -5,7 +5,8 @@ full ``seq_length**2`` attention; a Zeppelin batch holds whole documents of any
 length.  This module reports an iteration once it is over -- when the next
 training batch is handed out -- from the step's real tokens, its exact causal
 pairs (from the Plan) and the bytes its remapping layers put on the communicator
-(summed over every rank with one all-reduce), printed on rank 0 every
+(summed over every rank with one all-reduce; under pipeline parallelism once the
+step's schedule is over), printed on rank 0 every
 ``--zeppelin-log-interval`` iterations and written through Megatron's
 TensorBoard / W&B writers where they exist.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -99,16 +100,71 @@ def sum_over_ranks(values: list[int], device: torch.device) -> list[int]:
     return [int(x) for x in t.tolist()]
 
 
-def report_iteration(plan: Plan, num_tokens: int, batch_index: int, context: StepContext,
-                     seconds: float | None, model: ModelConfig,
-                     reduce_sum: Callable[[list[int]], list[int]]) -> IterationReport:
-    """The finished iteration's report.  ``reduce_sum`` sums over every rank (GPUs =
-    ranks counted by summing 1), so every rank calls it for the same batch."""
-    remap_bytes, world_size = reduce_sum([context.remap_counters.total, 1])
-    pairs = batch_causal_pairs(plan)
+def report_iteration(plans: Sequence[Plan], num_tokens: int, batch_index: int, remap_bytes: int, world_size: int,
+                     seconds: float | None, model: ModelConfig) -> IterationReport:
+    """The finished iteration's report: ``plans`` of its micro-batches, ``remap_bytes``
+    and ``world_size`` summed over every rank."""
+    pairs = sum(batch_causal_pairs(plan) for plan in plans)
     return IterationReport(iteration=batch_index + 1, tokens=num_tokens, causal_pairs=pairs,
                            remap_bytes=remap_bytes, seconds=seconds, world_size=world_size,
                            model_flops=step_model_flops(model, num_tokens, pairs))
+
+
+class IterationReports:
+    """Reports every ``every``-th training iteration once it is over, from all its
+    micro-batches (``emit`` gets them and the report).
+
+    The remap bytes (and the ranks, counted by summing 1) are summed over every rank
+    by ``reduce_sum``, a collective.  Without pipeline parallelism every rank hands
+    out the next iteration's first micro-batch in step, so the sum is taken there.
+    Under pipeline parallelism the hand-offs happen inside Megatron's 1F1B schedule,
+    where a collective spanning stages waits on a stage that waits for this one (the
+    run hung): the sum is taken by :meth:`after_schedule`, which runs on every rank
+    once the step's schedule is over (``integration.hooks.run_after_each_schedule``)."""
+
+    def __init__(self, every: int, model: ModelConfig, clock: StepClock,
+                 reduce_sum: Callable[[list[int]], list[int]], *, pipelined: bool,
+                 emit: Callable[[Sequence[Any], IterationReport], None],
+                 note: Callable[[str], None] = lambda line: None) -> None:
+        self.every, self.model, self.clock, self.reduce_sum = every, model, clock, reduce_sum
+        self.pipelined, self.emit, self.note = pipelined, emit, note
+        self._running: list[tuple[Any, StepContext]] = []
+        """The running iteration's micro-batches handed out so far, each with its step context."""
+        self._sums: dict[int, list[int]] = {}
+        """Batch index -> [remap bytes, ranks] summed after its schedule (pipeline parallelism)."""
+
+    def _due(self, items: Sequence[tuple[Any, StepContext]]) -> bool:
+        return bool(self.every and items) and items[0][0].batch.index % self.every == 0
+
+    def _sum(self, items: Sequence[tuple[Any, StepContext]]) -> list[int]:
+        return self.reduce_sum([sum(context.remap_counters.total for _, context in items), 1])
+
+    def training_batch(self, prepared: Any, context: StepContext) -> None:
+        """A training micro-batch is handed out; the first one of a new global batch
+        ends the running iteration, reported when due."""
+        if self._running and self._running[0][0].batch.index == prepared.batch.index:
+            self._running.append((prepared, context))
+            return
+        seconds = self.clock.training_batch()
+        finished, self._running = self._running, [(prepared, context)]
+        if not self._due(finished):
+            return
+        index = finished[0][0].batch.index
+        sums = self._sums.pop(index, None) if self.pipelined else self._sum(finished)
+        if sums is None:
+            self.note(f"zeppelin: no report for iteration {index + 1}: its remap bytes are summed after the "
+                      "step's pipeline schedule, and Megatron-LM ran none (finalize_model_grads was not called)")
+            return
+        report = report_iteration([p.plan for p, _ in finished], sum(p.batch.num_tokens for p, _ in finished),
+                                  index, sums[0], sums[1], seconds, self.model)
+        self.emit([p for p, _ in finished], report)
+
+    def after_schedule(self) -> None:
+        """The step's schedule is over on this rank: sum the running iteration's remap
+        bytes over every rank when it is due (a collective: every rank calls it once
+        per training iteration)."""
+        if self.pipelined and self._due(self._running):
+            self._sums[self._running[0][0].batch.index] = self._sum(self._running)
 
 
 def format_report(r: IterationReport) -> str:

@@ -87,9 +87,10 @@ def transformer_config(model: ModelConfig, *, dtype: torch.dtype = torch.float32
         pipeline_model_parallel_size=pp, pipeline_dtype=dtype, variable_seq_lengths=True,
         calculate_per_token_loss=True,
         # Megatron refuses variable lengths beside its default (all-gather) MoE dispatcher,
-        # also for a dense model; the trainer refuses MoE under PP (train/pipeline_layout.py).
+        # also for a dense model: all-to-all, also for an MoE model at EP 1.  (The trainer's
+        # --pp refuses MoE, train/pipeline_layout.py; the Megatron-LM e2e builds it.)
         moe_token_dispatcher_type="alltoall")
-    return TransformerConfig(**moe, **pipeline,
+    return TransformerConfig(**{**moe, **pipeline},
         tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,

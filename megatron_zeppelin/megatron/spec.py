@@ -8,6 +8,8 @@ TransformerEngine spec where TE is importable, on its local spec otherwise (CPU)
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import importlib.util
 
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -42,11 +44,22 @@ def get_zeppelin_layer_spec(qk_layernorm: bool = False, remap: bool = False,
                                                     normalization="RMSNorm"))
     spec = copy.deepcopy(base)
     spec.submodules.self_attention.submodules.core_attention = ZeppelinAttention
-    if num_experts and not use_te:
-        spec.submodules.mlp.submodules.router = ZeppelinTopKRouter  # Megatron-Core's moves its gate to CUDA
+    if num_experts and not use_te:  # Megatron-Core's router moves its gate to CUDA
+        spec.submodules.mlp = with_router(spec.submodules.mlp, ZeppelinTopKRouter)
     if remap:
         spec.submodules.mlp = remap_mlp_spec(spec.submodules.mlp)
     return spec
+
+
+def with_router(moe: ModuleSpec | functools.partial, router: type) -> ModuleSpec | functools.partial:
+    """The MoE spec with ``router`` as its router: Megatron-Core 0.16.1 gives a
+    ``ModuleSpec`` whose submodules name the router; 0.19 gives
+    ``partial(MoELayer, submodules=MoESubmodules(...))``."""
+    if isinstance(moe, functools.partial):
+        submodules = dataclasses.replace(moe.keywords["submodules"], router=router)
+        return functools.partial(moe.func, *moe.args, **{**moe.keywords, "submodules": submodules})
+    moe.submodules.router = router
+    return moe
 
 
 def remap_mlp_spec(mlp: ModuleSpec) -> ModuleSpec:

@@ -201,7 +201,11 @@ def remap_module_spec(mlp_spec):
 
     Megatron-Core 0.16-0.18 give a ``ModuleSpec``; 0.19 gives
     ``partial(MLP.as_mlp_submodule, submodules=...)``, a classmethod factory: the
-    same factory is bound to the remapping subclass instead."""
+    same factory is bound to the remapping subclass instead (and for MoE
+    ``partial(MoELayer, submodules=...)``: the remapping subclass of that class)."""
+    if isinstance(mlp_spec, functools.partial) and isinstance(mlp_spec.func, type):
+        # 0.19's MoE: partial(MoELayer, submodules=...), the class itself.
+        return functools.partial(with_remap(mlp_spec.func), *mlp_spec.args, **mlp_spec.keywords)
     if isinstance(mlp_spec, functools.partial):
         owner = getattr(mlp_spec.func, "__self__", None)
         if not isinstance(owner, type):

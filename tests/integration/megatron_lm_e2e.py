@@ -1,5 +1,5 @@
 """One rank of the end-to-end Megatron-LM test (run by test_megatron_lm_e2e.py, one process per
-rank, inside a patched Megatron-LM core_v0.16.1 tree):
+rank, inside a patched Megatron-LM core_v0.16.1 or core_v0.19.0 tree):
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... \
         python megatron_lm_e2e.py DATA CLUSTER CKPT STEPS MODEL [MEGATRON-LM FLAGS...]
@@ -24,6 +24,7 @@ Prints per step on rank 0:  STEP k megatron_loss trainer_loss attention_max/mean
 
 import contextlib
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -40,7 +41,7 @@ from megatron.training.global_vars import _set_timers, set_args
 
 from megatron_zeppelin import integration as zeppelin
 from megatron_zeppelin.attention.backends import TorchBackend
-from megatron_zeppelin.integration.args import zeppelin_micro_batches
+from megatron_zeppelin.integration.args import megatron_core_version, zeppelin_micro_batches
 from megatron_zeppelin.comm.base import ByteCounters
 from megatron_zeppelin.megatron import build_gpt_model
 from megatron_zeppelin.model_config import load_model
@@ -54,12 +55,25 @@ from megatron_zeppelin.train.trainer import Run, allreduce_grads, train_step
 
 
 def build_megatron_model(seed):
+    """This stage's model as the patched pretrain_gpt.py builds it: at core_v0.16.1 through
+    ``model_provider`` and the wrapped ``gpt_builder``; at core_v0.19.0 from the
+    ``GPTModelConfig`` of Zeppelin's class (``gpt_config_from_args``) and its builder."""
+    stage = dict(pre_process=parallel_state.is_pipeline_first_stage(),
+                 post_process=parallel_state.is_pipeline_last_stage())
+    torch.manual_seed(seed)  # CPU initialisation draws from torch's default generator: same on every rank
+    if megatron_core_version() >= (0, 19):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.training import get_args
+        from megatron.training.argument_utils import gpt_config_from_args
+
+        from megatron_zeppelin.integration.hooks import ZeppelinGPTModelBuilder
+
+        config = gpt_config_from_args(get_args(), model_config_cls=zeppelin.gpt_model_config_cls())
+        return ZeppelinGPTModelBuilder(config).build_model(ProcessGroupCollection.use_mpu_process_groups(), **stage)
     from gpt_builders import gpt_builder
     from model_provider import model_provider
 
-    torch.manual_seed(seed)  # CPU initialisation draws from torch's default generator: same on every rank
-    return partial(model_provider, zeppelin.gpt_builder(gpt_builder))(
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage())
+    return partial(model_provider, zeppelin.gpt_builder(gpt_builder))(**stage)
 
 
 @contextlib.contextmanager
@@ -157,7 +171,7 @@ def main():
     dp, dp_group = world // (tp * pp), parallel_state.get_data_parallel_group()
     if pp > 1:
         return pipelined(args, rank, world, tp, pp, dp, cluster=cluster, steps=steps,
-                         model_name=model_name)
+                         model_name=model_name, ckpt_dir=ckpt_dir)
 
     import pretrain_gpt  # the patched script, as a module
 
@@ -229,13 +243,21 @@ def main():
     dist.destroy_process_group()
 
 
-def pipelined(args, rank, world, tp, pp, dp, *, cluster, steps, model_name):
+def pipelined(args, rank, world, tp, pp, dp, *, cluster, steps, model_name, ckpt_dir):
     """``--pipeline-model-parallel-size P``: each global batch through Megatron-Core's 1F1B
     schedule with the patched ``forward_step``; beside it the trainer's reference at the
-    same PP (``train.pipeline``) on the same micro-batches.  Prints per step on rank 0:
-    STEP k megatron_loss trainer_loss."""
+    same PP (``train.pipeline``) on the same micro-batches.  Under
+    ``--zeppelin-log-interval``, the schedule calls the ``finalize_model_grads`` the
+    provider wrapped, as Megatron-LM's ``train()`` sets it.  Half way, Megatron-LM's own
+    ``save_checkpoint`` (``torch_dist``, each stage its layers) writes the model and the
+    Zeppelin data state to ``CKPT``; a fresh model loads it with ``load_checkpoint``, the
+    patched provider builds new loaders from it, and training goes on (the optimizer's
+    state is carried in memory: this driver's Adam is not Megatron's).  Prints per step
+    on rank 0: STEP k megatron_loss trainer_loss batch=<global batch index> rows=<...>; at
+    the end REMAP {batch index: bytes every rank's remapping layers counted}."""
     import pretrain_gpt
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.training import training
 
     from megatron_zeppelin.train.parallel import allreduce_gradients
 
@@ -243,28 +265,44 @@ def pipelined(args, rank, world, tp, pp, dp, *, cluster, steps, model_name):
     assert model.config.variable_seq_lengths and model.config.calculate_per_token_loss
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model_cfg = dataclasses.replace(load_model(model_name), vocab_size=args.padded_vocab_size,
-                                    num_layers=args.num_layers)
+                                    num_layers=args.num_layers, expert_parallel_size=args.expert_model_parallel_size)
     sp = args.sequence_parallel
     reference = build_gpt_model(model_cfg, max_seq_len=args.seq_length, tp=tp, sequence_parallel=sp, pp=pp)
+    if args.num_experts and rank == 0:
+        mlp = model.decoder.layers[0].mlp
+        print(f"MOE local_experts={mlp.num_local_experts} dispatcher={type(mlp.token_dispatcher).__name__}", flush=True)
     rows = []  # the hidden states' rows this stage's first layer got, micro-batch by micro-batch
-    model.decoder.layers[0].register_forward_pre_hook(
-        lambda mod, inp, kwargs: rows.append((kwargs.get("hidden_states", inp[0] if inp else None)).shape[0]),
-        with_kwargs=True)
+    watch_first_layer(model, rows)
     reference.load_state_dict(model.state_dict())  # this stage's parameters, name by name
-    train_loader, _, _ = pretrain_gpt.train_valid_test_datasets_provider([1, 1, 1])
-    handed_out = []
-    log_batch = train_loader.on_batch
-    train_loader.on_batch = lambda p, context: (handed_out.append(p), log_batch(p, context))
+    handed_out, contexts = [], []
+    # Megatron-LM's train() hands training.finalize_model_grads (read after the loaders
+    # are built, which may wrap it) to the schedule, which calls it after the last
+    # backward; this driver all-reduces the gradients itself after the schedule.
+    training.finalize_model_grads = lambda *a, **k: None
+    train_loader = watched_loader(pretrain_gpt, handed_out, contexts)
+    model.config.finalize_model_grads_func = training.finalize_model_grads
     run = reference_run(args, rank, world, dp, cluster, model_cfg, reference, train_loader.blend)
     micro = zeppelin_micro_batches(args)
     data = RerunDataIterator(train_loader)
+    expected = None  # after the resume: the pieces the uninterrupted loader would have handed out
     for step in range(steps):
+        if step == steps // 2:
+            model, optimizer, train_loader, expected = resume_stage(args, step, model, optimizer, train_loader,
+                                                                    micro, pretrain_gpt, handed_out, contexts)
+            model.config.finalize_model_grads_func = training.finalize_model_grads
+            watch_first_layer(model, rows)
+            data = RerunDataIterator(train_loader)
+            if rank == 0:
+                print(f"RESUMED torch_dist {ckpt_dir} at iteration {step}", flush=True)
         first_seen = len(handed_out)
         stored = get_forward_backward_func()(
             forward_step_func=pretrain_gpt.forward_step, data_iterator=data, model=[model], num_microbatches=micro,
             seq_length=args.seq_length, micro_batch_size=1, forward_only=False)
         parts = handed_out[first_seen:first_seen + micro]
         assert len(parts) == micro and len({p.batch.index for p in parts}) == 1
+        if expected is not None:
+            assert [tuple(p.batch.pieces) for p in parts] == expected, "the resume skipped or repeated pieces"
+            expected = None
         # Each micro-batch's boundary shape is this rank's token count in its Plan (under
         # sequence parallelism padded to a multiple of TP and split over it); only the
         # first and last stages read tokens.
@@ -294,9 +332,69 @@ def pipelined(args, rank, world, tp, pp, dp, *, cluster, steps, model_name):
         record = train_step(run, iter(micros))
         shapes = gather(held)
         if rank == 0:
-            print(f"STEP {step} {float(loss) / label_count:.8f} {record.loss:.8f} rows={shapes}", flush=True)
+            print(f"STEP {step} {float(loss) / label_count:.8f} {record.loss:.8f} batch={batch.index} "
+                  f"rows={json.dumps(shapes)}", flush=True)
+    next(data)  # hands out one more micro-batch: the last step's zeppelin log line prints now
+    # What the remapping layers of every rank counted, per global batch (the log lines' remap_bytes).
+    counted = {}
+    for index, context in contexts:
+        counted[index] = counted.get(index, 0) + context.remap_counters.total
+    totals = {}
+    for counts in gather(counted):
+        for index, n in counts.items():
+            totals[index] = totals.get(index, 0) + n
+    if rank == 0:
+        print(f"REMAP {json.dumps(totals)}", flush=True)
     train_loader.close()
     dist.destroy_process_group()
+
+
+def watch_first_layer(model, rows):
+    """Record the rows of hidden states this stage's first layer gets, call by call."""
+    model.decoder.layers[0].register_forward_pre_hook(
+        lambda mod, inp, kwargs: rows.append((kwargs.get("hidden_states", inp[0] if inp else None)).shape[0]),
+        with_kwargs=True)
+
+
+def watched_loader(pretrain_gpt, handed_out, contexts):
+    """The patched provider's training loader; every micro-batch it hands out is appended
+    to ``handed_out``, with its batch index and step context to ``contexts``."""
+    with cuda_means_cpu():  # on a resume the provider reads the --load checkpoint's data state
+        train_loader, _, _ = pretrain_gpt.train_valid_test_datasets_provider([1, 1, 1])
+    log_batch = train_loader.on_batch
+    train_loader.on_batch = lambda p, context: (handed_out.append(p), contexts.append((p.batch.index, context)),
+                                                log_batch(p, context))
+    return train_loader
+
+
+def resume_stage(args, iteration, model, optimizer, train_loader, micro, pretrain_gpt, handed_out, contexts):
+    """Megatron-LM's save_checkpoint after ``iteration`` global batches, then a fresh
+    stage model through load_checkpoint and new loaders from the checkpoint's data
+    state; asserts the loaded weights are the saved ones and the new loader hands out
+    exactly the micro-batches the old one would have (the uninterrupted run's):
+    returns the model, optimizer, loader and those micro-batches' pieces."""
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+
+    init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
+                                     args.data_parallel_size, False)
+    with cuda_means_cpu():
+        save_checkpoint(iteration, [model], None, None, 0)
+    # What the uninterrupted run trains next (drawn before the old loader closes).
+    for _ in range(micro):
+        next(train_loader)
+    expected = [tuple(p.batch.pieces) for p in handed_out[-micro:]]
+    train_loader.close()
+    loaded = build_megatron_model(args.seed + 1)
+    with cuda_means_cpu():
+        args.iteration, _ = load_checkpoint([loaded], None, None)
+    assert args.iteration == iteration, (args.iteration, iteration)
+    for (name, want), got in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert not isinstance(want, torch.Tensor) or torch.equal(got, want), name
+    state = optimizer.state_dict()
+    optimizer = torch.optim.Adam(loaded.parameters(), lr=1e-3)
+    optimizer.load_state_dict(state)
+    return loaded, optimizer, watched_loader(pretrain_gpt, handed_out, contexts), expected
 
 
 if __name__ == "__main__":  # Megatron's checkpoint writer spawns processes that import this file

@@ -22,7 +22,7 @@ from megatron_zeppelin.integration.hooks import (
     model_config_from_args,
     record_batch,
 )
-from megatron_zeppelin.integration.step_report import StepClock
+from megatron_zeppelin.integration.step_report import IterationReports, StepClock, format_report
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.sampler import batch_budget
 from megatron_zeppelin.sampler.deferral import DeferringSampler
@@ -166,8 +166,10 @@ def test_megatron_batch_shapes_and_records(setup, tmp_path, capsys):
     loader = loaders(blend, make_plan)[0]
     times = iter([10.0, 12.5])
     one_rank_sum = lambda values: [v * WORLD for v in values]  # noqa: E731  4 ranks, same values
-    loader.on_batch = record_batch(args, "train", True, StepClock(lambda: next(times)), load_model("tiny"),
-                                   1000, one_rank_sum)
+    reports = IterationReports(1, load_model("tiny"), StepClock(lambda: next(times)), one_rank_sum, pipelined=False,
+                               emit=lambda micro_batches, r: print(f"{format_plan_log(micro_batches)}, "
+                                                                   f"{format_report(r)}"))
+    loader.on_batch = record_batch(args, "train", True, reports, 1000)
     tokens, labels, loss_mask, attention_mask, position_ids, packed = get_batch(loader)
     assert attention_mask is None and packed.context.plan is not None and tokens.shape == position_ids.shape
     assert args.zeppelin_data_state["batches_consumed"] == 1
@@ -186,7 +188,7 @@ def test_megatron_batch_shapes_and_records(setup, tmp_path, capsys):
     assert values["cu_seqlens"].context.plan is not None and values["tokens"].shape[0] == 1
     assert all(values[k] is None for k in ("attention_mask", "cu_seqlens_padded", "max_seqlen", "local_cp_size"))
     assert args.zeppelin_data_state["batches_consumed"] == 2
-    assert "local" in format_plan_log(loader.prepare())
+    assert "local" in format_plan_log([loader.prepare()])
     assert SPEC[1] == "zeppelin_layer_spec"
 
 
@@ -237,9 +239,7 @@ def test_micro_batch_plans_are_dumped_apart(tmp_path):
     args = add_zeppelin_args(argparse.ArgumentParser()).parse_args(
         ["--zeppelin", "--zeppelin-plan-dump-dir", str(tmp_path)])
     args.world_size, args.global_batch_size = 4, 8
-    times = iter(range(10))
-    handle = record_batch(args, "train", True, StepClock(lambda: float(next(times))), load_model("tiny"),
-                          1000, lambda values: values)
+    handle = record_batch(args, "train", True, None, 1000)
     for index in (0, 0, 1, 1):
         handle(SimpleNamespace(batch=SimpleNamespace(index=index), plan=SimpleNamespace(to_json=lambda: "{}"),
                                sampler_state={}), None)

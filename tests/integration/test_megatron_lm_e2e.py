@@ -1,6 +1,7 @@
 """End to end through Megatron-LM's own code (skipped without ``MEGATRON_LM_DIR``).
 
-Applies the patch to a copy of a core_v0.16.1 checkout, then on 2 gloo ranks
+Applies the patch to a copy of a core_v0.16.1 checkout (or core_v0.19.0 under
+Python >= 3.12, which that tag needs), then on 2 gloo ranks
 builds the model through the patched ``pretrain_gpt.py`` functions with
 ``--zeppelin-remap on`` and trains 4 global batches (``megatron_lm_e2e.py``):
 
@@ -31,7 +32,8 @@ MLM = os.environ.get("MEGATRON_LM_DIR")
 STEPS = 4
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not MLM, reason="set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1 to run Megatron-LM's code")]
+    not MLM, reason="set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1 (or core_v0.19.0 under "
+                    "Python >= 3.12) to run Megatron-LM's code")]
 
 
 def _free_port() -> int:
@@ -50,7 +52,7 @@ def patched(tmp_path_factory):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "apply_megatron_patch.sh"), str(root)], capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stderr
-    if "core_v0.16.1" not in r.stdout:
+    if "core_v0.16.1" not in r.stdout and sys.version_info < (3, 12):
         pytest.skip("Megatron-LM's per-step code runs here at core_v0.16.1 (later tags need Python >= 3.12)")
     for driver in ("megatron_lm_e2e.py", "megatron_lm_resume.py"):
         shutil.copy(Path(__file__).parent / driver, root)
@@ -187,29 +189,101 @@ def test_moe(patched, tmp_path, ep, tp):
     assert len(remap) == STEPS and all(b > 0 for b in remap), out
 
 
-@pytest.mark.parametrize("pp, layers, tp", [(2, 2, 1), (4, 4, 1), (2, 2, 2)], ids=["pp2-dp2", "pp4-dp1", "pp2-tp2-sp"])
-def test_pipeline_parallel(patched, tmp_path, pp, layers, tp):
-    """``--pipeline-model-parallel-size P`` on 4 gloo ranks (PP 2 x DP 2; PP 4 x DP 1,
+def _tiny_cpu_argv() -> list[str]:
+    """The tiny-cpu preset's Megatron-LM flags."""
+    return subprocess.run([sys.executable, "-m", "megatron_zeppelin.launch", "--preset", "tiny-cpu", "--print-args",
+                           "--only", "megatron"], capture_output=True, text=True, check=True).stdout.split()
+
+
+def _refused_before_launch(patched, argv, world: int) -> str:
+    """The real ``pretrain_gpt.py ARGV`` as rank 0 of ``world`` with no MASTER_ADDR (reaching
+    init_process_group would fail): it must stop with one ``pretrain_gpt.py: error:``
+    line and exit 2; that line."""
+    env = {**_env(patched), "WORLD_SIZE": str(world), "RANK": "0", "MASTER_ADDR": "", "MASTER_PORT": ""}
+    r = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=patched, env=env, capture_output=True,
+                       text=True, timeout=300)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("pp, layers, tp, dp", [(2, 2, 1, 2), (4, 4, 1, 1), (2, 2, 2, 1), (2, 2, 2, 2)],
+                         ids=["pp2-dp2", "pp4-dp1", "pp2-tp2-sp", "pp2-tp2-sp-dp2"])
+def test_pipeline_parallel(patched, tmp_path, pp, layers, tp, dp):
+    """``--pipeline-model-parallel-size P`` on gloo ranks (PP 2 x DP 2; PP 4 x DP 1,
     whose two middle stages read no token; PP 2 x TP 2 with sequence parallelism,
-    each stage's sequence-parallel block holding its own layers), 16 / (P x TP)
-    micro-batches per global batch:
+    each stage's sequence-parallel block holding its own layers, on 4 and on 8 ranks
+    (DP 1 and 2)), 4 micro-batches per global batch, each step a global batch of its own:
     Megatron-Core's 1F1B schedule runs the patched ``forward_step``; the hidden
     states cross each boundary with the rank's token count in the micro-batch's Plan
     (``variable_seq_lengths``; the driver checks every stage's first layer got
-    exactly that, and which stages read tokens); every step's loss equals the
-    trainer's reference at the same PP on the same micro-batches."""
-    prefix, cluster = _dataset(tmp_path), _one_node_cluster(tmp_path, 4)
-    out = _run_ranks(patched, 4, "megatron_lm_e2e.py", prefix, str(cluster), str(tmp_path), str(STEPS), "tiny",
-                     "--pipeline-model-parallel-size", str(pp), "--num-layers", str(layers),
-                     "--global-batch-size", str(16 // (pp * tp)), "--zeppelin-log-interval", "0",
-                     *(("--tensor-model-parallel-size", "2", "--sequence-parallel") if tp > 1 else ()))
-    steps = [line.split(" ", 4) for line in out.splitlines() if line.startswith("STEP ")]
+    exactly that, and which stages read tokens); half way Megatron-LM's
+    ``save_checkpoint`` (``torch_dist``) saves, a fresh model loads it, new loaders
+    resume from its data state with the micro-batches the uninterrupted run would
+    train; every step's loss equals the trainer's reference at the same PP on the
+    same micro-batches (which never resumed).  ``--zeppelin-log-interval 1`` prints one
+    line per iteration whose remap_bytes is what every rank counted.  A resume
+    of that checkpoint at another pipeline size is refused in one line before any
+    process group."""
+    tensor_parallel = ("--tensor-model-parallel-size", "2", "--sequence-parallel") if tp > 1 else ()
+    _, prefix, cluster, checkpointing = _pipeline_run(
+        patched, tmp_path, pp * tp * dp, dp, "tiny", "--pipeline-model-parallel-size", str(pp), "--num-layers",
+        str(layers), "--global-batch-size", str(4 * dp), *tensor_parallel)
+    if (pp, tp, dp) == (2, 1, 2):
+        argv = [*_tiny_cpu_argv(), "--data-path", prefix, "--split", "100,0,0", "--zeppelin-cluster", str(cluster),
+                "--global-batch-size", "8", "--train-iters", "8", "--num-layers", "2", *checkpointing]
+        error = _refused_before_launch(patched, argv, 4)
+        print(error)
+        assert "--load" in error and "--pipeline-model-parallel-size 2" in error, error
+
+
+def test_pipeline_parallel_with_expert_parallel_moe(patched, tmp_path):
+    """PP 2 x EP 2 on 4 gloo ranks (2 data-parallel ranks per stage, each holding 2 of
+    the 4 experts of each of its layers; Megatron-Core's all-to-all dispatcher, the
+    only one that takes per-micro-batch shapes): what test_pipeline_parallel checks
+    (boundary shapes, torch_dist save/resume, the report), every loss equal to the
+    trainer's reference at the same PP and EP."""
+    out = _pipeline_run(patched, tmp_path, 4, 2, "tiny-moe", "--pipeline-model-parallel-size", "2", "--num-layers",
+                        "2", "--global-batch-size", "8", "--num-experts", "4", "--moe-router-topk", "2",
+                        "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "none",
+                        "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "2")[0]
+    assert "MOE local_experts=2 dispatcher=MoEAlltoAllTokenDispatcher" in out
+
+
+def _pipeline_run(patched, tmp_path, world: int, dp: int, model: str,
+                  *flags: str) -> tuple[str, str, Path, tuple[str, ...]]:
+    """``megatron_lm_e2e.py`` under PP on ``world`` gloo ranks (``dp`` data-parallel) with Megatron-LM ``flags``
+    (4 micro-batches per global batch), saving to and resuming from a ``torch_dist``
+    checkpoint, with the checks every PP layout passes; rank 0's output, the data
+    prefix, the cluster file and the checkpoint flags."""
+    prefix, cluster = _dataset(tmp_path), _one_node_cluster(tmp_path, world)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    checkpointing = ("--ckpt-format", "torch_dist", "--no-save-optim", "--no-load-optim", "--no-load-rng",
+                     "--save", str(ckpt), "--load", str(ckpt))
+    out = _run_ranks(patched, world, "megatron_lm_e2e.py", prefix, str(cluster), str(ckpt), str(STEPS), model,
+                     "--zeppelin-tokens-per-gpu", "512", "--zeppelin-log-interval", "1", *checkpointing, *flags)
+    steps = [line.split(" ", 5) for line in out.splitlines() if line.startswith("STEP ")]
     print("\n".join(" ".join(s) for s in steps))
     assert [int(s[1]) for s in steps] == list(range(STEPS)), out
-    for _, _, megatron_loss, trainer_loss, _ in steps:
+    for _, _, megatron_loss, trainer_loss, _, _ in steps:
         assert float(megatron_loss) == pytest.approx(float(trainer_loss), rel=1e-5, abs=1e-6)
-    shapes = {n for s in steps for rank_rows in json.loads(s[4][len("rows="):]) for n in rank_rows}
+    assert [s[4] for s in steps] == [f"batch={k}" for k in range(STEPS)]  # a new global batch every step
+    assert f"RESUMED torch_dist {ckpt} at iteration {STEPS // 2}" in out
+    shapes = {n for s in steps for rank_rows in json.loads(s[5][len("rows="):]) for n in rank_rows}
     assert len(shapes) > 1  # the boundary shape changed between micro-batches
+    # --zeppelin-log-interval 1: one line per iteration; its remap_bytes is what every rank's
+    # remapping layers counted in all the iteration's micro-batches, summed after the schedule.
+    counted = json.loads(next(line for line in out.splitlines() if line.startswith("REMAP "))[len("REMAP "):])
+    logged = {int(m[1]): int(m[2]) for m in re.finditer(r"zeppelin batch (\d+): .*? in 4 micro-batches, .*"
+                                                          r"remap_bytes=(\d+)", out)}
+    print(f"remap_bytes per iteration: {logged}")
+    # (The driver's last hand-off, which prints the last line, trained nothing: batch STEPS.)
+    assert logged == {int(k): v for k, v in counted.items() if int(k) < STEPS}, (logged, counted)
+    assert sorted(logged) == list(range(STEPS)), logged
+    # One data-parallel rank holds every token in both layouts: nothing to move.
+    assert all(logged.values()) if dp > 1 else not any(logged.values()), logged
+    return out, prefix, cluster, checkpointing
 
 
 def _iterations(out: str) -> list[list[list[int]]]:
@@ -248,10 +322,6 @@ def test_resume_with_another_token_budget_trains_every_piece_once(patched, tmp_p
         at += len(pieces)
     assert len(_iterations(before)) == 2 and len(_iterations(after)) == 3
 
-    # The real pretrain_gpt.py, no MASTER_ADDR: reaching init_process_group would fail otherwise.
-    argv = subprocess.run([sys.executable, "-m", "megatron_zeppelin.launch", "--preset", "tiny-cpu", "--print-args",
-                           "--only", "megatron"], capture_output=True, text=True, check=True).stdout.split()
-    env = {**_env(patched), "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "", "MASTER_PORT": ""}
     damaged = tmp_path / "damaged"
     shutil.copytree(ckpt, damaged)
     latest = int((damaged / "latest_checkpointed_iteration.txt").read_text())
@@ -264,13 +334,11 @@ def test_resume_with_another_token_budget_trains_every_piece_once(patched, tmp_p
              "the --load checkpoint drew its batches with seed (--zeppelin-seed, else --seed) = 1234, this run has 7"),
             (("--load", str(tmp_path / "new"), "--save", ckpt, "--seed", "7"),
              f"--save {ckpt} holds another run's checkpoint (--seed 1234 (this run: 7))")):
-        r = subprocess.run([sys.executable, "pretrain_gpt.py", *argv, "--data-path", prefix, "--split", "100,0,0",
-                            "--zeppelin-cluster", str(cluster), "--global-batch-size", "4", "--train-iters", "8",
-                            *extra], cwd=patched, env=env, capture_output=True, text=True, timeout=300)
-        errors = [line for line in r.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
-        assert r.returncode == 2 and len(errors) == 1 and message in errors[0], r.stderr[-2000:]
-        assert "Traceback" not in r.stderr
-        print(errors[0])
+        error = _refused_before_launch(patched, [*_tiny_cpu_argv(), "--data-path", prefix, "--split", "100,0,0",
+                                                 "--zeppelin-cluster", str(cluster), "--global-batch-size", "4",
+                                                 "--train-iters", "8", *extra], 2)
+        assert message in error, error
+        print(error)
 
 
 def test_a_global_batch_no_plan_holds_defers_a_piece(patched, tmp_path):

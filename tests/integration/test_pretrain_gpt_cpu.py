@@ -18,6 +18,7 @@ guards those calls (and says which it used) without changing what is computed.
 
 import contextlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -63,12 +64,14 @@ def checkout(tmp_path_factory):
     return root
 
 
-def pretrain_argv(data: str, ckpt: str) -> list[str]:
-    """The tiny-cpu preset's pretrain_gpt.py flags, on ``data``, saving to and loading from ``ckpt``."""
+def pretrain_argv(data: str, ckpt: str, pp: int = 1) -> list[str]:
+    """The tiny-cpu preset's pretrain_gpt.py flags, on ``data``, saving to and loading from ``ckpt``
+    (its Plans to ``ckpt``/plans), at ``--pipeline-model-parallel-size pp``."""
     preset = subprocess.run([sys.executable, "-m", "megatron_zeppelin.launch", "--preset", "tiny-cpu", "--print-args",
                              "--only", "megatron"], capture_output=True, text=True, check=True).stdout.split()
     return [*preset, "--data-path", data, "--save", ckpt, "--load", ckpt, "--train-iters", str(ITERS),
-            "--distributed-backend", "gloo"]
+            "--distributed-backend", "gloo", "--pipeline-model-parallel-size", str(pp),
+            "--zeppelin-plan-dump-dir", str(Path(ckpt) / "plans")]
 
 
 def kill_launcher(launcher: subprocess.Popen) -> None:
@@ -133,7 +136,12 @@ def zeppelin_batches(out: str) -> dict[int, str]:
     return {int(m[1]): m[2] for m in ZEPPELIN_BATCH.finditer(out)}
 
 
-def test_pretrain_gpt_trains_saves_and_resumes_on_two_cpu_launchers(checkout, tmp_path):
+@pytest.mark.parametrize("pp", [1, 2], ids=["dp4", "pp2-dp2"])
+def test_pretrain_gpt_trains_saves_and_resumes_on_two_cpu_launchers(checkout, tmp_path, pp):
+    """``pp2-dp2``: ``--pipeline-model-parallel-size 2`` (each launcher one stage of 2
+    data-parallel ranks, 2 micro-batches per global batch through Megatron-Core's 1F1B
+    schedule): the torch_dist checkpoint holds each stage's layers, the
+    ``--zeppelin-log-interval`` report is summed after each step's schedule."""
     rng = np.random.default_rng(7)
     lengths = np.concatenate([[500, 480, 460, 440] * 4, rng.integers(8, 200, 400)])
     rng.shuffle(lengths)
@@ -141,15 +149,15 @@ def test_pretrain_gpt_trains_saves_and_resumes_on_two_cpu_launchers(checkout, tm
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
 
     start = time.monotonic()
-    straight = torchrun_two_nodes(checkout, pretrain_argv(data, str(straight_dir)), tmp_path / "straight")
+    straight = torchrun_two_nodes(checkout, pretrain_argv(data, str(straight_dir), pp), tmp_path / "straight")
     # The checkpoint a run stopped after iteration 10 leaves (the tracker names its last save).
     shutil.copytree(straight_dir / f"iter_{RESUME_AT:07d}", resumed_dir / f"iter_{RESUME_AT:07d}")
     (resumed_dir / "latest_checkpointed_iteration.txt").write_text(str(RESUME_AT))
-    resumed = torchrun_two_nodes(checkout, pretrain_argv(data, str(resumed_dir)), tmp_path / "resumed")
+    resumed = torchrun_two_nodes(checkout, pretrain_argv(data, str(resumed_dir), pp), tmp_path / "resumed")
     seconds = time.monotonic() - start
 
     assert f"saving checkpoint at iteration {RESUME_AT:7d} to {straight_dir} in torch_dist format" in straight
-    assert f"successfully loaded checkpoint from {resumed_dir} [ t 1/1, p 1/1 ] at iteration {RESUME_AT}" in resumed
+    assert f"successfully loaded checkpoint from {resumed_dir} [ t 1/1, p 1/{pp} ] at iteration {RESUME_AT}" in resumed
     a, b = iterations(straight), iterations(resumed)
     assert sorted(a) == list(range(1, ITERS + 1)) and sorted(b) == list(range(RESUME_AT + 1, ITERS + 1))
     for it in b:
@@ -167,7 +175,15 @@ def test_pretrain_gpt_trains_saves_and_resumes_on_two_cpu_launchers(checkout, tm
     za, zb = zeppelin_batches(straight), zeppelin_batches(resumed)
     remap = {batch: int(line.rsplit("=", 1)[1]) for batch, line in za.items()}
     # Rank 0 logs each iteration when the next batch is handed out: the last has no line.
-    assert sorted(remap) == list(range(ITERS - 1)) and all(b > 0 for b in remap.values()), za
+    assert sorted(remap) == list(range(ITERS - 1)), za
+    # A batch moved bytes exactly when one of its micro-batches' Plans remaps tokens (over
+    # 2 data-parallel ranks, PP 2, a Plan whose attention layout already balances the
+    # tokens moves none).
+    plans = {}
+    for f in (straight_dir / "plans").glob("train_plan_*.json"):
+        plans.setdefault(int(f.name.split("_")[2].split(".")[0]), []).append(json.loads(f.read_text()))
+    assert {k: b > 0 for k, b in remap.items()} == {k: any(p["remap"] for p in plans[k]) for k in remap}, za
+    assert sum(b > 0 for b in remap.values()) > ITERS // 2
     assert sorted(zb) == list(range(RESUME_AT, ITERS - 1)) and all(zb[k] == za[k] for k in zb), (za, zb)
 
     guards = sorted({g for line in re.findall(r"cpu_pretrain: rank \d guarded (.*)", straight + resumed)

@@ -172,6 +172,26 @@ def test_moe_spec_remaps_the_moe_block_and_routes_on_cpu():
     assert mlp.submodules.router is ZeppelinTopKRouter
 
 
+
+def test_the_cpu_router_goes_into_megatron_0_19s_moe_partial():
+    """Megatron-Core 0.19 gives the MoE spec as ``partial(MoELayer, submodules=MoESubmodules(...))``."""
+    import dataclasses
+    import functools
+
+    from megatron_zeppelin.megatron.moe import ZeppelinTopKRouter
+    from megatron_zeppelin.megatron.spec import with_router
+
+    @dataclasses.dataclass
+    class Submodules:  # MoESubmodules' shape at 0.19
+        experts: object
+        router: type = object
+
+    given = functools.partial(dict, submodules=Submodules(experts="mlp"))
+    built = with_router(given, ZeppelinTopKRouter)
+    assert built.func is dict and built.keywords["submodules"] == Submodules("mlp", ZeppelinTopKRouter)
+    assert given.keywords["submodules"].router is object  # Megatron's own spec is left as it was
+
+
 def test_step_context_reaches_every_zeppelin_module_through_the_model(one_rank):
     """One channel: the context on the packed parameters is bound by the model to
     every ZeppelinAttention and ZeppelinRemap; a batch without one unbinds it, and

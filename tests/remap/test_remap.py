@@ -181,6 +181,9 @@ def test_mlp_factory_partial_of_megatron_0_19_is_rebound_to_the_remap_class():
     assert [n for n, _ in mlp.named_parameters()] == ["linear_fc1.weight"]
     with pytest.raises(ConfigError, match="remap off"):
         remap_module_spec(functools.partial(lambda **kw: None, submodules=4))
+    # 0.19's MoE spec: partial(MoELayer, submodules=...), the class itself.
+    moe = remap_module_spec(functools.partial(_RecordingMLP, 4))
+    assert moe.func is with_remap(_RecordingMLP) and moe.args == (4,)
 
 
 # ------------------------------------------------------------- multi-process
