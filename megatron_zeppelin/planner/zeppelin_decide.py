@@ -58,26 +58,35 @@ class DecidingZeppelinPlanner:
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         if ctx.step_model is None:
             return self.inner.plan(seq_lens, ctx)
-        candidates, errors = [], []
-        for option in candidate_contexts(ctx):
-            try:
-                plan = self.inner.plan(seq_lens, option)
-            except InfeasibleError as exc:    # e.g. remap's balanced layout has no room; others may
-                errors.append(exc)
-                continue
-            # A plan made for direct crossings also runs them direct: routing's
-            # dispatch and combine legs share NVLink with the other traffic, and
-            # on some batches they cost more than they save.
-            candidates.append(plan if option.cost.routing == ctx.cost.routing
-                              else dataclasses.replace(plan, routed=False))
-        if not (ctx.remap_enabled and not ctx.remap_decided):   # uniform CP plans do not remap
-            uniform = uniform_cp_plans(seq_lens, ctx)
-            candidates += uniform
-            if ctx.cost.routing:    # and run direct, as a run without routing would run them
-                candidates += [dataclasses.replace(plan, routed=False) for plan in uniform]
-        if not candidates:
-            raise errors[0]
+        candidates = decision_candidates(seq_lens, ctx, self.inner)
         return min(candidates, key=ctx.step_model)   # ties: the first (the run's own choice)
+
+
+def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext,
+                        inner: ZeppelinPlanner | None = None) -> list[Plan]:
+    """Every plan the decision compares for one batch, the run's own choice first.
+    Raises the first planning error when no candidate can be planned."""
+    inner = inner or ZeppelinPlanner()
+    candidates, errors = [], []
+    for option in candidate_contexts(ctx):
+        try:
+            plan = inner.plan(seq_lens, option)
+        except InfeasibleError as exc:    # e.g. remap's balanced layout has no room; others may
+            errors.append(exc)
+            continue
+        # A plan made for direct crossings also runs them direct: routing's
+        # dispatch and combine legs share NVLink with the other traffic, and
+        # on some batches they cost more than they save.
+        candidates.append(plan if option.cost.routing == ctx.cost.routing
+                          else dataclasses.replace(plan, routed=False))
+    if not (ctx.remap_enabled and not ctx.remap_decided):   # uniform CP plans do not remap
+        uniform = uniform_cp_plans(seq_lens, ctx)
+        candidates += uniform
+        if ctx.cost.routing:    # and run direct, as a run without routing would run them
+            candidates += [dataclasses.replace(plan, routed=False) for plan in uniform]
+    if not candidates:
+        raise errors[0]
+    return candidates
 
 
 def uniform_cp_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
