@@ -96,9 +96,10 @@ class StepSurrogate:
         return inside, out, inn
 
     def _transfers(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, w: int,
-                   routed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Messages from ``src`` to ``dst``: (seconds of each alone, and its legs as
-        message index, port, seconds the leg holds the port).  Routed messages
+                   routed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Messages from ``src`` to ``dst``: (seconds of each alone, the seconds of
+        one piece's NIC leg when it is routed (else 0), and its legs as message
+        index, port, seconds the leg holds the port).  Routed messages
         (across nodes, at least the break-even) go in ``P`` pieces: dispatched over
         the sender's NVLink one after another, each over NIC ``j``, combined into
         the receiver; proxies and peers forward them (spread over the node's GPUs)."""
@@ -124,7 +125,10 @@ class StepSurrogate:
             for local in range(g):
                 legs += [(i, 2 * ((s // g) * g + local) + 1, spread), (i, 2 * ((t // g) * g + local), spread)]
         msg, port, sec = (np.concatenate(x) for x in zip(*legs))
-        return seconds, msg, port, sec
+        piece_s = np.zeros(len(src))
+        if route.any():
+            piece_s[route] = n
+        return seconds, piece_s, msg, port, sec
 
     @staticmethod
     def _drain(group: np.ndarray, port: np.ndarray, total: np.ndarray, groups: int) -> np.ndarray:
@@ -189,42 +193,59 @@ class StepSurrogate:
         shard = a + b
         nxt = np.roll(ranks, -1, axis=1)
         x = np.zeros((n, k, k))
-        leg_group, leg_port, leg_sec = [], [], []
+        via = np.zeros((n, k, k))           # a routed message's NIC leg of one piece
+        leg_ring, leg_port, leg_sec = [], [], []
 
-        def send(nbytes: np.ndarray, itemsize: int) -> np.ndarray:
+        def send(nbytes: np.ndarray, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
             shape = nbytes.shape
             src = np.broadcast_to(ranks[:, :, None], shape).ravel()
             dst = np.broadcast_to(nxt[:, :, None], shape).ravel()
-            sec, msg, port, held = self._transfers(src, dst, nbytes.ravel() * self.kv_numel * itemsize, w, routed)
-            leg_group.append(msg // (shape[1] * shape[2]))
+            sec, piece, msg, port, held = self._transfers(src, dst, nbytes.ravel() * self.kv_numel * itemsize,
+                                                          w, routed)
+            leg_ring.append(msg // (shape[1] * shape[2]))
             leg_port.append(port)
             leg_sec.append(held)
-            return sec.reshape(shape)
+            return sec.reshape(shape), piece.reshape(shape)
 
         dkv_last = np.zeros(n)
         if k > 1:
-            x[:, :, :k - 1] = send(2 * shard[:, owner[:, :k - 1]], self.isz)   # the last step's K/V stay
+            x[:, :, :k - 1], via[:, :, :k - 1] = send(2 * shard[:, owner[:, :k - 1]], self.isz)
             if backward:
                 # dK/dV of steps 1..k (owner (j - s + 1) % k); step k hands each owner its own.
-                dkv = send(2 * shard[:, (pos[:, None] - np.arange(1, k + 1)[None, :] + 1) % k], self.acc)
+                dkv, dvia = send(2 * shard[:, (pos[:, None] - np.arange(1, k + 1)[None, :] + 1) % k], self.acc)
                 x[:, :, 1:] += dkv[:, :, :k - 1]       # shares the sender's port with the next K/V
+                via[:, :, 1:] += dvia[:, :, :k - 1]
                 dkv_last = dkv[:, :, k - 1].max(axis=1)
-        group = np.concatenate(leg_group) if leg_group else np.zeros(0, np.int64)
+        # Rings over the same ranks share every link and lane step by step: one chain.
+        tuples, of = np.unique(ranks, axis=0, return_inverse=True)
+        of = of.reshape(-1)
+        G = len(tuples)
+
+        def summed(v: np.ndarray) -> np.ndarray:
+            out = np.zeros((G,) + v.shape[1:])
+            np.add.at(out, of, v)
+            return out
+
+        xs, vias, last = summed(x), summed(via), summed(dkv_last)
+        # A routed piece is forwarded by GPUs whose send lanes post in message
+        # order: the next crossing's sender combines a piece of the previous
+        # crossing before it posts its own, so a step's routed crossings follow
+        # one another around the ring, one piece's NIC leg each.
+        step_x = np.maximum(xs.max(axis=1), vias.sum(axis=1))
+        tail = np.cumsum(summed(comp)[:, :, ::-1], axis=2)[:, :, ::-1]     # kernels of steps t >= s
+        arrive = np.concatenate([np.zeros((G, 1)), np.cumsum(step_x[:, :k - 1], axis=1)], axis=1)
+        # Position j ends at max over s of (arrival of step s + its kernels from s on).
+        chain = (arrive[:, None, :] + tail).max(axis=2)                    # (G, pos)
+        if backward and k > 1:
+            chain = np.maximum(chain, np.roll(chain, 1, axis=1) + last[:, None])
+        group = of[np.concatenate(leg_ring)] if leg_ring else np.zeros(0, np.int64)
         port = np.concatenate(leg_port) if leg_port else np.zeros(0, np.int64)
         held = np.concatenate(leg_sec) if leg_sec else np.zeros(0)
         np.add.at(load, port, held)
-        tail = np.cumsum(comp[:, :, ::-1], axis=2)[:, :, ::-1]              # kernels of steps t >= s
 
         def finish(total: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            drain = self._drain(group, port, total, n)
-            step_x = x.max(axis=1)                           # per step: the slowest link of the chain
-            arrive = np.concatenate([np.zeros((n, 1)), np.cumsum(step_x[:, :k - 1], axis=1)], axis=1)
-            # Position j ends at max over s of (arrival of step s + its kernels from s on).
-            end = (arrive[:, None, :] + tail).max(axis=2)                   # (n, pos)
-            if backward and k > 1:
-                end = np.maximum(end, np.roll(end, 1, axis=1) + dkv_last[:, None])
-            end = np.maximum(end, drain[:, None])
-            return ranks.ravel(), np.repeat(np.arange(n), k), end.ravel()
+            end = np.maximum(chain, self._drain(group, port, total, G)[:, None])
+            return tuples.ravel(), np.repeat(np.arange(G), k), end.ravel()
 
         return finish
 
@@ -246,7 +267,7 @@ class StepSurrogate:
             for step, to_heads in enumerate((True, False)):
                 heads = hq if to_heads == backward else hq + 2 * hk
                 rows = tokens[a] if to_heads else tokens[bb]
-                _, msg, port, held = self._transfers(r[a], r[bb], rows * heads * self.head_dim * self.isz, w, False)
+                _, _, msg, port, held = self._transfers(r[a], r[bb], rows * heads * self.head_dim * self.isz, w, False)
                 leg_group.append(np.full(len(port), gi))
                 leg_a2a.append(np.full(len(port), 2 * gi + step))
                 leg_port.append(port)
@@ -260,13 +281,22 @@ class StepSurrogate:
         busiest = np.zeros(2 * len(groups))
         np.maximum.at(busiest, uniq // len(load), np.bincount(inv, weights=held))
 
+        in_s, out_s = busiest[0::2], busiest[1::2]
+        # A rank's groups share its ports and lane: their all-to-alls arrive one
+        # after another (in order), their kernels run in that order as the data
+        # arrives, and the last one's outputs go after.
+        arrived, lane, last = {}, {}, {}
+        for gi, (ranks, _) in enumerate(groups):
+            for r in ranks:
+                arrived[r] = arrived.get(r, 0.0) + in_s[gi]
+                lane[r] = max(lane.get(r, 0.0), arrived[r]) + kernels[gi][1]
+                last[r] = gi
+
         def finish(total: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            comm = busiest.reshape(-1, 2).sum(axis=1)
             drain = self._drain(group, port, total, len(groups))
             flat = np.concatenate([r for r, _ in kernels])
             gid = np.repeat(np.arange(len(kernels)), [len(r) for r, _ in kernels])
-            kernel = np.repeat([c for _, c in kernels], [len(r) for r, _ in kernels])
-            end = np.maximum(kernel + comm[gid], drain[gid])
+            end = np.array([max(lane[r] + out_s[last[r]], drain[g]) for r, g in zip(flat.tolist(), gid.tolist())])
             return flat, gid, end
 
         return finish
@@ -278,7 +308,7 @@ class StepSurrogate:
         if reverse:
             src, dst = dst, src
         load = np.zeros(2 * w + 2 * (w // self.gpn + 1) * self.nics)
-        _, _, port, held = self._transfers(src, dst, tokens * self.row_bytes, w, routed)
+        _, _, _, port, held = self._transfers(src, dst, tokens * self.row_bytes, w, routed)
         np.add.at(load, port, held)
         g = self.gpn
         r = np.arange(w)
