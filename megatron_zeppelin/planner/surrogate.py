@@ -29,7 +29,7 @@ measures how far it is from the replay (``docs/results/surrogate.md``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,6 +55,47 @@ class _Segment:
     group's start to the member's exit)."""
     alltoall: np.ndarray | None = None
     """Per rank the seconds its busiest port needs (a layout switch), else None."""
+
+
+@dataclass
+class _RingBatch:
+    """The rings of one size ``k`` of a segment, one row per ring."""
+
+    ranks: np.ndarray
+    """(rings, k) ranks by position."""
+    comp: np.ndarray
+    """(rings, position, step) kernel seconds."""
+    k: int
+    legs: list = field(default_factory=list)
+    """(ring, step, port, seconds held) arrays of every message leg."""
+    via: np.ndarray = None
+    """(rings, step) seconds of one NIC piece summed over the routed messages."""
+    fill: np.ndarray = None
+    """(rings, step) the largest routed pipeline fill."""
+    alone: np.ndarray = None
+    """(rings, step) the longest message alone."""
+
+    def __post_init__(self) -> None:
+        shape = (len(self.ranks), self.k + 1)
+        self.via, self.fill, self.alone = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+
+
+def _pad(v: np.ndarray, width: int) -> np.ndarray:
+    return np.pad(v, ((0, 0), (0, width - v.shape[1])))
+
+
+def _components(group_of_slot: np.ndarray, rank_of_slot: np.ndarray, groups: int, w: int) -> np.ndarray:
+    """Connected families of groups that share ranks: a label per group (0..F-1)."""
+    label = np.arange(groups)
+    while True:
+        by_rank = np.full(w, groups)
+        np.minimum.at(by_rank, rank_of_slot, label[group_of_slot])
+        new = label.copy()
+        np.minimum.at(new, group_of_slot, by_rank[rank_of_slot])
+        if (new == label).all():
+            break
+        label = new
+    return np.unique(label, return_inverse=True)[1].reshape(-1)
 
 
 class StepSurrogate:
@@ -97,9 +138,10 @@ class StepSurrogate:
 
     def _transfers(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, w: int,
                    routed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Messages from ``src`` to ``dst``: (seconds of each alone, the seconds of
-        one piece's NIC leg when it is routed (else 0), and its legs as message
-        index, port, seconds the leg holds the port).  Routed messages
+        """Messages from ``src`` to ``dst``: (seconds of each alone; when it is
+        routed, the seconds of one piece's NIC leg and what its pipeline adds to
+        its busiest port's seconds (else 0); its legs as message index, port,
+        seconds the leg holds the port).  Routed messages
         (across nodes, at least the break-even) go in ``P`` pieces: dispatched over
         the sender's NVLink one after another, each over NIC ``j``, combined into
         the receiver; proxies and peers forward them (spread over the node's GPUs)."""
@@ -125,10 +167,11 @@ class StepSurrogate:
             for local in range(g):
                 legs += [(i, 2 * ((s // g) * g + local) + 1, spread), (i, 2 * ((t // g) * g + local), spread)]
         msg, port, sec = (np.concatenate(x) for x in zip(*legs))
-        piece_s = np.zeros(len(src))
+        piece_s, fill = np.zeros(len(src)), np.zeros(len(src))
         if route.any():
             piece_s[route] = n
-        return seconds, piece_s, msg, port, sec
+            fill[route] = seconds[route] - np.maximum((P - 1) * d, n)
+        return seconds, piece_s, fill, msg, port, sec
 
     @staticmethod
     def _drain(group: np.ndarray, port: np.ndarray, total: np.ndarray, groups: int) -> np.ndarray:
@@ -158,26 +201,23 @@ class StepSurrogate:
         if local_len:
             L = np.asarray(local_len, np.float64)
             np.add.at(work, np.asarray(local_rank), self._attn_s(L * (L + 1) / 2, L) * share)
-        pending = [self._rings(k, members, backward, routed, work, load, w) for k, members in rings.items()]
+        pending = [self._rings([self._ring_batch(k, members, backward, routed, w) for k, members in rings.items()],
+                               backward, work, load, w)] if rings else []
         pending += [self._ulysses(groups, backward, work, load, w)] if groups else []
         chains = [finish(load) for finish in pending]
         return _Segment(work, chains)
 
-    def _rings(self, k: int, members: list, backward: bool, routed: bool, work: np.ndarray, load: np.ndarray,
-               w: int):
-        """Rings of ``k`` ranks: adds their kernels to ``work`` and their messages
-        to ``load``; returns the function that, given the segment's port loads,
-        yields each position's seconds from the ring's start to its exit."""
+    def _ring_batch(self, k: int, members: list, backward: bool, routed: bool, w: int) -> "_RingBatch":
+        """Kernels and messages of the rings of ``k`` ranks (one row per ring)."""
         share = self.attn_share[backward]
         ranks = np.asarray([r for r, _ in members], np.int64)            # (n, k)
         L = np.asarray([n for _, n in members], np.int64)
+        n = len(L)
         # Zigzag chunk rows: position i holds chunks i and 2k-1-i.
-        bounds = (np.arange(2 * k + 1)[None, :] * L[:, None]) // (2 * k)
-        sizes = np.diff(bounds, axis=1)
+        sizes = np.diff((np.arange(2 * k + 1)[None, :] * L[:, None]) // (2 * k), axis=1)
         a, b = sizes[:, :k].astype(np.float64), sizes[:, ::-1][:, :k].astype(np.float64)
         pos = np.arange(k)
-        step = np.arange(k)
-        owner = (pos[:, None] - step[None, :]) % k                          # (k pos, k step)
+        owner = (pos[:, None] - pos[None, :]) % k                          # (pos, step)
         ap, bp = a[:, :, None], b[:, :, None]
         ao, bo = a[:, owner], b[:, owner]
         earlier = (owner < pos[:, None])[None]
@@ -185,67 +225,98 @@ class StepSurrogate:
         pairs = np.where(earlier, (ap + bp) * ao, np.where(later, bp * (ao + bo),
                                                              ap * (ap + 1) / 2 + bp * ap + bp * (bp + 1) / 2))
         block = np.where(earlier, ap + bp, np.where(later, bp, np.floor((ap + 2 * bp) / 3)))
-        comp = self._attn_s(pairs, block) * share                           # (n, pos, step)
-        np.add.at(work, ranks.ravel(), comp.sum(axis=2).ravel())
-        # Messages of step s on link j -> j+1: the K/V of owner (j - s) % k, and
-        # backward the dK/dV of owner (j - s + 1) % k one step behind.
-        n = len(L)
+        batch = _RingBatch(ranks, self._attn_s(pairs, block) * share, k)
+        if k == 1:
+            return batch
+        # Step s sends on link j -> j+1 the K/V of owner (j - s) % k (not at the
+        # last step), and backward the dK/dV of owner (j - s + 1) % k (steps 1..k).
         shard = a + b
         nxt = np.roll(ranks, -1, axis=1)
-        x = np.zeros((n, k, k))
-        via = np.zeros((n, k, k))           # a routed message's NIC leg of one piece
-        leg_ring, leg_port, leg_sec = [], [], []
 
-        def send(nbytes: np.ndarray, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+        def send(steps: np.ndarray, owners: np.ndarray, itemsize: int) -> None:
+            nbytes = 2 * shard[:, owners] * self.kv_numel * itemsize         # (n, link, step)
             shape = nbytes.shape
             src = np.broadcast_to(ranks[:, :, None], shape).ravel()
             dst = np.broadcast_to(nxt[:, :, None], shape).ravel()
-            sec, piece, msg, port, held = self._transfers(src, dst, nbytes.ravel() * self.kv_numel * itemsize,
-                                                          w, routed)
-            leg_ring.append(msg // (shape[1] * shape[2]))
-            leg_port.append(port)
-            leg_sec.append(held)
-            return sec.reshape(shape), piece.reshape(shape)
+            sec, piece, fill, msg, port, held = self._transfers(src, dst, nbytes.ravel(), w, routed)
+            ring, _, col = np.unravel_index(msg, shape)
+            batch.legs.append((ring, steps[col], port, held))
+            step_of = np.broadcast_to(steps[None, None, :], shape).ravel()
+            ring_of = np.repeat(np.arange(n), shape[1] * shape[2])
+            np.add.at(batch.via, (ring_of, step_of), piece)
+            np.maximum.at(batch.fill, (ring_of, step_of), fill)
+            np.maximum.at(batch.alone, (ring_of, step_of), sec)
 
-        dkv_last = np.zeros(n)
-        if k > 1:
-            x[:, :, :k - 1], via[:, :, :k - 1] = send(2 * shard[:, owner[:, :k - 1]], self.isz)
-            if backward:
-                # dK/dV of steps 1..k (owner (j - s + 1) % k); step k hands each owner its own.
-                dkv, dvia = send(2 * shard[:, (pos[:, None] - np.arange(1, k + 1)[None, :] + 1) % k], self.acc)
-                x[:, :, 1:] += dkv[:, :, :k - 1]       # shares the sender's port with the next K/V
-                via[:, :, 1:] += dvia[:, :, :k - 1]
-                dkv_last = dkv[:, :, k - 1].max(axis=1)
-        # Rings over the same ranks share every link and lane step by step: one chain.
-        tuples, of = np.unique(ranks, axis=0, return_inverse=True)
-        of = of.reshape(-1)
-        G = len(tuples)
+        kv_steps = np.arange(k - 1)
+        send(kv_steps, owner[:, :k - 1], self.isz)
+        if backward:
+            dkv_steps = np.arange(1, k + 1)
+            send(dkv_steps, (pos[:, None] - dkv_steps[None, :] + 1) % k, self.acc)
+        return batch
 
-        def summed(v: np.ndarray) -> np.ndarray:
-            out = np.zeros((G,) + v.shape[1:])
-            np.add.at(out, of, v)
-            return out
-
-        xs, vias, last = summed(x), summed(via), summed(dkv_last)
-        # A routed piece is forwarded by GPUs whose send lanes post in message
-        # order: the next crossing's sender combines a piece of the previous
-        # crossing before it posts its own, so a step's routed crossings follow
-        # one another around the ring, one piece's NIC leg each.
-        step_x = np.maximum(xs.max(axis=1), vias.sum(axis=1))
-        tail = np.cumsum(summed(comp)[:, :, ::-1], axis=2)[:, :, ::-1]     # kernels of steps t >= s
-        arrive = np.concatenate([np.zeros((G, 1)), np.cumsum(step_x[:, :k - 1], axis=1)], axis=1)
-        # Position j ends at max over s of (arrival of step s + its kernels from s on).
-        chain = (arrive[:, None, :] + tail).max(axis=2)                    # (G, pos)
-        if backward and k > 1:
-            chain = np.maximum(chain, np.roll(chain, 1, axis=1) + last[:, None])
-        group = of[np.concatenate(leg_ring)] if leg_ring else np.zeros(0, np.int64)
-        port = np.concatenate(leg_port) if leg_port else np.zeros(0, np.int64)
-        held = np.concatenate(leg_sec) if leg_sec else np.zeros(0)
-        np.add.at(load, port, held)
+    def _rings(self, batches: list["_RingBatch"], backward: bool, work: np.ndarray, load: np.ndarray, w: int):
+        """Every ring of the segment.  Rings that share a rank advance step by
+        step together (a rank's send lane posts step ``s`` of every ring before
+        step ``s + 1`` of any), so each connected family of rings is one chain:
+        step ``s``'s kernel on a rank waits for the transfers of step ``s - 1``,
+        which last as long as the family's busiest port needs for that step,
+        or the family's routed crossings one after another (a routed piece is
+        forwarded by GPUs whose send lanes post in message order: the next
+        crossing's sender combines a piece of the previous one before it posts
+        its own), plus one routed pipeline's fill.  Adds kernels to ``work`` and
+        messages to ``load``; returns the function of the segment's port loads
+        that yields each ring rank's seconds from the family's start to its exit."""
+        S = max(bt.k for bt in batches) + 1
+        ranks = [bt.ranks for bt in batches]
+        base = np.cumsum([0] + [len(r) for r in ranks])
+        ring_of_slot = np.concatenate([np.repeat(np.arange(len(r)) + base[i], r.shape[1])
+                                       for i, r in enumerate(ranks)])
+        rank_of_slot = np.concatenate([r.ravel() for r in ranks])
+        family = _components(ring_of_slot, rank_of_slot, int(base[-1]), w)
+        fam_of_rank = np.full(w, -1)
+        fam_of_rank[rank_of_slot] = family[ring_of_slot]
+        F = int(family.max()) + 1
+        lane = np.zeros((w, S))
+        per_step = np.zeros((F, S))
+        via, fill = np.zeros((F, S)), np.zeros((F, S))
+        leg_fam, leg_key, leg_port, leg_held = [], [], [], []
+        n_ports = len(load)
+        for i, bt in enumerate(batches):
+            k = bt.k
+            steps = np.broadcast_to(np.arange(k)[None, None, :], bt.comp.shape)
+            np.add.at(lane, (np.broadcast_to(bt.ranks[:, :, None], bt.comp.shape), steps), bt.comp)
+            fam = family[base[i]:base[i + 1]]
+            np.add.at(via, (np.repeat(fam, S), np.tile(np.arange(S), len(fam))), _pad(bt.via, S).ravel())
+            np.maximum.at(fill, (np.repeat(fam, S), np.tile(np.arange(S), len(fam))),
+                          _pad(bt.fill, S).ravel())
+            for ring, step, port, held in bt.legs:
+                leg_fam.append(fam[ring])
+                leg_key.append((fam[ring] * S + step) * n_ports + port)
+                leg_port.append(port)
+                leg_held.append(held)
+        work += lane.sum(axis=1)
+        if leg_key:
+            key, port, held, lfam = (np.concatenate(x) for x in (leg_key, leg_port, leg_held, leg_fam))
+            np.add.at(load, port, held)
+            uniq, inv = np.unique(key, return_inverse=True)
+            np.maximum.at(per_step.reshape(-1), uniq // n_ports, np.bincount(inv, weights=held))
+        else:
+            port, lfam = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        step_x = np.maximum(per_step, via) + fill
+        arrive = np.concatenate([np.zeros((F, 1)), np.cumsum(step_x[:, :S - 1], axis=1)], axis=1)
+        members = np.nonzero(fam_of_rank >= 0)[0]
+        tail = np.cumsum(lane[members, ::-1], axis=1)[:, ::-1]              # kernels of steps t >= s
+        # A rank ends at max over s of (arrival of step s's data + its kernels from s on),
+        # and no earlier than the last transfer of its family it takes part in.
+        end = (arrive[fam_of_rank[members]] + tail).max(axis=1)
+        last = arrive[fam_of_rank[members], -1] + step_x[fam_of_rank[members], -1] * backward
 
         def finish(total: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            end = np.maximum(chain, self._drain(group, port, total, G)[:, None])
-            return tuples.ravel(), np.repeat(np.arange(G), k), end.ravel()
+            drain = np.zeros(F)
+            if len(port):
+                np.maximum.at(drain, lfam, total[port])
+            fam = fam_of_rank[members]
+            return members, fam, np.maximum(np.maximum(end, last), drain[fam])
 
         return finish
 
@@ -267,7 +338,7 @@ class StepSurrogate:
             for step, to_heads in enumerate((True, False)):
                 heads = hq if to_heads == backward else hq + 2 * hk
                 rows = tokens[a] if to_heads else tokens[bb]
-                _, _, msg, port, held = self._transfers(r[a], r[bb], rows * heads * self.head_dim * self.isz, w, False)
+                _, _, _, msg, port, held = self._transfers(r[a], r[bb], rows * heads * self.head_dim * self.isz, w, False)
                 leg_group.append(np.full(len(port), gi))
                 leg_a2a.append(np.full(len(port), 2 * gi + step))
                 leg_port.append(port)
@@ -308,7 +379,7 @@ class StepSurrogate:
         if reverse:
             src, dst = dst, src
         load = np.zeros(2 * w + 2 * (w // self.gpn + 1) * self.nics)
-        _, _, _, port, held = self._transfers(src, dst, tokens * self.row_bytes, w, routed)
+        _, _, _, _, port, held = self._transfers(src, dst, tokens * self.row_bytes, w, routed)
         np.add.at(load, port, held)
         g = self.gpn
         r = np.arange(w)
