@@ -28,7 +28,7 @@ from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.sampler.batch_sampler import PieceTable
 from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths
-from megatron_zeppelin.sim.timeline import decision_step_s
+from megatron_zeppelin.planner.surrogate import surrogate_clock
 from megatron_zeppelin.topology import load_cluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> str:
             if args.decide:     # as pretrain_gpt.py --zeppelin and the trainer plan by default
                 routed = c.routed(True)
                 ctx = PlanContext(cost=routed, tokens_per_gpu=cap, remap_enabled=True,
-                                  step_model=lambda plan, cost=routed: decision_step_s(plan, cost, reuse=False))
+                                  step_model=surrogate_clock(routed))
             for name in args.planners:
                 if name in too_slow:
                     continue

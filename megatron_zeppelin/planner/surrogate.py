@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -448,6 +449,8 @@ class StepSurrogate:
         return out
 
 
-def surrogate_step_s(plan: Plan, cost: CostModel) -> float:
-    """Convenience: :meth:`StepSurrogate.step_s` of one plan."""
-    return StepSurrogate(cost).step_s(plan)
+def surrogate_clock(cost: CostModel) -> Callable[[Plan], float]:
+    """The decision's ``PlanContext.step_model`` under ``cost``: the surrogate's
+    step of a plan (what the simulator's ``zeppelin``, the trainer and
+    ``pretrain_gpt.py --zeppelin`` decide by)."""
+    return StepSurrogate(cost).step_s

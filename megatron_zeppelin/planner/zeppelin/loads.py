@@ -124,10 +124,6 @@ class _Loads:
         self.time[idx] = self.ulysses[idx] + np.maximum(self.ring[idx], self.compute[idx]) \
             + self.linear_per_token * self.tokens[idx]
 
-    def pairs_imbalance(self) -> float:
-        """max / mean causal pairs per rank (1: perfect)."""
-        return float(self.pairs.max() / max(self.pairs.mean(), 1.0))
-
     def copy(self) -> "_Loads":
         return _Loads(self.ring.copy(), self.compute.copy(), self.tokens.copy(),
                       self.ulysses.copy(), self.time.copy(), self.pairs.copy(), self.linear_per_token)

@@ -8,7 +8,6 @@ import numpy as np
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.planner.linear_layout import remap_volume
 from megatron_zeppelin.planner.zeppelin.loads import _Assign, _Loads, _TierTimes, min_ring_size, zigzag_shard_tokens
 from megatron_zeppelin.planner.zeppelin.search import _first_fit, _lower, _Ranked
 from megatron_zeppelin.planner.zeppelin.settings import _Pass
@@ -35,14 +34,6 @@ class _Packer:
         cost = times.cost
         self.linear_per_token = cost.linear_s(1.0)
         """Linear-module seconds per token (``CostModel.linear_s`` is linear in tokens)."""
-        self.balanced_linear_s = cost.linear_s(-(-int(lens.sum()) // self.w))
-        """Linear seconds of the busiest rank of a token-balanced layout."""
-        self._bytes_per_token = cost.model.hidden_bytes_per_token
-        # The unit of inter-node bandwidth each rank's bytes share: its node
-        # when routed (all NICs), else its own NIC.
-        self._link_of = np.arange(self.w) // self.g if cost.routing else \
-            np.array([topo.node_of(r) * topo.nics_per_node + topo.nic_of(r) for r in range(self.w)])
-        self._remap_s = cost.remap_s
         self._shards: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
         self._k_lo: dict[int, int] = {}
 
@@ -66,19 +57,6 @@ class _Packer:
 
     def _largest_shard(self, length: int, k: int) -> int:
         return length if k == 1 else self._shard_tokens(length, k)[1]
-
-    def remap_estimate(self, tokens: np.ndarray) -> float:
-        """Modeled seconds of the remap to the balanced layout, priced like the
-        simulator: the busiest rank's NVLink bytes, the busiest inter-node link
-        (a node when routed, else a NIC), one message per peer."""
-        v = remap_volume(tokens, self.g)
-        intra = max(int(v.intra_sent.max()), int(v.intra_received.max()))
-        inter = max(np.bincount(self._link_of, v.inter_sent).max(),
-                    np.bincount(self._link_of, v.inter_received).max())
-        if not intra and not inter:
-            return 0.0
-        return self._remap_s(intra * self._bytes_per_token, float(inter) * self._bytes_per_token,
-                             int(v.peers.max()))
 
     def _min_ring(self, length: int) -> int:
         hit = self._k_lo.get(length)
