@@ -184,24 +184,29 @@ class StepSurrogate:
         return out
 
     # ----------------------------------------------------------- attention
-    def _attention(self, plan: Plan, backward: bool, routed: bool) -> _Segment:
-        w = plan.world_size
-        share = self.attn_share[backward]
-        work = np.zeros(w)
-        load = np.zeros(2 * w + 2 * (w // self.gpn + 1) * self.nics)
+    @staticmethod
+    def _placements(plan: Plan) -> tuple[np.ndarray, np.ndarray, dict[int, list], list]:
+        """(local ranks, local lengths, rings by size, Ulysses groups) of ``plan``."""
         local_rank, local_len, rings, groups = [], [], {}, []
         lens = plan.seq_lens
+        local = Mode.LOCAL
         for p in plan.attention:
-            if p.mode is Mode.LOCAL:
+            if p.mode is local:
                 local_rank.append(p.ranks[0])
                 local_len.append(lens[p.seq])
             elif p.mode is Mode.RING:
-                rings.setdefault(p.size, []).append((p.ranks, lens[p.seq]))
+                rings.setdefault(len(p.ranks), []).append((p.ranks, lens[p.seq]))
             else:
                 groups.append((p.ranks, lens[p.seq]))
-        if local_len:
-            L = np.asarray(local_len, np.float64)
-            np.add.at(work, np.asarray(local_rank), self._attn_s(L * (L + 1) / 2, L) * share)
+        return np.asarray(local_rank, np.int64), np.asarray(local_len, np.float64), rings, groups
+
+    def _attention(self, w: int, placements: tuple, backward: bool, routed: bool) -> _Segment:
+        share = self.attn_share[backward]
+        work = np.zeros(w)
+        load = np.zeros(2 * w + 2 * (w // self.gpn + 1) * self.nics)
+        local_rank, L, rings, groups = placements
+        if len(L):
+            np.add.at(work, local_rank, self._attn_s(L * (L + 1) / 2, L) * share)
         pending = [self._rings([self._ring_batch(k, members, backward, routed, w) for k, members in rings.items()],
                                backward, work, load, w)] if rings else []
         pending += [self._ulysses(groups, backward, work, load, w)] if groups else []
@@ -389,7 +394,9 @@ class StepSurrogate:
         return _Segment(np.zeros(w), [], per_rank)
 
     def _linear(self, tokens: np.ndarray, backward: bool) -> _Segment:
-        lin = np.array([self.cost.linear_s(t) for t in tokens.tolist()]) * self.lin_share[backward]
+        # linear_s per distinct count (a balanced layout has one or two)
+        counts, of = np.unique(tokens, return_inverse=True)
+        lin = np.array([self.cost.linear_s(t) for t in counts.tolist()])[of.reshape(-1)] * self.lin_share[backward]
         return _Segment(lin, [])
 
     # ------------------------------------------------------------------ step
@@ -398,12 +405,16 @@ class StepSurrogate:
         w = plan.world_size
         routed = plan.routed and self.cost.routing
         grouped: dict[tuple[int, int], int] = {}
-        for t in plan.remap_schedule():
+        # A plan whose linear layout is its attention layout moves nothing (the
+        # check is far cheaper than the schedule it skips).
+        same = all(tuple(plan.attention_spans(r)) == spans for r, spans in enumerate(plan.linear))
+        for t in [] if same else plan.remap_schedule():
             grouped[(t.src, t.dst)] = grouped.get((t.src, t.dst), 0) + t.length
         tokens = np.asarray(plan.linear_tokens_per_rank(), np.float64)
+        placements = self._placements(plan)
         parts = {}
         for bw in PASSES:
-            seq = [("attn", self._attention(plan, bw, routed))]
+            seq = [("attn", self._attention(w, placements, bw, routed))]
             if grouped:
                 msgs = tuple(np.asarray(x, np.int64) for x in zip(*((s, d, n) for (s, d), n in grouped.items())))
                 seq.append(("to_linear", self._switch(msgs, w, routed, reverse=bw)))

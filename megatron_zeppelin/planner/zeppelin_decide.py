@@ -9,10 +9,14 @@ each choice the run allows -- remap on and off (on only if
 ``PlanContext.remap_enabled``, off only if ``remap_decided``), planned and run
 with routed or with direct crossings (routed only if ``cost.routing``; a plan
 for direct crossings carries ``Plan.routed = False``, which the engine and the
-replay honor) -- and the plan with the smallest modeled
-step (``PlanContext.step_model``) runs.  Every candidate is timed under the
-run's own cost model, so Zeppelin is never modeled slower than its variants
-at the decision's replay depth.
+replay honor) -- and the plan with the smallest step by
+``PlanContext.step_model`` runs: the replay's surrogate
+(``planner/surrogate.py: surrogate_clock``) in the simulator, the trainer and
+``pretrain_gpt.py``.  Every candidate is timed under the run's own cost model,
+so Zeppelin is not modeled slower than its variants beyond the surrogate's
+misorderings (``docs/results/surrogate.md`` measures them against the replay).
+The candidates come from :func:`decision_candidates`; a new kind of candidate
+is one more list there.
 
 The uniform layouts static CP would run -- every sequence zigzag-split over
 fixed groups of ``c`` ranks, packed into one ring per group -- are plans
@@ -20,7 +24,7 @@ Zeppelin's engine runs as well, and for a batch of a few very long sequences
 on wide TP groups they can beat the hierarchical partitioning.  They join the
 candidates (the two smallest ``c`` that hold the batch in one pass, the sizes
 a static run would pick), so Zeppelin is not modeled slower than TE CP on the
-same ranks either.
+same ranks either (within the same misorderings).
 """
 
 from __future__ import annotations
@@ -83,7 +87,10 @@ def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext,
         uniform = uniform_cp_plans(seq_lens, ctx)
         candidates += uniform
         if ctx.cost.routing:    # and run direct, as a run without routing would run them
-            candidates += [dataclasses.replace(plan, routed=False) for plan in uniform]
+            # (a layout whose rings stay inside nodes runs the same either way)
+            g = ctx.topology.gpus_per_node
+            candidates += [dataclasses.replace(plan, routed=False) for plan in uniform
+                           if any(p.ranks[0] // g != p.ranks[-1] // g for p in plan.attention)]
     if not candidates:
         raise errors[0]
     return candidates

@@ -42,16 +42,16 @@ class Variant:
     remap: bool
     """Linear modules get a token-balanced layout (``PlanContext.remap_enabled``)."""
     decide: bool = True
-    """Each batch's plan is the fastest replayed candidate (``planner/zeppelin_decide.py``;
-    ``pretrain_gpt.py --zeppelin-decide on``); False: the planner's first plan,
-    remapping every batch (``--zeppelin-decide off``, the Megatron-LM path's default)."""
+    """Each batch's plan is the candidate the replay's surrogate puts fastest
+    (``planner/zeppelin_decide.py``; ``pretrain_gpt.py --zeppelin-decide on``, the default); False: the planner's first plan,
+    remapping every batch (``--zeppelin-decide off``, the ablation)."""
 
 
 #: Zeppelin and its ablations: the same planner (hierarchical partitioning and
 #: the attention engine) with the routing and remapping layers on or off.  The
 #: ablation ladder is zeppelin_base -> zeppelin_noremap (+routing) -> zeppelin
 #: (+remap); zeppelin_norouting is the other path to the top.  zeppelin_nodecide
-#: is zeppelin without the per-batch decision (the Megatron-LM path's default).
+#: is zeppelin without the per-batch decision (``--zeppelin-decide off``).
 VARIANTS: dict[str, Variant] = {
     "zeppelin_base": Variant(routing=False, remap=False),
     "zeppelin_norouting": Variant(routing=False, remap=True),
