@@ -39,6 +39,10 @@ from megatron_zeppelin.cost.step_sync import forward_backward_split, step_sync
 from megatron_zeppelin.plan import Mode, Plan
 from megatron_zeppelin.schedule.routing import min_routed_bytes
 
+#: The ring step at whose transfers' level of the schedule's order a Ulysses
+#: group's outputs are sent (``schedule/attention.py``: all-to-all in at step 0,
+#: kernel at 1, all-to-all out at 2).
+ULYSSES_OUT_STEP = 2
 #: Layers the replay runs before it extrapolates (``sim/replay.py: REPLAYED_LAYERS``).
 REPLAYED_LAYERS = 4
 #: Query rows per local kernel call the schedule packs short sequences into (``AttnShape``).
@@ -207,9 +211,13 @@ class StepSurrogate:
         local_rank, L, rings, groups = placements
         if len(L):
             np.add.at(work, local_rank, self._attn_s(L * (L + 1) / 2, L) * share)
-        pending = [self._rings([self._ring_batch(k, members, backward, routed, w) for k, members in rings.items()],
-                               backward, work, load, w)] if rings else []
-        pending += [self._ulysses(groups, backward, work, load, w)] if groups else []
+        # A rank posts its Ulysses outputs in its send lane's order, before its
+        # rings' transfers of step ULYSSES_OUT_STEP + 1 on: those wait for its
+        # Ulysses kernels (``gate``).
+        gate = np.zeros(w)
+        pending = [self._ulysses(groups, backward, work, load, w, gate)] if groups else []
+        pending += [self._rings([self._ring_batch(k, members, backward, routed, w) for k, members in rings.items()],
+                                backward, work, load, w, gate)] if rings else []
         chains = [finish(load) for finish in pending]
         return _Segment(work, chains)
 
@@ -260,7 +268,8 @@ class StepSurrogate:
             send(dkv_steps, (pos[:, None] - dkv_steps[None, :] + 1) % k, self.acc)
         return batch
 
-    def _rings(self, batches: list["_RingBatch"], backward: bool, work: np.ndarray, load: np.ndarray, w: int):
+    def _rings(self, batches: list["_RingBatch"], backward: bool, work: np.ndarray, load: np.ndarray, w: int,
+               gate: np.ndarray):
         """Every ring of the segment.  Rings that share a rank advance step by
         step together (a rank's send lane posts step ``s`` of every ring before
         step ``s + 1`` of any), so each connected family of rings is one chain:
@@ -310,6 +319,12 @@ class StepSurrogate:
             port, lfam = np.zeros(0, np.int64), np.zeros(0, np.int64)
         step_x = np.maximum(per_step, via) + fill
         arrive = np.concatenate([np.zeros((F, 1)), np.cumsum(step_x[:, :S - 1], axis=1)], axis=1)
+        if gate.any() and S > ULYSSES_OUT_STEP + 1:
+            # Transfers of steps after the Ulysses outputs' wait for the family's last Ulysses kernel.
+            held = np.zeros(F)
+            np.maximum.at(held, family[ring_of_slot], gate[rank_of_slot])
+            after = np.cumsum(step_x[:, ULYSSES_OUT_STEP:S - 1], axis=1)
+            arrive[:, ULYSSES_OUT_STEP + 1:] = np.maximum(arrive[:, ULYSSES_OUT_STEP + 1:], held[:, None] + after)
         members = np.nonzero(fam_of_rank >= 0)[0]
         tail = np.cumsum(lane[members, ::-1], axis=1)[:, ::-1]              # kernels of steps t >= s
         # A rank ends at max over s of (arrival of step s's data + its kernels from s on),
@@ -326,7 +341,8 @@ class StepSurrogate:
 
         return finish
 
-    def _ulysses(self, groups: list, backward: bool, work: np.ndarray, load: np.ndarray, w: int):
+    def _ulysses(self, groups: list, backward: bool, work: np.ndarray, load: np.ndarray, w: int,
+                 gate: np.ndarray):
         """Ulysses groups: all-to-all (always direct), kernel on ``1/d`` of the heads, all-to-all."""
         share = self.attn_share[backward]
         kernels, legs = [], []
@@ -368,6 +384,7 @@ class StepSurrogate:
                 arrived[r] = arrived.get(r, 0.0) + in_s[gi]
                 lane[r] = max(lane.get(r, 0.0), arrived[r]) + kernels[gi][1]
                 last[r] = gi
+        gate[list(lane)] = list(lane.values())
 
         def finish(total: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             drain = self._drain(group, port, total, len(groups))
