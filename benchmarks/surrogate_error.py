@@ -162,7 +162,7 @@ def report(args, rows, pairs_total, pairs_same, batches, sur_cpu, replay_cpu, wa
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mix", default="8:100,16:100,32:60,64:24,128:10,256:4,512:2,1024:2",
+    p.add_argument("--mix", default="8:120,16:110,32:50,64:14,128:4,256:2,512:1,1024:1",
                    help="world:batches pairs (many small and medium worlds, fewer big ones: a "
                         "1,024-GPU candidate replays in minutes)")
     p.add_argument("--seed", type=int, default=0)

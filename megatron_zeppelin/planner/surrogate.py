@@ -374,23 +374,34 @@ class StepSurrogate:
         busiest = np.zeros(2 * len(groups))
         np.maximum.at(busiest, uniq // len(load), np.bincount(inv, weights=held))
 
-        in_s, out_s = busiest[0::2], busiest[1::2]
-        # A rank's groups share its ports and lane: their all-to-alls arrive one
-        # after another (in order), their kernels run in that order as the data
-        # arrives, and the last one's outputs go after.
-        arrived, lane, last = {}, {}, {}
+        out_s = busiest[1::2]
+        # The groups' inputs share ports and go in the schedule's order: a group's
+        # all-to-all in has arrived once each of its ports carried it and every
+        # earlier group's input through that port.  A rank runs its groups'
+        # kernels in that order as their data arrives, and sends each group's
+        # outputs once its kernel is done, one group's after another.
+        sums = np.bincount(inv, weights=held)
+        first = (uniq // len(load)) % 2 == 0
+        g_in, p_in, s_in = uniq[first] // len(load) // 2, uniq[first] % len(load), sums[first]
+        order = np.lexsort((g_in, p_in))
+        g_in, p_in, s_in = g_in[order], p_in[order], s_in[order]
+        queued = np.cumsum(s_in)
+        starts = np.flatnonzero(np.r_[True, p_in[1:] != p_in[:-1]])
+        queued -= np.repeat(queued[starts] - s_in[starts], np.diff(np.r_[starts, len(p_in)]))
+        arrival = np.zeros(len(groups))
+        np.maximum.at(arrival, g_in, queued)
+        lane, sent = {}, {}
         for gi, (ranks, _) in enumerate(groups):
             for r in ranks:
-                arrived[r] = arrived.get(r, 0.0) + in_s[gi]
-                lane[r] = max(lane.get(r, 0.0), arrived[r]) + kernels[gi][1]
-                last[r] = gi
+                lane[r] = max(lane.get(r, 0.0), arrival[gi]) + kernels[gi][1]
+                sent[r] = max(sent.get(r, 0.0), lane[r]) + out_s[gi]
         gate[list(lane)] = list(lane.values())
 
         def finish(total: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             drain = self._drain(group, port, total, len(groups))
             flat = np.concatenate([r for r, _ in kernels])
             gid = np.repeat(np.arange(len(kernels)), [len(r) for r, _ in kernels])
-            end = np.array([max(lane[r] + out_s[last[r]], drain[g]) for r, g in zip(flat.tolist(), gid.tolist())])
+            end = np.array([max(sent[r], drain[g]) for r, g in zip(flat.tolist(), gid.tolist())])
             return flat, gid, end
 
         return finish
