@@ -67,15 +67,14 @@ class _Packer:
     def _apply(self, seq: int, ranks: tuple[int, ...], loads: _Loads, ulysses: bool = False) -> float:
         """Add a placement to ``loads``; return the rise in summed rank time."""
         length = int(self.lens[seq])
-        pairs = self.pairs[seq] / len(ranks)
         if ulysses:
             d = len(ranks)
             shards = np.diff((np.arange(d + 1, dtype=np.int64) * length) // d)
-            return loads.add(ranks, 0.0, 0.0, shards, pairs,
+            return loads.add(ranks, 0.0, 0.0, shards,
                              self.times.ulysses(length, d, self._is_inter(ranks)))
         total, compute = self.times.get(length, len(ranks), self._is_inter(ranks))
         shards = self._shard_tokens(length, len(ranks))[0] if len(ranks) > 1 else length
-        return loads.add(ranks, total, compute, shards, pairs)
+        return loads.add(ranks, total, compute, shards)
 
     # ------------------------------------------------------- heavy sequences
     def place_heavy(self, seqs: Sequence[int], setting: _Pass, rest_work: float,
@@ -264,7 +263,7 @@ class _Packer:
                 ranks = np.argsort(key, kind="stable")[:len(batch)]
                 fits = loads.tokens[ranks] + self.lens[batch] <= self.cap
                 seq, ranks = batch[fits], ranks[fits]
-                loads.add_local(ranks, self.local_s[seq], self.lens[seq], self.pairs[seq])
+                loads.add_local(ranks, self.local_s[seq], self.lens[seq])
                 out.local[seq] = ranks
                 batch = batch[~fits]
             for i in batch.tolist():
