@@ -77,12 +77,10 @@ class _RingBatch:
     """(rings, step) seconds of one NIC piece summed over the routed messages."""
     fill: np.ndarray = None
     """(rings, step) the largest routed pipeline fill."""
-    alone: np.ndarray = None
-    """(rings, step) the longest message alone."""
 
     def __post_init__(self) -> None:
         shape = (len(self.ranks), self.k + 1)
-        self.via, self.fill, self.alone = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+        self.via, self.fill = np.zeros(shape), np.zeros(shape)
 
 
 def _pad(v: np.ndarray, width: int) -> np.ndarray:
@@ -245,21 +243,42 @@ class StepSurrogate:
         # Step s sends on link j -> j+1 the K/V of owner (j - s) % k (not at the
         # last step), and backward the dK/dV of owner (j - s + 1) % k (steps 1..k).
         shard = a + b
-        nxt = np.roll(ranks, -1, axis=1)
+
+        # Rings inside one node never route: their messages over one rank tuple
+        # load the same ports, so they are priced per tuple (bytes summed, one
+        # latency per message) -- a uniform layout has many rings per tuple.
+        nodes = ranks // self.gpn
+        inside = bool((nodes.min(axis=1) == nodes.max(axis=1)).all())
+        if inside:
+            tuples, of = np.unique(ranks, axis=0, return_inverse=True)
+            of = of.reshape(-1)
+            first = np.zeros(len(tuples), np.int64)
+            first[of[::-1]] = np.arange(n)[::-1]
+            extra = np.bincount(of) - 1
+        latency = self.nvl.latency_us * 1e-6
 
         def send(steps: np.ndarray, owners: np.ndarray, itemsize: int) -> None:
             nbytes = 2 * shard[:, owners] * self.kv_numel * itemsize         # (n, link, step)
+            if inside:
+                summed = np.zeros((len(tuples),) + nbytes.shape[1:])
+                np.add.at(summed, of, nbytes)
+                nbytes, senders = summed, tuples
+            else:
+                senders = ranks
             shape = nbytes.shape
-            src = np.broadcast_to(ranks[:, :, None], shape).ravel()
-            dst = np.broadcast_to(nxt[:, :, None], shape).ravel()
+            src = np.broadcast_to(senders[:, :, None], shape).ravel()
+            dst = np.broadcast_to(np.roll(senders, -1, axis=1)[:, :, None], shape).ravel()
             sec, piece, fill, msg, port, held = self._transfers(src, dst, nbytes.ravel(), w, routed)
             ring, _, col = np.unravel_index(msg, shape)
+            if inside:
+                held = held + extra[ring] * latency
+                ring = first[ring]
             batch.legs.append((ring, steps[col], port, held))
-            step_of = np.broadcast_to(steps[None, None, :], shape).ravel()
-            ring_of = np.repeat(np.arange(n), shape[1] * shape[2])
-            np.add.at(batch.via, (ring_of, step_of), piece)
-            np.maximum.at(batch.fill, (ring_of, step_of), fill)
-            np.maximum.at(batch.alone, (ring_of, step_of), sec)
+            if not inside:
+                step_of = np.broadcast_to(steps[None, None, :], shape).ravel()
+                ring_of = np.repeat(np.arange(n), shape[1] * shape[2])
+                np.add.at(batch.via, (ring_of, step_of), piece)
+                np.maximum.at(batch.fill, (ring_of, step_of), fill)
 
         kv_steps = np.arange(k - 1)
         send(kv_steps, owner[:, :k - 1], self.isz)
