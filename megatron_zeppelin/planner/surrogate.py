@@ -43,9 +43,10 @@ from megatron_zeppelin.schedule.routing import min_routed_bytes
 #: group's outputs are sent (``schedule/attention.py``: all-to-all in at step 0,
 #: kernel at 1, all-to-all out at 2).
 ULYSSES_OUT_STEP = 2
-#: Layers the replay runs before it extrapolates (``sim/replay.py: REPLAYED_LAYERS``).
+#: Layers the replay runs before it extrapolates (``sim/replay.py: REPLAYED_LAYERS``;
+#: planning never imports the simulator).
 REPLAYED_LAYERS = 4
-#: Query rows per local kernel call the schedule packs short sequences into (``AttnShape``).
+#: A segment's pass: forward, then backward.
 PASSES = (False, True)
 
 
