@@ -27,8 +27,9 @@ CASES = [("h100-8x400g", 8, "llama-7b", "synthetic-books", 32768),
          ("h100-8x400g", 16, "llama-3b", "synthetic-longtail", 262144),
          ("a800-4x200g", 16, "llama-7b", "synthetic-web", 65536),
          ("h200-8x400g", 16, "llama-13b", "synthetic-longtail", 32768)]
-#: Bound per candidate plan.  benchmarks/surrogate_error.py measured p95 under
-#: 2 % on 8-32 GPUs (docs/results/surrogate.md); these plans' largest error was 2.3 % (-2.27 %, h100 8 GPUs).
+#: Bound per candidate plan.  benchmarks/surrogate_error.py measured p95 1.4 % at
+#: 8 GPUs and 2.2 % at 16 (docs/results/surrogate.md); these plans' largest
+#: error was 2.3 % (-2.27 %, h100 8 GPUs).
 BOUND = 0.03
 
 
