@@ -28,7 +28,7 @@ from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.sampler.batch_sampler import PieceTable
 from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths
-from megatron_zeppelin.sim.timeline import decision_step_s
+from megatron_zeppelin.planner.surrogate import surrogate_clock
 from megatron_zeppelin.topology import load_cluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> str:
             if args.decide:     # as pretrain_gpt.py --zeppelin and the trainer plan by default
                 routed = c.routed(True)
                 ctx = PlanContext(cost=routed, tokens_per_gpu=cap, remap_enabled=True,
-                                  step_model=lambda plan, cost=routed: decision_step_s(plan, cost, reuse=False))
+                                  step_model=surrogate_clock(routed))
             for name in args.planners:
                 if name in too_slow:
                     continue
@@ -109,8 +109,8 @@ def run(args: argparse.Namespace) -> str:
     return (f"# Planner latency\n\nCommand: `{command.strip()}`\n\n"
             f"{args.model} on {cluster.name}; {SEQS_PER_GPU} sequences per GPU drawn from "
             f"`{args.lengths}` (documents cut at {args.max_seq_len} tokens); {args.repeats} batches per size; "
-            + ("routing and remap on, each batch's plan decided by replaying every candidate "
-               "(`--zeppelin-decide on`); " if args.decide else "")
+            + ("routing and remap on, each batch's plan decided among its candidates by the replay's "
+               "surrogate (`--zeppelin-decide on`, the default); " if args.decide else "")
             + f"flexsp MILP time limit {args.flexsp_time_limit} s; a planner that takes over {args.budget_s:.0f} s "
             f"on one batch is not run at larger sizes.  Wall-clock on this machine "
             f"(a shared 2-core CPU box: absolute numbers are pessimistic, the trend is the point), "
@@ -133,8 +133,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=20.0,
                    help="a planner slower than this on one batch is not run at larger sizes")
     p.add_argument("--decide", action="store_true",
-                   help="plan with routing and remap on and the per-batch decision (each candidate replayed), "
-                        "as pretrain_gpt.py --zeppelin (--zeppelin-decide on) and the trainer do")
+                   help="plan with routing and remap on and the per-batch decision (candidates compared by the "
+                        "replay's surrogate), as pretrain_gpt.py --zeppelin (--zeppelin-decide on) and the trainer do")
     p.add_argument("--quick", action="store_true", help="64 and 256 GPUs, 2 repeats")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "planner_latency.md")
     args = p.parse_args()

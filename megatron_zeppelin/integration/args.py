@@ -45,7 +45,7 @@ DEFAULTS = {
     "zeppelin_cluster": "h100-8x400g",
     "zeppelin_routing": "on",
     "zeppelin_remap": "on",
-    "zeppelin_decide": "off",
+    "zeppelin_decide": "on",
     "zeppelin_backend": "auto",
     "zeppelin_data_lengths": None,
     "zeppelin_seed": None,
@@ -85,10 +85,10 @@ def add_zeppelin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--zeppelin-decide", choices=on_off, default=DEFAULTS["zeppelin_decide"],
                    help="Per batch, plan with routed and with direct crossings, with and without the "
                         "remap (under --zeppelin-remap on) and as static CP's uniform layouts, and run "
-                        "the plan the simulator's replay times fastest (what the simulator runs as "
-                        "zeppelin). Costs seconds of CPU per batch already at 8 GPUs "
-                        "(docs/results/planner_latency.md); off (default) runs the first plan, "
-                        "remapping every batch (the simulator's zeppelin_nodecide).")
+                        "the plan whose replayed step the certified surrogate puts fastest (what the "
+                        "simulator runs as zeppelin; milliseconds per batch, planned one batch ahead: "
+                        "docs/results/planner_latency.md). off runs the first plan, remapping every "
+                        "batch (the simulator's zeppelin_nodecide).")
     g.add_argument("--zeppelin-backend", choices=BACKENDS, default=DEFAULTS["zeppelin_backend"],
                    help="Attention kernels: auto runs bf16/fp16 CUDA tensors on torch_flash "
                         "(PyTorch's own FlashAttention) and fp32 or CPU tensors on torch; flash "

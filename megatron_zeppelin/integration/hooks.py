@@ -55,7 +55,7 @@ from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split
 from megatron_zeppelin.prefetch import Prefetcher
 from megatron_zeppelin.sampler import GlobalBatch, batch_budget
 from megatron_zeppelin.sampler.deferral import DeferringSampler
-from megatron_zeppelin.sim.timeline import decision_step_s
+from megatron_zeppelin.planner.surrogate import surrogate_clock
 from megatron_zeppelin.step_context import StepContext
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import RankBatch, build_rank_batch, padded_length
@@ -380,7 +380,7 @@ def build_plan_fn(planner: str, cost: CostModel, tokens_per_gpu: int, remap: boo
     impl = get_planner(planner)
     ctx = PlanContext(cost=cost, tokens_per_gpu=tokens_per_gpu, time_limit_s=time_limit_s,
                       tp_size=tp_size, remap_enabled=remap, remap_decided=decide,
-                      step_model=(lambda plan: decision_step_s(plan, cost)) if decide else None)
+                      step_model=surrogate_clock(cost) if decide else None)
     return lambda seq_lens: impl.plan(list(seq_lens), ctx).validate()
 
 

@@ -67,9 +67,9 @@ class LaunchPreset:
     """``--zeppelin-routing on|off``."""
     remap: bool = True
     """``--zeppelin-remap on|off``."""
-    decide: bool = False
-    """``--zeppelin-decide on|off``: each batch's plan picked by replaying every
-    candidate (seconds of CPU per batch already at 8 GPUs)."""
+    decide: bool = True
+    """``--zeppelin-decide on|off``: each batch's plan picked among the decision's
+    candidates by the replay's certified surrogate (on, as pretrain_gpt.py's default)."""
     precision: str = "bf16"
     """bf16, fp16 or fp32."""
     recompute: str = "selective"

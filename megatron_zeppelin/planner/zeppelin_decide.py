@@ -9,17 +9,22 @@ each choice the run allows -- remap on and off (on only if
 ``PlanContext.remap_enabled``, off only if ``remap_decided``), planned and run
 with routed or with direct crossings (routed only if ``cost.routing``; a plan
 for direct crossings carries ``Plan.routed = False``, which the engine and the
-replay honor) -- and the plan with the smallest modeled
-step (``PlanContext.step_model``) runs.  Every candidate is timed under the
-run's own cost model, so Zeppelin is never modeled slower than its variants
-at the decision's replay depth.
+replay honor) -- and the plan with the smallest step by
+``PlanContext.step_model`` runs: the replay's surrogate
+(``planner/surrogate.py: surrogate_clock``) in the simulator, the trainer and
+``pretrain_gpt.py``.  Every candidate is timed under the run's own cost model,
+so Zeppelin is not modeled slower than its variants beyond the surrogate's
+misorderings (``docs/results/surrogate.md`` measures them against the replay).
+The candidates come from :func:`decision_candidates`; a new kind of candidate
+is one more list there.
 
 The baselines' layouts of the batch -- static CP's and Ulysses SP's uniform
 groups, Megatron's hybrid CP groups, FlexSP's heterogeneous Ulysses groups --
 are plans Zeppelin's engine runs as well, and on some batches (a few very long
 sequences on wide TP groups, short documents) they beat the hierarchical
 partitioning.  They join the candidates (``planner/baseline_candidates.py``),
-so Zeppelin is not modeled slower than any of those plans run by its engine.
+so Zeppelin is not modeled slower than any of those plans run by its engine
+(within the surrogate's misorderings).
 """
 
 from __future__ import annotations
@@ -52,19 +57,29 @@ class DecidingZeppelinPlanner:
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         if ctx.step_model is None:
             return self.inner.plan(seq_lens, ctx)
-        candidates, errors = [], []
-        for option in candidate_contexts(ctx):
-            try:
-                plan = self.inner.plan(seq_lens, option)
-            except InfeasibleError as exc:    # e.g. remap's balanced layout has no room; others may
-                errors.append(exc)
-                continue
-            # A plan made for direct crossings also runs them direct: routing's
-            # dispatch and combine legs share NVLink with the other traffic, and
-            # on some batches they cost more than they save.
-            candidates.append(plan if option.cost.routing == ctx.cost.routing
-                              else dataclasses.replace(plan, routed=False))
-        candidates += baseline_candidates(seq_lens, ctx)   # so no baseline's plan is faster
-        if not candidates:
-            raise errors[0]
+        candidates = decision_candidates(seq_lens, ctx, self.inner)
         return min(candidates, key=ctx.step_model)   # ties: the first (the run's own choice)
+
+
+def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext,
+                        inner: ZeppelinPlanner | None = None) -> list[Plan]:
+    """Every plan the decision compares for one batch, the run's own choice first.
+    Raises the first planning error when no candidate can be planned."""
+    inner = inner or ZeppelinPlanner()
+    candidates, errors = [], []
+    for option in candidate_contexts(ctx):
+        try:
+            plan = inner.plan(seq_lens, option)
+        except InfeasibleError as exc:    # e.g. remap's balanced layout has no room; others may
+            errors.append(exc)
+            continue
+        # A plan made for direct crossings also runs them direct: routing's
+        # dispatch and combine legs share NVLink with the other traffic, and
+        # on some batches they cost more than they save.
+        candidates.append(plan if option.cost.routing == ctx.cost.routing
+                          else dataclasses.replace(plan, routed=False))
+    candidates += baseline_candidates(seq_lens, ctx)   # so no baseline's plan is faster
+    if not candidates:
+        raise errors[0]
+    return candidates
+

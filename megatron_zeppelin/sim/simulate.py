@@ -27,7 +27,7 @@ from megatron_zeppelin.sim.progress import Progress
 from megatron_zeppelin.sim.rounds import batch_groups, plan_batch, rounds_timeline
 from megatron_zeppelin.sim.static_layout import choose_layout
 from megatron_zeppelin.sim.strategy import Strategy, plan_context
-from megatron_zeppelin.sim.timeline import ReplayCharge, StepTimeline
+from megatron_zeppelin.sim.timeline import StepTimeline
 
 #: The baseline every speedup is measured against.
 BASELINE = "te_cp"
@@ -42,16 +42,16 @@ class Variant:
     remap: bool
     """Linear modules get a token-balanced layout (``PlanContext.remap_enabled``)."""
     decide: bool = True
-    """Each batch's plan is the fastest replayed candidate (``planner/zeppelin_decide.py``;
-    ``pretrain_gpt.py --zeppelin-decide on``); False: the planner's first plan,
-    remapping every batch (``--zeppelin-decide off``, the Megatron-LM path's default)."""
+    """Each batch's plan is the candidate the replay's surrogate puts fastest
+    (``planner/zeppelin_decide.py``; ``pretrain_gpt.py --zeppelin-decide on``, the default); False: the planner's first plan,
+    remapping every batch (``--zeppelin-decide off``, the ablation)."""
 
 
 #: Zeppelin and its ablations: the same planner (hierarchical partitioning and
 #: the attention engine) with the routing and remapping layers on or off.  The
 #: ablation ladder is zeppelin_base -> zeppelin_noremap (+routing) -> zeppelin
 #: (+remap); zeppelin_norouting is the other path to the top.  zeppelin_nodecide
-#: is zeppelin without the per-batch decision (the Megatron-LM path's default).
+#: is zeppelin without the per-batch decision (``--zeppelin-decide off``).
 VARIANTS: dict[str, Variant] = {
     "zeppelin_base": Variant(routing=False, remap=False),
     "zeppelin_norouting": Variant(routing=False, remap=True),
@@ -270,12 +270,11 @@ def simulate(batches: Iterable[Sequence[int]], strategies: Sequence[Strategy], *
 def _run_one(step: int, lens: list[int], s: Strategy, r: StrategyResult, tokens_per_gpu: int,
              time_limit_s: float, plot_step: int, on_plan: Callable[[int, str, Plan], None] | None,
              groups: list[list[int]]) -> None:
-    charge = ReplayCharge()     # replays another strategy already ran are reused, and charged here
-    ctx = plan_context(s, tokens_per_gpu, time_limit_s, charge)
+    ctx = plan_context(s, tokens_per_gpu, time_limit_s)
     try:
         t0 = time.perf_counter()
         planned = [plan_batch(s.planner, [lens[i] for i in g], ctx) for g in batch_groups(s.planner, lens, groups)]
-        elapsed_ms = (time.perf_counter() - t0 + charge.reused_s) * 1e3
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
     except InfeasibleError as exc:
         r.error = f"step {step}: {exc}"
         return

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.planner.base import PlanContext, Planner
+from megatron_zeppelin.planner.surrogate import surrogate_clock
 from megatron_zeppelin.plan import Plan
-from megatron_zeppelin.sim.timeline import ReplayCharge, decision_step_s
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,8 @@ class Strategy:
     """``PlanContext.remap_enabled``: only Zeppelin's planner reads it (the
     baselines' linear layout is always their attention layout)."""
     decide: bool = True
-    """Zeppelin picks each batch's plan by the replayed step (:attr:`~megatron_zeppelin.sim.simulate.Variant.decide`)."""
+    """Zeppelin picks each batch's plan by the surrogate of the replayed step
+    (:attr:`~megatron_zeppelin.sim.simulate.Variant.decide`)."""
     tp_size: int = 1
     """GPUs per rank of its plans (``cost`` is then a TP view); the per-GPU
     token cap becomes ``tp_size`` times larger per rank."""
@@ -43,16 +44,11 @@ class Strategy:
     layout fits); it is then reported infeasible without planning."""
 
 
-def plan_context(s: Strategy, tokens_per_gpu: int, time_limit_s: float,
-                 charge: ReplayCharge | None = None) -> PlanContext:
+def plan_context(s: Strategy, tokens_per_gpu: int, time_limit_s: float) -> PlanContext:
     """The context ``s`` plans every batch with (``tokens_per_gpu`` per GPU).
-    Its decisions pay for every candidate's replay, even one a layout search or
-    another strategy timed: the planner's latency is reported, and a user's
-    planner pays for them.  Without ``charge`` they replay it again; with it
-    they reuse it and ``charge`` is charged what it took."""
-    def step_model(plan: Plan) -> float:
-        return decision_step_s(plan, s.cost, reuse=charge is not None, charge=charge)
-
+    Its decisions compare candidates by the replay's certified surrogate
+    (``planner/surrogate.py``), so the planner's latency is what a user's
+    planner pays."""
     return PlanContext(cost=s.cost, tokens_per_gpu=tokens_per_gpu * s.tp_size, cp_size=s.cp_size,
                        time_limit_s=time_limit_s, remap_enabled=s.remap_enabled, tp_size=s.tp_size,
-                       remap_decided=s.decide, step_model=step_model if s.decide else None)
+                       remap_decided=s.decide, step_model=surrogate_clock(s.cost) if s.decide else None)

@@ -251,8 +251,8 @@ def test_micro_batch_plans_are_dumped_apart(tmp_path):
 
 def test_megatron_path_plans_what_the_simulator_times():
     """``--zeppelin-decide on``: the Megatron-LM path's plan is the simulator's
-    ``zeppelin`` plan (here one for direct crossings, with another layout); ``off``
-    (the default) is the simulator's ``zeppelin_nodecide`` plan, the first one."""
+    ``zeppelin`` plan (here another layout, which the replay times faster); ``off``
+    is the simulator's ``zeppelin_nodecide`` plan, the first one."""
     from megatron_zeppelin.sim.simulate import build_strategies, plan_context
     from megatron_zeppelin.sim.timeline import decision_step_s
 
@@ -263,7 +263,7 @@ def test_megatron_path_plans_what_the_simulator_times():
     sim = {s.name: s.planner.plan(lens, plan_context(s, 1024, 5.0))
            for s in build_strategies(["zeppelin", "zeppelin_nodecide"], cost)}
     assert decided == sim["zeppelin"] and first == sim["zeppelin_nodecide"]
-    assert first.routed and not decided.routed and first.tier_counts() != decided.tier_counts()
+    assert first != decided
     assert decision_step_s(decided, cost) < decision_step_s(first, cost)
 
 

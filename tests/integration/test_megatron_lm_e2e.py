@@ -134,7 +134,8 @@ def test_per_batch_decision(patched, tmp_path):
     """``--zeppelin-decide on``: on this cluster (links so slow that every document
     stays on one rank) the modeled step says the remap's all-to-all never pays, so
     no batch remaps; the losses still equal plain data parallelism's.  (The other
-    tests run with ``--zeppelin-decide off``, the default: every batch remaps.)"""
+    tests run with ``--zeppelin-decide off``, which megatron_lm_e2e.py passes: every
+    batch remaps.)"""
     out, steps = _run_driver(patched, tmp_path, 2, "tiny", "--zeppelin-decide", "on")
     remap = [int(m) for m in re.findall(r"remap_bytes=(\d+)", out)]
     assert len(remap) == STEPS and not any(remap), out

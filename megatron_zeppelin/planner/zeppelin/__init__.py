@@ -9,15 +9,15 @@ attention time under the per-GPU token cap, at two levels: a group of at most
 take it at the lowest load), then onto that node's least-loaded *GPU buckets*;
 larger groups span nodes.
 
-Step-time model (the simulator's): a rank's attention time is
-``ulysses totals + max(sum of its ring totals, ring + local compute)``, i.e.
-the ring totals plus whatever local work does not fit into the rings' exposed
-communication; Ulysses all-to-alls block.  With the remap layer the linear
-modules run on the token-balanced layout of :mod:`.linear_layout` (equal on
-every rank: attention is balanced, the remap priced exactly); without it on
-the attention layout itself, so attention plus linear time is balanced.  The
-pass with the lowest modeled step wins, ties within ``PAIRS_SLACK`` going to
-the most even causal pairs per rank.  docs/planner.md explains the choices.
+Inside a packing pass a rank's load is ``ulysses totals + max(sum of its
+ring totals, ring + local compute)``, i.e. the ring totals plus whatever local
+work does not fit into the rings' exposed communication; Ulysses all-to-alls
+block.  With the remap layer the linear modules run on the token-balanced
+layout of :mod:`.linear_layout`; without it on the attention layout itself, so
+attention plus linear time is balanced.  The passes' finished plans are
+compared by the replay's surrogate (``planner/surrogate.py``), the clock the
+per-batch decision uses: the shortest step wins, ties going to the first
+pass.  docs/planner.md explains the choices.
 """
 from __future__ import annotations
 

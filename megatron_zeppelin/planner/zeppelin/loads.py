@@ -76,9 +76,6 @@ class _Loads:
     time: np.ndarray
     """``ulysses + max(ring, compute)``: local work hides in the rings' exposed
     communication, never the reverse (kept up to date by :meth:`add`)."""
-    pairs: np.ndarray
-    """Causal query-key pairs the rank computes (``Plan.attn_pairs_per_rank``),
-    for the secondary objective: work balance independent of kernel efficiency."""
     linear_per_token: float = 0.0
     """Linear-module seconds per attention token counted in ``time``: 0 when
     the remap gives every rank the same linear share, the linear cost when the
@@ -87,10 +84,10 @@ class _Loads:
     @classmethod
     def empty(cls, world: int, linear_per_token: float = 0.0) -> "_Loads":
         return cls(np.zeros(world), np.zeros(world), np.zeros(world, dtype=np.int64),
-                   np.zeros(world), np.zeros(world), np.zeros(world), linear_per_token)
+                   np.zeros(world), np.zeros(world), linear_per_token)
 
     def add(self, ranks: tuple[int, ...], total: float, compute: float, tokens: np.ndarray | int,
-            pairs: float, ulysses: float = 0.0) -> float:
+            ulysses: float = 0.0) -> float:
         """Add a placement's per-rank load on ``ranks``; return the rise in summed time."""
         if len(ranks) == 1:
             # Scalar path: most placements are local, and fancy indexing costs
@@ -101,7 +98,6 @@ class _Loads:
             self.compute[r] += compute
             self.tokens[r] += tokens
             self.ulysses[r] += ulysses
-            self.pairs[r] += pairs
             self.time[r] = self.ulysses[r] + max(self.ring[r], self.compute[r]) \
                 + self.linear_per_token * self.tokens[r]
             return float(self.time[r] - before)
@@ -111,26 +107,20 @@ class _Loads:
         self.compute[idx] += compute
         self.tokens[idx] += tokens
         self.ulysses[idx] += ulysses
-        self.pairs[idx] += pairs
         self.time[idx] = self.ulysses[idx] + np.maximum(self.ring[idx], self.compute[idx]) \
             + self.linear_per_token * self.tokens[idx]
         return float(self.time[idx].sum()) - before
 
-    def add_local(self, idx: np.ndarray, compute: np.ndarray, tokens: np.ndarray, pairs: np.ndarray) -> None:
+    def add_local(self, idx: np.ndarray, compute: np.ndarray, tokens: np.ndarray) -> None:
         """Add local sequences on distinct ranks ``idx`` (vectorised light fill)."""
         self.compute[idx] += compute
         self.tokens[idx] += tokens
-        self.pairs[idx] += pairs
         self.time[idx] = self.ulysses[idx] + np.maximum(self.ring[idx], self.compute[idx]) \
             + self.linear_per_token * self.tokens[idx]
 
-    def pairs_imbalance(self) -> float:
-        """max / mean causal pairs per rank (1: perfect)."""
-        return float(self.pairs.max() / max(self.pairs.mean(), 1.0))
-
     def copy(self) -> "_Loads":
         return _Loads(self.ring.copy(), self.compute.copy(), self.tokens.copy(),
-                      self.ulysses.copy(), self.time.copy(), self.pairs.copy(), self.linear_per_token)
+                      self.ulysses.copy(), self.time.copy(), self.linear_per_token)
 
 
 @dataclass

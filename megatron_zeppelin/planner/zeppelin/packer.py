@@ -8,7 +8,6 @@ import numpy as np
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.planner.linear_layout import remap_volume
 from megatron_zeppelin.planner.zeppelin.loads import _Assign, _Loads, _TierTimes, min_ring_size, zigzag_shard_tokens
 from megatron_zeppelin.planner.zeppelin.search import _first_fit, _lower, _Ranked
 from megatron_zeppelin.planner.zeppelin.settings import _Pass
@@ -35,14 +34,6 @@ class _Packer:
         cost = times.cost
         self.linear_per_token = cost.linear_s(1.0)
         """Linear-module seconds per token (``CostModel.linear_s`` is linear in tokens)."""
-        self.balanced_linear_s = cost.linear_s(-(-int(lens.sum()) // self.w))
-        """Linear seconds of the busiest rank of a token-balanced layout."""
-        self._bytes_per_token = cost.model.hidden_bytes_per_token
-        # The unit of inter-node bandwidth each rank's bytes share: its node
-        # when routed (all NICs), else its own NIC.
-        self._link_of = np.arange(self.w) // self.g if cost.routing else \
-            np.array([topo.node_of(r) * topo.nics_per_node + topo.nic_of(r) for r in range(self.w)])
-        self._remap_s = cost.remap_s
         self._shards: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
         self._k_lo: dict[int, int] = {}
 
@@ -67,19 +58,6 @@ class _Packer:
     def _largest_shard(self, length: int, k: int) -> int:
         return length if k == 1 else self._shard_tokens(length, k)[1]
 
-    def remap_estimate(self, tokens: np.ndarray) -> float:
-        """Modeled seconds of the remap to the balanced layout, priced like the
-        simulator: the busiest rank's NVLink bytes, the busiest inter-node link
-        (a node when routed, else a NIC), one message per peer."""
-        v = remap_volume(tokens, self.g)
-        intra = max(int(v.intra_sent.max()), int(v.intra_received.max()))
-        inter = max(np.bincount(self._link_of, v.inter_sent).max(),
-                    np.bincount(self._link_of, v.inter_received).max())
-        if not intra and not inter:
-            return 0.0
-        return self._remap_s(intra * self._bytes_per_token, float(inter) * self._bytes_per_token,
-                             int(v.peers.max()))
-
     def _min_ring(self, length: int) -> int:
         hit = self._k_lo.get(length)
         if hit is None:
@@ -89,15 +67,14 @@ class _Packer:
     def _apply(self, seq: int, ranks: tuple[int, ...], loads: _Loads, ulysses: bool = False) -> float:
         """Add a placement to ``loads``; return the rise in summed rank time."""
         length = int(self.lens[seq])
-        pairs = self.pairs[seq] / len(ranks)
         if ulysses:
             d = len(ranks)
             shards = np.diff((np.arange(d + 1, dtype=np.int64) * length) // d)
-            return loads.add(ranks, 0.0, 0.0, shards, pairs,
+            return loads.add(ranks, 0.0, 0.0, shards,
                              self.times.ulysses(length, d, self._is_inter(ranks)))
         total, compute = self.times.get(length, len(ranks), self._is_inter(ranks))
         shards = self._shard_tokens(length, len(ranks))[0] if len(ranks) > 1 else length
-        return loads.add(ranks, total, compute, shards, pairs)
+        return loads.add(ranks, total, compute, shards)
 
     # ------------------------------------------------------- heavy sequences
     def place_heavy(self, seqs: Sequence[int], setting: _Pass, rest_work: float,
@@ -286,7 +263,7 @@ class _Packer:
                 ranks = np.argsort(key, kind="stable")[:len(batch)]
                 fits = loads.tokens[ranks] + self.lens[batch] <= self.cap
                 seq, ranks = batch[fits], ranks[fits]
-                loads.add_local(ranks, self.local_s[seq], self.lens[seq], self.pairs[seq])
+                loads.add_local(ranks, self.local_s[seq], self.lens[seq])
                 out.local[seq] = ranks
                 batch = batch[~fits]
             for i in batch.tolist():

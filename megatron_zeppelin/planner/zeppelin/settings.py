@@ -49,8 +49,3 @@ LIGHT_TOKENS = 0.25
 #: Packing passes are tried in PASSES order while (heavy sequences x passes)
 #: stays within this budget (at least one pass): large clusters get fewer.
 PASS_BUDGET = 100
-#: Secondary objective: among passes whose modeled step is within this
-#: fraction of the best, the one with the most even causal pairs per rank
-#: wins (kernel efficiency differs by block length, so equal modeled time can
-#: hide unequal work; a real kernel's efficiency is rarely modeled exactly).
-PAIRS_SLACK = 0.02

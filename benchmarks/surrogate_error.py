@@ -1,0 +1,176 @@
+"""How far the decision's clock (``planner/surrogate.py``) is from the replay.
+
+Random batches over clusters, models, worlds and length distributions; each
+batch is planned as the per-batch decision plans it (every candidate of
+``planner/zeppelin_decide.py: decision_candidates``: routed and direct
+crossings, remap on and off, static CP's uniform layouts), and every candidate
+is timed by the replay (``sim/timeline.py: step_timeline``, the reported step)
+and by the surrogate.  Reports the relative error (p50 / p95 / max), by tier
+mix, and the share of candidate pairs of one batch more than 2 % apart by the
+replay that the surrogate orders as the replay does.
+
+    python benchmarks/surrogate_error.py                 # the default mix (see --mix)
+    python benchmarks/surrogate_error.py --mix 8:20,16:20 --out /tmp/s.md
+
+Writes docs/results/surrogate.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.errors import ConfigError, InfeasibleError, exit_on_user_error
+from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.planner.base import PlanContext
+from megatron_zeppelin.planner.surrogate import StepSurrogate
+from megatron_zeppelin.planner.zeppelin_decide import decision_candidates
+from megatron_zeppelin.sampler import batch_budget
+from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths
+from megatron_zeppelin.sim.simulate import sample_batches
+from megatron_zeppelin.sim.timeline import step_timeline
+from megatron_zeppelin.topology import load_cluster
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTERS = ("h100-8x400g", "h200-8x400g", "a800-4x200g", "a100-40g-4x100g")
+#: Model -> per-GPU token cap (the speedup matrix's).
+MODELS = {"llama-3b": 32768, "llama-7b": 16384, "llama-13b": 16384}
+LENGTHS = ("synthetic-books", "synthetic-longtail", "synthetic-web")
+MAX_LENS = (32768, 65536, 131072, 262144, 524288)
+#: Close pairs are not counted: the replay itself calls them a tie.
+PAIR_GAP = 0.02
+
+
+def parse_mix(text: str) -> list[tuple[int, int]]:
+    """``world:batches,...`` -> [(world, batches)]."""
+    try:
+        mix = [(int(w), int(n)) for w, n in (part.split(":") for part in text.split(","))]
+    except ValueError:
+        raise ConfigError(f"--mix {text!r}: write world:batches pairs, e.g. 8:100,64:20") from None
+    if not mix or any(w < 8 or w % 8 or n < 1 for w, n in mix):
+        raise ConfigError(f"--mix {text!r}: worlds must be multiples of 8 GPUs and batch counts positive")
+    return mix
+
+
+def cases(world: int, count: int, rng: np.random.Generator, docs: dict[str, np.ndarray]):
+    """``count`` random (description, cost, candidates) of ``world`` GPUs."""
+    made = 0
+    while made < count:
+        cluster = load_cluster(str(rng.choice(CLUSTERS)))
+        cluster = cluster.with_nodes(world // cluster.topology.gpus_per_node)
+        model, lengths = str(rng.choice(list(MODELS))), str(rng.choice(LENGTHS))
+        cap, max_len = MODELS[model], int(rng.choice(MAX_LENS))
+        if max_len > cap * world:
+            continue
+        cost = CostModel(cluster, load_model(model), routing=True)
+        lens = sample_batches(docs[lengths], max_seq_len=max_len, tokens_per_batch=batch_budget(cap, world, max_len),
+                              steps=1, seed=int(rng.integers(1 << 30)))[0]
+        ctx = PlanContext(cost=cost, tokens_per_gpu=cap, remap_enabled=True, remap_decided=True)
+        try:
+            plans = decision_candidates(lens, ctx)
+        except InfeasibleError:
+            continue
+        made += 1
+        yield f"{world} GPUs {cluster.name} {model} {lengths} max {max_len // 1024}K", cost, plans
+
+
+def tier_mix(plan) -> str:
+    t = plan.tier_counts()
+    kinds = [name for name, n in (("local", t.local), ("intra", t.intra), ("inter", t.inter),
+                                  ("ulysses", t.ulysses)) if n]
+    return "+".join(kinds)
+
+
+def run(args: argparse.Namespace) -> str:
+    rng = np.random.default_rng(args.seed)
+    docs = {name: load_lengths(resolve_lengths(name)) for name in LENGTHS}
+    rows, pairs_total, pairs_same, batches = [], 0, 0, 0
+    sur_cpu = replay_cpu = 0.0
+    t_start = time.perf_counter()
+    for world, count in parse_mix(args.mix):
+        for what, cost, plans in cases(world, count, rng, docs):
+            batches += 1
+            clock = StepSurrogate(cost)
+            c0 = time.process_time()
+            replayed = [step_timeline(p, cost, reuse=False).step_s for p in plans]
+            c1 = time.process_time()
+            modeled = [clock.step_s(p) for p in plans]
+            sur_cpu += time.process_time() - c1
+            replay_cpu += c1 - c0
+            for p, r, m in zip(plans, replayed, modeled):
+                rows.append((m / r - 1, world, tier_mix(p), p.routed, bool(p.remap_schedule()), what))
+            for i in range(len(plans)):
+                for j in range(i + 1, len(plans)):
+                    if abs(replayed[i] / replayed[j] - 1) > PAIR_GAP:
+                        pairs_total += 1
+                        pairs_same += (replayed[i] < replayed[j]) == (modeled[i] < modeled[j])
+            err = max(abs(m / r - 1) for r, m in zip(replayed, modeled))
+            print(f"  {batches}: {what}, {len(plans)} candidates, worst {err:.2%} "
+                  f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
+            # The report so far, after every batch: a long run stopped early still leaves one.
+            text = report(args, rows, pairs_total, pairs_same, batches, sur_cpu, replay_cpu,
+                          time.perf_counter() - t_start)
+            args.out.write_text(text, encoding="utf-8")
+    return text
+
+
+def percentiles(errs: np.ndarray) -> str:
+    e = np.abs(errs) * 100
+    return f"{np.percentile(e, 50):.2f} % | {np.percentile(e, 95):.2f} % | {e.max():.2f} %"
+
+
+def report(args, rows, pairs_total, pairs_same, batches, sur_cpu, replay_cpu, wall) -> str:
+    errs = np.array([r[0] for r in rows])
+    lines = ["| slice | plans | p50 | p95 | max |", "| --- | --- | --- | --- | --- |",
+             f"| all | {len(rows)} | {percentiles(errs)} |"]
+
+    def slice_rows(label, key):
+        for value in sorted({key(r) for r in rows}, key=str):
+            e = np.array([r[0] for r in rows if key(r) == value])
+            lines.append(f"| {label} {value} | {len(e)} | {percentiles(e)} |")
+
+    slice_rows("GPUs", lambda r: r[1])
+    slice_rows("tiers", lambda r: r[2])
+    slice_rows("routed", lambda r: r[3])
+    slice_rows("remap", lambda r: r[4])
+    worst = sorted(rows, key=lambda r: -abs(r[0]))[:8]
+    worst_lines = [f"| {r[0]:+.2%} | {r[5]} | {r[2]} | routed={r[3]} remap={r[4]} |" for r in worst]
+    command = "python benchmarks/surrogate_error.py " + shlex.join(sys.argv[1:])
+    share = pairs_same / max(pairs_total, 1)
+    return (f"# The decision's clock against the replay\n\nCommand: `{command.strip()}` "
+            f"({wall:.0f} s wall on the shared 2-core box; replays {replay_cpu:.0f} s CPU, "
+            f"surrogate {sur_cpu:.1f} s CPU)\n\n"
+            f"{batches} random batches (worlds:batches `{args.mix}`; clusters {', '.join(CLUSTERS)}; "
+            f"models {', '.join(MODELS)} at their speedup-matrix token caps; lengths {', '.join(LENGTHS)} "
+            f"cut at 32K-512K; the sampler's default fill), each planned as the per-batch decision plans it "
+            f"(`decision_candidates`: routed and direct crossings, remap on and off, static CP's uniform "
+            f"layouts), every candidate timed by the replay (`step_timeline`, the reported step) and by the "
+            f"surrogate (`planner/surrogate.py`).\n\n"
+            f"Relative error |surrogate / replay - 1| over {len(rows)} candidate plans:\n\n"
+            + "\n".join(lines)
+            + f"\n\nCandidate pairs of one batch more than {PAIR_GAP:.0%} apart by the replay: {pairs_total}; "
+            f"the surrogate orders {pairs_same} of them as the replay does (**{share:.1%}**).\n\n"
+            "Largest errors:\n\n| error | batch | tiers | layers |\n| --- | --- | --- | --- |\n"
+            + "\n".join(worst_lines) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mix", default="8:120,16:110,32:50,64:14,128:4,256:2,512:1,1024:1",
+                   help="world:batches pairs (many small and medium worlds, fewer big ones: a "
+                        "1,024-GPU candidate replays in minutes)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "surrogate.md")
+    args = p.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    print(exit_on_user_error(lambda: run(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,515 @@
+"""A closed-form stand-in for the replay's step time, certified against it.
+
+The replay (``sim/replay.py``) runs every op of the step's schedule; building
+that schedule costs far more than a planner may spend per candidate.  This
+module computes, from a :class:`~megatron_zeppelin.plan.Plan` alone and in
+numpy over its rings, groups and ranks, what the replay executes:
+
+* per rank and pass the compute lane's work: local sequences, every ring
+  step's kernel (zigzag chunk rows, ``CostModel.attn_s`` at the step's block
+  length) and Ulysses shares, the linear work (``CostModel.linear_s``);
+* a ring as its chain of steps: step ``s``'s kernel on position ``j`` waits for
+  the K/V that travelled ``s`` links (backward: K/V and the dK/dV one step
+  behind share the sender's port), each link priced on the port it uses
+  (NVLink, the sender's NIC, or the routing layer's dispatch / NIC / combine
+  legs), slowed by the other traffic of the segment on the same ports (a port
+  serves one transfer at a time);
+* Ulysses groups as all-to-all in, kernel, all-to-all out, and layout switches
+  as all-to-alls: a rank leaves once its busiest port drained;
+* the segments chained per rank as the replay chains them (a rank enters a
+  segment when its part of the previous one is done; a ring or group starts
+  once all its ranks entered), for ``m`` and ``m - 1`` layers extrapolated as
+  ``replay_step`` extrapolates, plus the gradient sync tail
+  (``cost/step_sync.py``).
+
+Every constant is the cost model's; nothing is fitted.  ``benchmarks/surrogate_error.py``
+measures how far it is from the replay (``docs/results/surrogate.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
+from megatron_zeppelin.cost.step_sync import forward_backward_split, step_sync
+from megatron_zeppelin.plan import Mode, Plan
+from megatron_zeppelin.schedule.routing import min_routed_bytes
+
+#: The ring step at whose transfers' level of the schedule's order a Ulysses
+#: group's outputs are sent (``schedule/attention.py``: all-to-all in at step 0,
+#: kernel at 1, all-to-all out at 2).
+ULYSSES_OUT_STEP = 2
+#: Layers the replay runs before it extrapolates (``sim/replay.py: REPLAYED_LAYERS``;
+#: planning never imports the simulator).
+REPLAYED_LAYERS = 4
+#: A segment's pass: forward, then backward.
+PASSES = (False, True)
+
+
+@dataclass
+class _Segment:
+    """One engine call of one pass, per rank: what it costs once every rank has entered."""
+
+    work: np.ndarray
+    """Seconds of compute-lane work per rank."""
+    chains: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    """Coupled groups: (member ranks flat, group id per member, seconds from the
+    group's start to the member's exit)."""
+    alltoall: np.ndarray | None = None
+    """Per rank the seconds its busiest port needs (a layout switch), else None."""
+
+
+@dataclass
+class _RingBatch:
+    """The rings of one size ``k`` of a segment, one row per ring."""
+
+    ranks: np.ndarray
+    """(rings, k) ranks by position."""
+    comp: np.ndarray
+    """(rings, position, step) kernel seconds."""
+    k: int
+    legs: list = field(default_factory=list)
+    """(ring, step, port, seconds held) arrays of every message leg."""
+    via: np.ndarray = None
+    """(rings, step) seconds of one NIC piece summed over the routed messages."""
+    fill: np.ndarray = None
+    """(rings, step) the largest routed pipeline fill."""
+
+    def __post_init__(self) -> None:
+        shape = (len(self.ranks), self.k + 1)
+        self.via, self.fill = np.zeros(shape), np.zeros(shape)
+
+
+def _pad(v: np.ndarray, width: int) -> np.ndarray:
+    return np.pad(v, ((0, 0), (0, width - v.shape[1])))
+
+
+def _components(group_of_slot: np.ndarray, rank_of_slot: np.ndarray, groups: int, w: int) -> np.ndarray:
+    """Connected families of groups that share ranks: a label per group (0..F-1)."""
+    label = np.arange(groups)
+    while True:
+        by_rank = np.full(w, groups)
+        np.minimum.at(by_rank, rank_of_slot, label[group_of_slot])
+        new = label.copy()
+        np.minimum.at(new, group_of_slot, by_rank[rank_of_slot])
+        if (new == label).all():
+            break
+        label = new
+    return np.unique(label, return_inverse=True)[1].reshape(-1)
+
+
+class StepSurrogate:
+    """The step time of plans under one cost model (see the module docstring)."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        c, m = cost.cluster, cost.model
+        topo = c.topology
+        self.gpn, self.nics = topo.gpus_per_node, topo.nics_per_node
+        self.affinity = np.asarray(topo.nic_affinity, np.int64)
+        self.layers = m.num_layers
+        g = c.gpu
+        # attn_s(pairs, block) = pairs * per_pair * (block + half) / block, per layer and pass below.
+        self.per_pair = m.attn_flops_per_pair * (1 + ATTN_BWD_RATIO) / (g.peak_tflops * 1e12 * g.attn_efficiency)
+        self.half = g.attn_half_block
+        self.attn_share = {False: 1.0 / ((1 + ATTN_BWD_RATIO) * m.num_layers),
+                           True: ATTN_BWD_RATIO / ((1 + ATTN_BWD_RATIO) * m.num_layers)}
+        self.lin_share = {False: 1.0 / ((1 + LINEAR_BWD_RATIO) * m.num_layers),
+                          True: LINEAR_BWD_RATIO / ((1 + LINEAR_BWD_RATIO) * m.num_layers)}
+        self.kv_numel = m.num_query_groups * m.head_dim
+        self.isz, self.acc = m.dtype_bytes, 4
+        self.q_heads, self.kv_heads, self.head_dim = m.num_attention_heads, m.num_query_groups, m.head_dim
+        self.row_bytes = m.hidden_size * m.dtype_bytes
+        self.nvl, self.nic = c.nvlink, c.nic
+        self.threshold = min_routed_bytes(cost) if cost.routing else math.inf
+
+    # ----------------------------------------------------------------- links
+    def _attn_s(self, pairs: np.ndarray, block: np.ndarray) -> np.ndarray:
+        block = np.maximum(block, 1)
+        return np.where(pairs > 0, pairs * self.per_pair * (block + self.half) / block, 0.0)
+
+    def _ports(self, src: np.ndarray, dst: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(same node, egress port, ingress port) of direct transfers, numbered as the replay numbers them."""
+        g = self.gpn
+        inside = src // g == dst // g
+        out = np.where(inside, 2 * src, 2 * world + 2 * ((src // g) * self.nics + self.affinity[src % g]))
+        inn = np.where(inside, 2 * dst + 1, 2 * world + 2 * ((dst // g) * self.nics + self.affinity[dst % g]) + 1)
+        return inside, out, inn
+
+    def _transfers(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, w: int,
+                   routed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Messages from ``src`` to ``dst``: (seconds of each alone; when it is
+        routed, the seconds of one piece's NIC leg and what its pipeline adds to
+        its busiest port's seconds (else 0); its legs as message index, port,
+        seconds the leg holds the port).  Routed messages
+        (across nodes, at least the break-even) go in ``P`` pieces: dispatched over
+        the sender's NVLink one after another, each over NIC ``j``, combined into
+        the receiver; proxies and peers forward them (spread over the node's GPUs)."""
+        inside, out, inn = self._ports(src, dst, w)
+        nvl = self.nvl.latency_us * 1e-6 + nbytes / (self.nvl.bandwidth_GBps * 1e9)
+        nic = self.nic.latency_us * 1e-6 + nbytes / (self.nic.bandwidth_GBps * 1e9)
+        seconds = np.where(inside, nvl, nic)
+        ids = np.arange(len(src))
+        route = ~inside & (nbytes >= self.threshold) if routed and self.nics > 1 else np.zeros(len(src), bool)
+        direct = ~route
+        legs = [(ids[direct], out[direct], seconds[direct]), (ids[direct], inn[direct], seconds[direct])]
+        if route.any():
+            P, g = self.nics, self.gpn
+            piece = nbytes[route] / P
+            d = self.nvl.latency_us * 1e-6 + piece / (self.nvl.bandwidth_GBps * 1e9)
+            n = self.nic.latency_us * 1e-6 + piece / (self.nic.bandwidth_GBps * 1e9)
+            seconds[route] = P * d + n
+            i, s, t = ids[route], src[route], dst[route]
+            legs += [(i, 2 * s, (P - 1) * d), (i, 2 * t + 1, (P - 1) * d)]
+            for j in range(P):
+                legs += [(i, 2 * w + 2 * ((s // g) * P + j), n), (i, 2 * w + 2 * ((t // g) * P + j) + 1, n)]
+            spread = d * (P - 1) / g
+            for local in range(g):
+                legs += [(i, 2 * ((s // g) * g + local) + 1, spread), (i, 2 * ((t // g) * g + local), spread)]
+        msg, port, sec = (np.concatenate(x) for x in zip(*legs))
+        piece_s, fill = np.zeros(len(src)), np.zeros(len(src))
+        if route.any():
+            piece_s[route] = n
+            fill[route] = seconds[route] - np.maximum((P - 1) * d, n)
+        return seconds, piece_s, fill, msg, port, sec
+
+    @staticmethod
+    def _drain(group: np.ndarray, port: np.ndarray, total: np.ndarray, groups: int) -> np.ndarray:
+        """Per group, when the busiest port it uses has carried the segment's
+        whole traffic (a port serves one transfer at a time)."""
+        out = np.zeros(groups)
+        if len(port):
+            np.maximum.at(out, group, total[port])
+        return out
+
+    # ----------------------------------------------------------- attention
+    @staticmethod
+    def _placements(plan: Plan) -> tuple[np.ndarray, np.ndarray, dict[int, list], list]:
+        """(local ranks, local lengths, rings by size, Ulysses groups) of ``plan``."""
+        local_rank, local_len, rings, groups = [], [], {}, []
+        lens = plan.seq_lens
+        local = Mode.LOCAL
+        for p in plan.attention:
+            if p.mode is local:
+                local_rank.append(p.ranks[0])
+                local_len.append(lens[p.seq])
+            elif p.mode is Mode.RING:
+                rings.setdefault(len(p.ranks), []).append((p.ranks, lens[p.seq]))
+            else:
+                groups.append((p.ranks, lens[p.seq]))
+        return np.asarray(local_rank, np.int64), np.asarray(local_len, np.float64), rings, groups
+
+    def _attention(self, w: int, placements: tuple, backward: bool, routed: bool) -> _Segment:
+        share = self.attn_share[backward]
+        work = np.zeros(w)
+        load = np.zeros(2 * w + 2 * (w // self.gpn + 1) * self.nics)
+        local_rank, L, rings, groups = placements
+        if len(L):
+            np.add.at(work, local_rank, self._attn_s(L * (L + 1) / 2, L) * share)
+        # A rank posts its Ulysses outputs in its send lane's order, before its
+        # rings' transfers of step ULYSSES_OUT_STEP + 1 on: those wait for its
+        # Ulysses kernels (``gate``).
+        gate = np.zeros(w)
+        pending = [self._ulysses(groups, backward, work, load, w, gate)] if groups else []
+        pending += [self._rings([self._ring_batch(k, members, backward, routed, w) for k, members in rings.items()],
+                                backward, work, load, w, gate)] if rings else []
+        chains = [finish(load) for finish in pending]
+        return _Segment(work, chains)
+
+    def _ring_batch(self, k: int, members: list, backward: bool, routed: bool, w: int) -> "_RingBatch":
+        """Kernels and messages of the rings of ``k`` ranks (one row per ring)."""
+        share = self.attn_share[backward]
+        ranks = np.asarray([r for r, _ in members], np.int64)            # (n, k)
+        L = np.asarray([n for _, n in members], np.int64)
+        n = len(L)
+        # Zigzag chunk rows: position i holds chunks i and 2k-1-i.
+        sizes = np.diff((np.arange(2 * k + 1)[None, :] * L[:, None]) // (2 * k), axis=1)
+        a, b = sizes[:, :k].astype(np.float64), sizes[:, ::-1][:, :k].astype(np.float64)
+        pos = np.arange(k)
+        owner = (pos[:, None] - pos[None, :]) % k                          # (pos, step)
+        ap, bp = a[:, :, None], b[:, :, None]
+        ao, bo = a[:, owner], b[:, owner]
+        earlier = (owner < pos[:, None])[None]
+        later = (owner > pos[:, None])[None]
+        pairs = np.where(earlier, (ap + bp) * ao, np.where(later, bp * (ao + bo),
+                                                             ap * (ap + 1) / 2 + bp * ap + bp * (bp + 1) / 2))
+        block = np.where(earlier, ap + bp, np.where(later, bp, np.floor((ap + 2 * bp) / 3)))
+        batch = _RingBatch(ranks, self._attn_s(pairs, block) * share, k)
+        if k == 1:
+            return batch
+        # Step s sends on link j -> j+1 the K/V of owner (j - s) % k (not at the
+        # last step), and backward the dK/dV of owner (j - s + 1) % k (steps 1..k).
+        shard = a + b
+
+        # Rings inside one node never route: their messages over one rank tuple
+        # load the same ports, so they are priced per tuple (bytes summed, one
+        # latency per message) -- a uniform layout has many rings per tuple.
+        nodes = ranks // self.gpn
+        inside = bool((nodes.min(axis=1) == nodes.max(axis=1)).all())
+        if inside:
+            tuples, of = np.unique(ranks, axis=0, return_inverse=True)
+            of = of.reshape(-1)
+            first = np.zeros(len(tuples), np.int64)
+            first[of[::-1]] = np.arange(n)[::-1]
+            extra = np.bincount(of) - 1
+        latency = self.nvl.latency_us * 1e-6
+
+        def send(steps: np.ndarray, owners: np.ndarray, itemsize: int) -> None:
+            nbytes = 2 * shard[:, owners] * self.kv_numel * itemsize         # (n, link, step)
+            if inside:
+                summed = np.zeros((len(tuples),) + nbytes.shape[1:])
+                np.add.at(summed, of, nbytes)
+                nbytes, senders = summed, tuples
+            else:
+                senders = ranks
+            shape = nbytes.shape
+            src = np.broadcast_to(senders[:, :, None], shape).ravel()
+            dst = np.broadcast_to(np.roll(senders, -1, axis=1)[:, :, None], shape).ravel()
+            sec, piece, fill, msg, port, held = self._transfers(src, dst, nbytes.ravel(), w, routed)
+            ring, _, col = np.unravel_index(msg, shape)
+            if inside:
+                held = held + extra[ring] * latency
+                ring = first[ring]
+            batch.legs.append((ring, steps[col], port, held))
+            if not inside:
+                step_of = np.broadcast_to(steps[None, None, :], shape).ravel()
+                ring_of = np.repeat(np.arange(n), shape[1] * shape[2])
+                np.add.at(batch.via, (ring_of, step_of), piece)
+                np.maximum.at(batch.fill, (ring_of, step_of), fill)
+
+        kv_steps = np.arange(k - 1)
+        send(kv_steps, owner[:, :k - 1], self.isz)
+        if backward:
+            dkv_steps = np.arange(1, k + 1)
+            send(dkv_steps, (pos[:, None] - dkv_steps[None, :] + 1) % k, self.acc)
+        return batch
+
+    def _rings(self, batches: list["_RingBatch"], backward: bool, work: np.ndarray, load: np.ndarray, w: int,
+               gate: np.ndarray):
+        """Every ring of the segment.  Rings that share a rank advance step by
+        step together (a rank's send lane posts step ``s`` of every ring before
+        step ``s + 1`` of any), so each connected family of rings is one chain:
+        step ``s``'s kernel on a rank waits for the transfers of step ``s - 1``,
+        which last as long as the family's busiest port needs for that step,
+        or the family's routed crossings one after another (a routed piece is
+        forwarded by GPUs whose send lanes post in message order: the next
+        crossing's sender combines a piece of the previous one before it posts
+        its own), plus one routed pipeline's fill.  Adds kernels to ``work`` and
+        messages to ``load``; returns the function of the segment's port loads
+        that yields each ring rank's seconds from the family's start to its exit."""
+        S = max(bt.k for bt in batches) + 1
+        ranks = [bt.ranks for bt in batches]
+        base = np.cumsum([0] + [len(r) for r in ranks])
+        ring_of_slot = np.concatenate([np.repeat(np.arange(len(r)) + base[i], r.shape[1])
+                                       for i, r in enumerate(ranks)])
+        rank_of_slot = np.concatenate([r.ravel() for r in ranks])
+        family = _components(ring_of_slot, rank_of_slot, int(base[-1]), w)
+        fam_of_rank = np.full(w, -1)
+        fam_of_rank[rank_of_slot] = family[ring_of_slot]
+        F = int(family.max()) + 1
+        lane = np.zeros((w, S))
+        per_step = np.zeros((F, S))
+        via, fill = np.zeros((F, S)), np.zeros((F, S))
+        leg_fam, leg_key, leg_port, leg_held = [], [], [], []
+        n_ports = len(load)
+        for i, bt in enumerate(batches):
+            k = bt.k
+            steps = np.broadcast_to(np.arange(k)[None, None, :], bt.comp.shape)
+            np.add.at(lane, (np.broadcast_to(bt.ranks[:, :, None], bt.comp.shape), steps), bt.comp)
+            fam = family[base[i]:base[i + 1]]
+            np.add.at(via, (np.repeat(fam, S), np.tile(np.arange(S), len(fam))), _pad(bt.via, S).ravel())
+            np.maximum.at(fill, (np.repeat(fam, S), np.tile(np.arange(S), len(fam))),
+                          _pad(bt.fill, S).ravel())
+            for ring, step, port, held in bt.legs:
+                leg_fam.append(fam[ring])
+                leg_key.append((fam[ring] * S + step) * n_ports + port)
+                leg_port.append(port)
+                leg_held.append(held)
+        work += lane.sum(axis=1)
+        if leg_key:
+            key, port, held, lfam = (np.concatenate(x) for x in (leg_key, leg_port, leg_held, leg_fam))
+            np.add.at(load, port, held)
+            uniq, inv = np.unique(key, return_inverse=True)
+            np.maximum.at(per_step.reshape(-1), uniq // n_ports, np.bincount(inv, weights=held))
+        else:
+            port, lfam = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        step_x = np.maximum(per_step, via) + fill
+        arrive = np.concatenate([np.zeros((F, 1)), np.cumsum(step_x[:, :S - 1], axis=1)], axis=1)
+        if gate.any() and S > ULYSSES_OUT_STEP + 1:
+            # Transfers of steps after the Ulysses outputs' wait for the family's last Ulysses kernel.
+            held = np.zeros(F)
+            np.maximum.at(held, family[ring_of_slot], gate[rank_of_slot])
+            after = np.cumsum(step_x[:, ULYSSES_OUT_STEP:S - 1], axis=1)
+            arrive[:, ULYSSES_OUT_STEP + 1:] = np.maximum(arrive[:, ULYSSES_OUT_STEP + 1:], held[:, None] + after)
+        members = np.nonzero(fam_of_rank >= 0)[0]
+        tail = np.cumsum(lane[members, ::-1], axis=1)[:, ::-1]              # kernels of steps t >= s
+        # A rank ends at max over s of (arrival of step s's data + its kernels from s on),
+        # and no earlier than the last transfer of its family it takes part in.
+        end = (arrive[fam_of_rank[members]] + tail).max(axis=1)
+        last = arrive[fam_of_rank[members], -1] + step_x[fam_of_rank[members], -1] * backward
+
+        def finish(total: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            drain = np.zeros(F)
+            if len(port):
+                np.maximum.at(drain, lfam, total[port])
+            fam = fam_of_rank[members]
+            return members, fam, np.maximum(np.maximum(end, last), drain[fam])
+
+        return finish
+
+    def _ulysses(self, groups: list, backward: bool, work: np.ndarray, load: np.ndarray, w: int,
+                 gate: np.ndarray):
+        """Ulysses groups: all-to-all (always direct), kernel on ``1/d`` of the heads, all-to-all."""
+        share = self.attn_share[backward]
+        kernels, legs = [], []
+        leg_group, leg_port, leg_sec, leg_a2a = [], [], [], []
+        for gi, (ranks, L) in enumerate(groups):
+            d = len(ranks)
+            tokens = np.diff(np.arange(d + 1) * L // d).astype(np.float64)
+            hq, hk = self.q_heads // d, self.kv_heads // d
+            pairs = np.array([(L * (L + 1) // 2) // d], np.float64)
+            c = float(self._attn_s(pairs, np.array([float(L)]))[0]) * share
+            r = np.asarray(ranks, np.int64)
+            work[r] += c
+            kernels.append((r, c))
+            a, bb = np.nonzero(~np.eye(d, dtype=bool))
+            for step, to_heads in enumerate((True, False)):
+                heads = hq if to_heads == backward else hq + 2 * hk
+                rows = tokens[a] if to_heads else tokens[bb]
+                _, _, _, msg, port, held = self._transfers(r[a], r[bb], rows * heads * self.head_dim * self.isz, w, False)
+                leg_group.append(np.full(len(port), gi))
+                leg_a2a.append(np.full(len(port), 2 * gi + step))
+                leg_port.append(port)
+                leg_sec.append(held)
+        group, a2a = np.concatenate(leg_group), np.concatenate(leg_a2a)
+        port, held = np.concatenate(leg_port), np.concatenate(leg_sec)
+        np.add.at(load, port, held)
+        # Each all-to-all lasts as long as its busiest port needs.
+        key = a2a * len(load) + port
+        uniq, inv = np.unique(key, return_inverse=True)
+        busiest = np.zeros(2 * len(groups))
+        np.maximum.at(busiest, uniq // len(load), np.bincount(inv, weights=held))
+
+        out_s = busiest[1::2]
+        # The groups' inputs share ports and go in the schedule's order: a group's
+        # all-to-all in has arrived once each of its ports carried it and every
+        # earlier group's input through that port.  A rank runs its groups'
+        # kernels in that order as their data arrives, and sends each group's
+        # outputs once its kernel is done, one group's after another.
+        sums = np.bincount(inv, weights=held)
+        first = (uniq // len(load)) % 2 == 0
+        g_in, p_in, s_in = uniq[first] // len(load) // 2, uniq[first] % len(load), sums[first]
+        order = np.lexsort((g_in, p_in))
+        g_in, p_in, s_in = g_in[order], p_in[order], s_in[order]
+        queued = np.cumsum(s_in)
+        starts = np.flatnonzero(np.r_[True, p_in[1:] != p_in[:-1]])
+        queued -= np.repeat(queued[starts] - s_in[starts], np.diff(np.r_[starts, len(p_in)]))
+        arrival = np.zeros(len(groups))
+        np.maximum.at(arrival, g_in, queued)
+        lane, sent = {}, {}
+        for gi, (ranks, _) in enumerate(groups):
+            for r in ranks:
+                lane[r] = max(lane.get(r, 0.0), arrival[gi]) + kernels[gi][1]
+                sent[r] = max(sent.get(r, 0.0), lane[r]) + out_s[gi]
+        gate[list(lane)] = list(lane.values())
+
+        def finish(total: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            drain = self._drain(group, port, total, len(groups))
+            flat = np.concatenate([r for r, _ in kernels])
+            gid = np.repeat(np.arange(len(kernels)), [len(r) for r, _ in kernels])
+            end = np.array([max(sent[r], drain[g]) for r, g in zip(flat.tolist(), gid.tolist())])
+            return flat, gid, end
+
+        return finish
+
+    # -------------------------------------------------------- switch, linear
+    def _switch(self, messages: tuple[np.ndarray, np.ndarray, np.ndarray], w: int, routed: bool,
+                reverse: bool) -> _Segment:
+        src, dst, tokens = messages
+        if reverse:
+            src, dst = dst, src
+        load = np.zeros(2 * w + 2 * (w // self.gpn + 1) * self.nics)
+        _, _, _, _, port, held = self._transfers(src, dst, tokens * self.row_bytes, w, routed)
+        np.add.at(load, port, held)
+        g = self.gpn
+        r = np.arange(w)
+        nic = 2 * w + 2 * ((r // g) * self.nics + self.affinity[r % g])
+        per_rank = np.maximum.reduce([load[2 * r], load[2 * r + 1], load[nic], load[nic + 1]])
+        return _Segment(np.zeros(w), [], per_rank)
+
+    def _linear(self, tokens: np.ndarray, backward: bool) -> _Segment:
+        # linear_s per distinct count (a balanced layout has one or two)
+        counts, of = np.unique(tokens, return_inverse=True)
+        lin = np.array([self.cost.linear_s(t) for t in counts.tolist()])[of.reshape(-1)] * self.lin_share[backward]
+        return _Segment(lin, [])
+
+    # ------------------------------------------------------------------ step
+    def step_s(self, plan: Plan) -> float:
+        """Modeled step of ``plan`` in seconds: the replay's ``step_s`` (sync tail included)."""
+        w = plan.world_size
+        routed = plan.routed and self.cost.routing
+        grouped: dict[tuple[int, int], int] = {}
+        # A plan whose linear layout is its attention layout moves nothing (the
+        # check is far cheaper than the schedule it skips).
+        same = all(tuple(plan.attention_spans(r)) == spans for r, spans in enumerate(plan.linear))
+        for t in [] if same else plan.remap_schedule():
+            grouped[(t.src, t.dst)] = grouped.get((t.src, t.dst), 0) + t.length
+        tokens = np.asarray(plan.linear_tokens_per_rank(), np.float64)
+        placements = self._placements(plan)
+        parts = {}
+        for bw in PASSES:
+            seq = [("attn", self._attention(w, placements, bw, routed))]
+            if grouped:
+                msgs = tuple(np.asarray(x, np.int64) for x in zip(*((s, d, n) for (s, d), n in grouped.items())))
+                seq.append(("to_linear", self._switch(msgs, w, routed, reverse=bw)))
+            seq.append(("linear", self._linear(tokens, bw)))
+            if grouped:
+                seq.append(("to_attn", self._switch(msgs, w, routed, reverse=not bw)))
+            parts[bw] = seq
+        m = REPLAYED_LAYERS
+        layers = self.layers
+
+        def run(n: int) -> np.ndarray:
+            t = np.zeros(w)
+            chain = [s for _, s in parts[False]] * n + [s for _, s in reversed(parts[True])] * n
+            for seg in chain:
+                t = self._advance(seg, t)
+            return t
+
+        if layers <= m:
+            finish = run(layers)
+        else:
+            big, small = run(m), run(m - 1)
+            finish = big + (big - small) * (layers - m)
+        slowest = int(np.argmax(finish))
+        attn = sum(seg.work[slowest] for bw in PASSES for name, seg in parts[bw] if name == "attn") * layers
+        lin = sum(seg.work[slowest] for bw in PASSES for name, seg in parts[bw] if name == "linear") * layers
+        tail = step_sync(self.cost, *forward_backward_split(attn, lin))
+        return float(finish.max()) + tail.exposed_s
+
+    @staticmethod
+    def _advance(seg: _Segment, entry: np.ndarray) -> np.ndarray:
+        """Per rank, when it leaves ``seg`` having entered at ``entry``."""
+        if seg.alltoall is not None:
+            busy = seg.alltoall > 0
+            if not busy.any():
+                return entry
+            start = float(entry[busy].max())
+            return np.where(busy, start + seg.alltoall, entry)
+        out = entry + seg.work
+        for flat, gid, end in seg.chains:
+            start = np.full(gid.max() + 1, -np.inf)
+            np.maximum.at(start, gid, entry[flat])
+            np.maximum.at(out, flat, start[gid] + end)
+        return out
+
+
+def surrogate_clock(cost: CostModel) -> Callable[[Plan], float]:
+    """The decision's ``PlanContext.step_model`` under ``cost``: the surrogate's
+    step of a plan (what the simulator's ``zeppelin``, the trainer and
+    ``pretrain_gpt.py --zeppelin`` decide by)."""
+    return StepSurrogate(cost).step_s

@@ -1,0 +1,83 @@
+"""The decision's clock: the surrogate stays near the replay, and the decision follows it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.integration.args import DEFAULTS
+from megatron_zeppelin.model_config import load_model
+from megatron_zeppelin.planner.base import PlanContext
+from megatron_zeppelin.planner.surrogate import StepSurrogate
+from megatron_zeppelin.planner.zeppelin_decide import DecidingZeppelinPlanner, decision_candidates
+from megatron_zeppelin.sampler import batch_budget
+from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths
+from megatron_zeppelin.sim.simulate import VARIANTS, build_strategies, sample_batches
+from megatron_zeppelin.sim.strategy import plan_context
+from megatron_zeppelin.sim.timeline import step_timeline
+from megatron_zeppelin.topology import load_cluster
+
+#: (cluster, GPUs, model, lengths, max length): every tier between them --
+#: local and Ulysses (books at 32K), intra-node rings (the uniform layouts),
+#: routed and direct inter-node rings and Ulysses groups (16 GPUs, 256K).
+CASES = [("h100-8x400g", 8, "llama-7b", "synthetic-books", 32768),
+         ("h100-8x400g", 16, "llama-3b", "synthetic-longtail", 262144),
+         ("a800-4x200g", 16, "llama-7b", "synthetic-web", 65536),
+         ("h200-8x400g", 16, "llama-13b", "synthetic-longtail", 32768)]
+#: Bound per candidate plan.  benchmarks/surrogate_error.py measured p95 1.4 % at
+#: 8 GPUs and 2.2 % at 16 (docs/results/surrogate.md); these plans' largest
+#: error was 2.3 % (-2.27 %, h100 8 GPUs).
+BOUND = 0.03
+
+
+def candidates(cluster: str, world: int, model: str, lengths: str, max_len: int):
+    c = load_cluster(cluster)
+    cost = CostModel(c.with_nodes(world // c.topology.gpus_per_node), load_model(model), routing=True)
+    cap = 32768 if model == "llama-3b" else 16384
+    lens = sample_batches(load_lengths(resolve_lengths(lengths)), max_seq_len=max_len,
+                          tokens_per_batch=batch_budget(cap, world, max_len), steps=1, seed=1)[0]
+    ctx = PlanContext(cost=cost, tokens_per_gpu=cap, remap_enabled=True, remap_decided=True)
+    return cost, lens, ctx, decision_candidates(lens, ctx)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[3]}")
+def test_the_surrogate_stays_near_the_replay(case):
+    cost, _, _, plans = candidates(*case)
+    clock = StepSurrogate(cost)
+    errors = [clock.step_s(p) / step_timeline(p, cost).step_s - 1 for p in plans]
+    assert len(plans) >= 4
+    assert max(map(abs, errors)) <= BOUND, errors
+
+
+def test_every_tier_is_covered_by_the_cases():
+    tiers = {"local": 0, "intra": 0, "inter": 0, "ulysses": 0}
+    routed = set()
+    for case in CASES:
+        for p in candidates(*case)[3]:
+            for name in tiers:
+                tiers[name] += getattr(p.tier_counts(), name)
+            routed.add(p.routed)
+    assert all(tiers.values()), tiers
+    assert routed == {True, False}
+
+
+def test_the_decision_runs_the_surrogates_fastest_candidate():
+    cost, lens, ctx, plans = candidates(*CASES[1])
+    clock = StepSurrogate(cost)
+    times = [clock.step_s(p) for p in plans]
+    assert min(times) < times[0]          # the run's own first plan is not the answer here
+    decided = DecidingZeppelinPlanner().plan(lens, dataclasses.replace(ctx, step_model=clock.step_s))
+    assert decided == plans[int(np.argmin(times))]
+
+
+def test_the_decision_is_on_by_default():
+    assert DEFAULTS["zeppelin_decide"] == "on"                   # pretrain_gpt.py --zeppelin
+    assert VARIANTS["zeppelin"].decide and not VARIANTS["zeppelin_nodecide"].decide
+    cost, lens, _, plans = candidates(*CASES[0])
+    zeppelin, nodecide = build_strategies(["zeppelin", "zeppelin_nodecide"], cost)
+    ctx = plan_context(zeppelin, 16384, 1.0)
+    assert plan_context(nodecide, 16384, 1.0).step_model is None
+    assert [ctx.step_model(p) for p in plans] == [StepSurrogate(cost).step_s(p) for p in plans]
