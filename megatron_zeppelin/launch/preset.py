@@ -109,10 +109,10 @@ class LaunchPreset:
     """Steps between validation runs."""
     eval_iters: int = 10
     """Global batches per validation run."""
-    zeppelin_log_interval: int | None = None
-    """``--zeppelin-log-interval``: tier counts and balance every N steps (0: off).
-    Default 50, and 0 under pipeline parallelism, where ``pretrain_gpt.py`` refuses
-    it (its report sums over every rank inside the step)."""
+    zeppelin_log_interval: int = 50
+    """``--zeppelin-log-interval``: tier counts and balance every N steps (0: off;
+    default 50).  Under pipeline parallelism its sums run after the step's 1F1B
+    schedule, never inside it."""
     plan_dump_dir: str | None = None
     """``--zeppelin-plan-dump-dir`` (None: no plan dumps)."""
     rdzv_port: int = 29500
@@ -129,8 +129,7 @@ class LaunchPreset:
             check_int(getattr(self, key), f"preset {self.name}: {key}", minimum=1)
         for key in ("warmup_iters", "eval_iters", "seed"):
             check_int(getattr(self, key), f"preset {self.name}: {key}", minimum=0)
-        if self.zeppelin_log_interval is not None:
-            check_int(self.zeppelin_log_interval, f"preset {self.name}: zeppelin_log_interval", minimum=0)
+        check_int(self.zeppelin_log_interval, f"preset {self.name}: zeppelin_log_interval", minimum=0)
         check_int(self.rdzv_port, f"preset {self.name}: rdzv_port", minimum=1, maximum=65535)
         for key in ("lr", "min_lr", "weight_decay", "clip_grad"):
             check_float(getattr(self, key), f"preset {self.name}: {key}", minimum=0)
@@ -165,13 +164,6 @@ class LaunchPreset:
     def data_parallel_size(self) -> int:
         return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
 
-    @property
-    def zeppelin_log_every(self) -> int:
-        """The ``--zeppelin-log-interval`` rendered (:attr:`zeppelin_log_interval`'s default)."""
-        if self.zeppelin_log_interval is not None:
-            return self.zeppelin_log_interval
-        return 50 if self.pipeline_parallel == 1 else 0
-
 
 def check_model_fits(p: LaunchPreset, m: ModelConfig) -> None:
     """The preset's parallelism splits the model into whole pieces: TP takes whole
@@ -197,8 +189,6 @@ PRESET_TERMS = (
     (re.compile(r"--global-batch-size / data-parallel size = (\d+) micro-batches"), r"micro_batches \1"),
     (re.compile(r"raise --global-batch-size"), "raise micro_batches"),
     (re.compile(r"--zeppelin-planner"), "planner"),
-    (re.compile(r"--zeppelin-log-interval (\d+)(.*); drop it"), r"zeppelin_log_interval \1\2; set it to 0"),
-    (re.compile(r"drop --num-experts"), "use a dense model"),
 )
 
 
@@ -215,7 +205,7 @@ def check_pipeline(p: LaunchPreset, m: ModelConfig) -> None:
         num_layers_per_virtual_pipeline_stage=None, world_size=p.world_size, zeppelin_cluster=p.cluster,
         tensor_model_parallel_size=p.tensor_parallel, context_parallel_size=1,
         global_batch_size=p.micro_batches * p.data_parallel_size, zeppelin_planner=p.planner,
-        zeppelin_log_interval=p.zeppelin_log_every, num_experts=m.num_experts if m.moe_enabled else None)
+        zeppelin_log_interval=p.zeppelin_log_interval, num_experts=m.num_experts if m.moe_enabled else None)
     try:
         with warnings.catch_warnings():
             # Its release check imports megatron.core, which warns on a host without TE or Apex.

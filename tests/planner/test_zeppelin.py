@@ -247,16 +247,24 @@ def test_attention_pairs_balance_when_the_batch_allows_it():
     assert pairs.max() / pairs.mean() <= 1.10
 
 
-def test_causal_pairs_balance_on_a_synthetic_long_tail():
+def test_ranks_finish_together_on_a_synthetic_long_tail():
     # Batches filled to 95 % (the simulator's default) with sequences up to 8
-    # GPUs' worth: the passes' plans balance causal pairs per rank.
+    # GPUs' worth: the replay's ranks finish the step together.  Causal pairs
+    # per rank are a looser proxy since the passes are picked by the surrogate
+    # of the replay: a rank in Ulysses groups waits on their all-to-alls, so
+    # equal finishes can hold unequal pairs (up to 1.12x here).
     ctx = make_ctx(8)
-    imbalance = []
+    finish, pairs_imbalance = [], []
     for seed in (7, 11):
         for lens in long_tail_batches(seed, int(0.95 * 16384 * 64), 4):
-            pairs = np.array(ZeppelinPlanner().plan(lens, ctx).attn_pairs_per_rank(), dtype=float)
-            imbalance.append(pairs.max() / pairs.mean())
-    assert np.median(imbalance) <= 1.05 and max(imbalance) <= 1.15, imbalance
+            plan = ZeppelinPlanner().plan(lens, ctx)
+            ranks = step_timeline(plan, ctx.cost).ranks
+            total = np.array([r.total_s for r in ranks])
+            finish.append(total.max() / total.mean())
+            pairs = np.array(plan.attn_pairs_per_rank(), dtype=float)
+            pairs_imbalance.append(pairs.max() / pairs.mean())
+    assert np.median(finish) <= 1.01 and max(finish) <= 1.02, finish
+    assert max(pairs_imbalance) <= 1.15, pairs_imbalance
 
 
 def test_the_passes_plans_are_compared_by_the_surrogate():
