@@ -19,7 +19,7 @@ from megatron_zeppelin.planner.zeppelin_decide import DecidingZeppelinPlanner
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner, min_ring_size, zigzag_shard_tokens
 from megatron_zeppelin.sim.timeline import remap_time, step_shape, step_timeline
 from megatron_zeppelin.topology import Topology, load_cluster
-from tests.planner.placement_oracle import has_placement
+from tests.planner.placement_oracle import as_plan, find_placement
 
 MAX_SEQ = 131072
 
@@ -437,7 +437,7 @@ FULL_32_RANKS = ([3, 7, 11, 11, 12, 19, 22, 26, 30, 33, 34, 34, 35, 41, 50, 51, 
 #: step budget; the limited-discrepancy round finds one after 176 steps.
 FULL_16_RANKS = ([8, 10, 14, 14, 15, 15, 16, 19, 54, 54, 72, 137, 142, 160, 161, 355, 472, 855], 4, 4, 161, False)
 #: Largest world on which a planner failure is checked by the placement oracle
-#: (seconds per batch at 16 ranks; none of the generated batches fails today).
+#: (under 0.1 s per batch at 16 ranks; 26 s for FULL_32_RANKS).
 ORACLE_MAX_WORLD = 16
 
 
@@ -456,7 +456,8 @@ def test_batches_filled_to_the_whole_capacity_are_placed_when_a_placement_exists
         # is then one line, and only then allowed.
         assert "\n" not in str(exc) and str(exc).startswith("zeppelin: no placement of the batch"), exc
         assert nodes * gpn <= ORACLE_MAX_WORLD, f"unchecked failure on {nodes * gpn} ranks: {exc}"
-        assert not has_placement(lens, cap, nodes * gpn, _ulysses_sizes(ctx)), f"a placement exists: {exc}"
+        found = find_placement(lens, cap, nodes * gpn, _ulysses_sizes(ctx))
+        assert found is None, f"{exc}, but this one exists (mode, ranks per sequence): {found}"
         return
     assert sorted(plan.seq_lens) == sorted(lens)
 
@@ -470,9 +471,15 @@ def test_the_placement_oracle_tells_full_batches_with_and_without_a_placement():
     ctx = dataclasses.replace(make_ctx(1, 2, 2, 3, model="tiny"), remap_enabled=False)
     # Two ranks of 3 and three sequences of 2: no ring of 2 tokens exists
     # (2k chunks), so the third has nowhere to go.
-    assert not has_placement([2, 2, 2], 3, 2, _ulysses_sizes(ctx))
+    assert find_placement([2, 2, 2], 3, 2, _ulysses_sizes(ctx)) is None
     with pytest.raises(InfeasibleError, match=r"^zeppelin: no placement of the batch \[2, 2, 2\][^\n]*$"):
         ZeppelinPlanner().plan([2, 2, 2], ctx)
-    # 7 | 7, then 5 as a ring of 2 (zigzag shards of 3 and 2) in the rooms of 3.
-    assert has_placement([7, 7, 5], 10, 2)
-    assert ZeppelinPlanner().plan([7, 7, 5], dataclasses.replace(ctx, tokens_per_gpu=10)).validate()
+    # 511 tokens on 8 ranks of 64: no two zigzag rings of 212 and 299 tokens fit
+    # (with Ulysses groups of 8, whose contiguous shards are more even, they would).
+    assert find_placement([212, 299], 64, 8) is None
+    # What the oracle finds is a valid Plan: 7 | 7 and 5 as a ring of 2 (shards 3 and 2) ...
+    assert as_plan([7, 7, 5], 10, 2, 2, find_placement([7, 7, 5], 10, 2)).validate()
+    # ... and every sequence of the 16-rank example under its cap.
+    lens, nodes, gpn, cap, _ = FULL_16_RANKS
+    found = as_plan(lens, cap, nodes * gpn, gpn, find_placement(lens, cap, nodes * gpn, _ulysses_sizes(ctx)))
+    assert max(found.validate().attention_tokens_per_rank()) <= cap
