@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-
 from megatron_zeppelin.plan import Mode, Plan, placement
 from megatron_zeppelin.plan.shards import contiguous_shards
 from megatron_zeppelin.planner.base import same_layout_linear
