@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import Phase, example, given, settings, strategies as st
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import InfeasibleError
@@ -441,7 +441,12 @@ FULL_16_RANKS = ([8, 10, 14, 14, 15, 15, 16, 19, 54, 54, 72, 137, 142, 160, 161,
 ORACLE_MAX_WORLD = 16
 
 
-@settings(max_examples=100, deadline=None, derandomize=True)
+# No shrinking: a failure runs the planner's bounded searches and the oracle on
+# every shrink step (5+ minutes on the 16-rank example); the failing batch is
+# reported as drawn, with the placement the oracle found.  The drawn batches
+# move with integer literals anywhere in the imported project code (Hypothesis
+# mixes them into its draws), so derandomize alone does not pin them.
+@settings(max_examples=100, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate))
 @given(full_batches_and_topologies())
 @example(FULL_32_RANKS)
 @example(FULL_16_RANKS)
