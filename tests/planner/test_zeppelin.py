@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import Phase, example, given, settings, strategies as st
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import InfeasibleError
@@ -20,6 +20,7 @@ from megatron_zeppelin.planner.zeppelin_decide import DecidingZeppelinPlanner
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner, min_ring_size, zigzag_shard_tokens
 from megatron_zeppelin.sim.timeline import remap_time, step_shape, step_timeline
 from megatron_zeppelin.topology import Topology, load_cluster
+from tests.planner.placement_oracle import as_plan, find_placement
 
 MAX_SEQ = 131072
 
@@ -432,13 +433,59 @@ def full_batches_and_topologies(draw):
 FULL_32_RANKS = ([3, 7, 11, 11, 12, 19, 22, 26, 30, 33, 34, 34, 35, 41, 50, 51, 54, 58, 59, 61, 61, 63, 63, 66,
                   82, 84, 100, 100, 113, 117, 124, 127, 128, 153, 173, 200, 209, 225, 228, 246, 253, 269, 273,
                   287, 289, 322, 358, 359, 398, 405, 407, 411] + [424] * 26, 4, 8, 574, False)
+#: 2,573 tokens for 2,576 slots on 4 x 4 ranks: a placement exists (the oracle's:
+#: 855 and 355 as rings of 8 and 11) but the depth-first search stopped at its
+#: step budget; the limited-discrepancy round finds one after 176 steps.
+FULL_16_RANKS = ([8, 10, 14, 14, 15, 15, 16, 19, 54, 54, 72, 137, 142, 160, 161, 355, 472, 855], 4, 4, 161, False)
+#: Largest world on which a planner failure is checked by the placement oracle
+#: (under 0.1 s per batch at 16 ranks; 26 s for FULL_32_RANKS).
+ORACLE_MAX_WORLD = 16
 
 
-@settings(max_examples=100, deadline=None, derandomize=True)
+# No shrinking: a failure runs the planner's bounded searches and the oracle on
+# every shrink step (5+ minutes on the 16-rank example); the failing batch is
+# reported as drawn, with the placement the oracle found.  The drawn batches
+# move with integer literals anywhere in the imported project code (Hypothesis
+# mixes them into its draws), so derandomize alone does not pin them.
+@settings(max_examples=100, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate))
 @given(full_batches_and_topologies())
 @example(FULL_32_RANKS)
-def test_batches_filled_to_the_whole_capacity_are_placed(case):
+@example(FULL_16_RANKS)
+def test_batches_filled_to_the_whole_capacity_are_placed_when_a_placement_exists(case):
     lens, nodes, gpn, cap, remap = case
     ctx = dataclasses.replace(make_ctx(nodes, gpn, gpn, cap, model="tiny"), remap_enabled=remap)
-    plan = ZeppelinPlanner().plan(lens, ctx).validate()
+    try:
+        plan = ZeppelinPlanner().plan(lens, ctx).validate()
+    except InfeasibleError as exc:
+        # Zigzag shards come in fixed sizes: some full batches have no
+        # placement at all (the sampler defers a piece of those).  The error
+        # is then one line, and only then allowed.
+        assert "\n" not in str(exc) and str(exc).startswith("zeppelin: no placement of the batch"), exc
+        assert nodes * gpn <= ORACLE_MAX_WORLD, f"unchecked failure on {nodes * gpn} ranks: {exc}"
+        found = find_placement(lens, cap, nodes * gpn, _ulysses_sizes(ctx))
+        assert found is None, f"{exc}, but this one exists (mode, ranks per sequence): {found}"
+        return
     assert sorted(plan.seq_lens) == sorted(lens)
+
+
+def _ulysses_sizes(ctx: PlanContext) -> list[int]:
+    heads = int(np.gcd(*ctx.local_heads))
+    return [d for d in range(2, heads + 1) if heads % d == 0]
+
+
+def test_the_placement_oracle_tells_full_batches_with_and_without_a_placement():
+    ctx = dataclasses.replace(make_ctx(1, 2, 2, 3, model="tiny"), remap_enabled=False)
+    # Two ranks of 3 and three sequences of 2: no ring of 2 tokens exists
+    # (2k chunks), so the third has nowhere to go.
+    assert find_placement([2, 2, 2], 3, 2, _ulysses_sizes(ctx)) is None
+    with pytest.raises(InfeasibleError, match=r"^zeppelin: no placement of the batch \[2, 2, 2\][^\n]*$"):
+        ZeppelinPlanner().plan([2, 2, 2], ctx)
+    # 511 tokens on 8 ranks of 64: no two zigzag rings of 212 and 299 tokens fit
+    # (with Ulysses groups of 8, whose contiguous shards are more even, they would).
+    assert find_placement([212, 299], 64, 8) is None
+    # What the oracle finds is a valid Plan: 7 | 7 and 5 as a ring of 2 (shards 3 and 2) ...
+    assert as_plan([7, 7, 5], 10, 2, 2, find_placement([7, 7, 5], 10, 2)).validate()
+    # ... and every sequence of the 16-rank example under its cap.
+    lens, nodes, gpn, cap, _ = FULL_16_RANKS
+    found = as_plan(lens, cap, nodes * gpn, gpn, find_placement(lens, cap, nodes * gpn, _ulysses_sizes(ctx)))
+    assert max(found.validate().attention_tokens_per_rank()) <= cap

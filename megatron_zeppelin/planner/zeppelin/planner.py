@@ -99,8 +99,7 @@ def _last_resort(packer: _Packer, order: np.ndarray) -> _Assign:
     try:
         return packer.tokens_only(order)
     except InfeasibleError as exc:
-        out = exact_fill(packer.lens, packer.cap, packer.w) or \
-            exact_fill(packer.lens, packer.cap, packer.w, tight_rings_first=False)
+        out = exact_fill(packer.lens, packer.cap, packer.w)
         if out is None:
             raise InfeasibleError(f"zeppelin: no placement of the batch {_brief(packer.lens)} under "
                                   f"tokens_per_gpu={packer.cap} on {packer.w} GPUs was found ({exc})") from None
