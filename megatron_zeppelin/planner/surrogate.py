@@ -365,7 +365,7 @@ class StepSurrogate:
                  gate: np.ndarray):
         """Ulysses groups: all-to-all (always direct), kernel on ``1/d`` of the heads, all-to-all."""
         share = self.attn_share[backward]
-        kernels, legs = [], []
+        kernels = []
         leg_group, leg_port, leg_sec, leg_a2a = [], [], [], []
         for gi, (ranks, L) in enumerate(groups):
             d = len(ranks)

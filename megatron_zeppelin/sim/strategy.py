@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.planner.base import PlanContext, Planner
 from megatron_zeppelin.planner.surrogate import surrogate_clock
-from megatron_zeppelin.plan import Plan
 
 
 @dataclass(frozen=True)

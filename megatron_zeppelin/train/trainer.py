@@ -191,7 +191,6 @@ def remap_on(cfg: TrainConfig) -> bool:
 def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfig,
                  remap: bool) -> Callable[[Sequence[int]], list[Pass]]:
     """``seq_lens -> validated Plans`` of the passes the run's strategy runs them as."""
-    topo = cluster.topology
     if cfg.strategy == REFERENCE:
         return make_reference_planner(cfg, cluster, model_cfg)
     planner = get_planner(cfg.strategy)

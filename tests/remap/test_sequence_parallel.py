@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from megatron_zeppelin.comm.base import ByteCounters

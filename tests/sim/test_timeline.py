@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_zeppelin.cost import CostModel
-from megatron_zeppelin.cost.contention import ring_links
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Mode, Plan, Span, placement
