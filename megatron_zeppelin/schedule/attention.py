@@ -87,13 +87,16 @@ def add_transfer(b: ScheduleBuilder, order: tuple, transport: Transport, binding
     mid = b.message(binding)
     arrivals, last_leg = [], {}
     route = mid if route_id is None else route_id
+    entry = entry or {}
     for i, h in enumerate(route_message(route, src, dst, numel, itemsize, transport.topology,
                                         transport.min_routed_bytes)):
         before = last_leg.get(h.piece)
         waits = [before] if before is not None else list(deps)
-        handle = b.add((*order, i), [*waits, *(entry or {}).get(h.dst, ())], kind=COMM, tier=tier,
+        if h.dst in entry:
+            waits += entry[h.dst]
+        handle = b.add((*order, i), waits, kind=COMM, tier=tier,
                        name=name if h.phase is Phase.DIRECT else f"{name}.{h.phase.name.lower()}",
-                       rank=h.src, peer=h.dst, nbytes=h.nbytes, nic=h.nic, backward=backward,
+                       rank=h.src, peer=h.dst, nbytes=h.numel * h.itemsize, nic=h.nic, backward=backward,
                        key=(mid, h.piece, int(h.phase), h.offset, h.numel, h.itemsize))
         last_leg[h.piece] = handle
         if hops is not None:
