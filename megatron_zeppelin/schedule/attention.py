@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 
 from megatron_zeppelin.plan.plan import Mode, Plan
@@ -111,12 +112,12 @@ class _Segment:
 
     def __init__(self, b: ScheduleBuilder, prefix: tuple, entry: dict[int, list[int]]) -> None:
         self.b, self.prefix, self.entry = b, prefix, entry
-        self.touching: dict[int, list[int]] = {}   # rank -> its compute ops and arrivals
+        self.touching: defaultdict[int, list[int]] = defaultdict(list)   # rank -> its compute ops and arrivals
 
     def compute(self, order: tuple, rank: int, deps: list[int], **fields) -> int:
         h = self.b.add((*self.prefix, *order), [*deps, *self.entry.get(rank, ())], kind=COMPUTE,
                        rank=rank, **fields)
-        self.touching.setdefault(rank, []).append(h)
+        self.touching[rank].append(h)
         return h
 
     def transfer(self, order: tuple, transport: Transport, binding: tuple, src: int, dst: int, numel: int,
@@ -125,9 +126,10 @@ class _Segment:
         arrivals = add_transfer(self.b, (*self.prefix, *order), transport, binding, src, dst, numel,
                                 itemsize, deps or list(self.entry.get(src, ())), entry=self.entry, hops=hops,
                                 **fields)
+        touching = self.touching
         for handle, a, c in hops:          # a call ends once its sends are done too
-            self.touching.setdefault(a, []).append(handle)
-            self.touching.setdefault(c, []).append(handle)
+            touching[a].append(handle)
+            touching[c].append(handle)
         return arrivals
 
     def frontier(self) -> dict[int, list[int]]:
@@ -204,7 +206,7 @@ def _add_ring(seg: _Segment, transport: Transport, members: list[tuple[int, obje
     dkv_in: dict[int, list[int]] = {}   # pos -> arrivals of the dK/dV it holds this step
     computed: dict[int, int] = {}       # pos -> its compute op of the previous step
     summed = packed.summed_ring([q for _, q in members]) if len(members) > 1 else p
-    rows_a, rows_b = packed.chunk_rows([q for _, q in members])
+    work_pairs, work_rows = packed.ring_work(*packed.chunk_rows([q for _, q in members]))
     for step in range(geo.ring_steps(p, backward)):
         sent = geo.ring_messages(summed, step, backward, kv_numel)
         new_kv, new_dkv = {}, {}
@@ -219,7 +221,8 @@ def _add_ring(seg: _Segment, transport: Transport, members: list[tuple[int, obje
             (new_kv if kind == "kv" else new_dkv)[c] = arrivals
         if step < k:
             for pos in range(k):
-                pairs, block = packed.ring_step_work(rows_a, rows_b, pos, (pos - step) % k)
+                owner = (pos - step) % k
+                pairs, block = work_pairs[pos][owner], work_rows[pos][owner]
                 computed[pos] = seg.compute(
                     (step, 1, tier_order, index, pos), p.ranks[pos], list(kv_in.get(pos, [])), tier=tier,
                     name="ring_bwd" if backward else "ring_fwd", backward=backward,
