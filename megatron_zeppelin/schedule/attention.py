@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
+from itertools import chain
 from dataclasses import dataclass
 
 from megatron_zeppelin.plan.plan import Mode, Plan
@@ -89,20 +90,20 @@ def add_transfer(b: ScheduleBuilder, order: tuple, transport: Transport, binding
     arrivals, last_leg = [], {}
     route = mid if route_id is None else route_id
     entry = entry or {}
-    for i, h in enumerate(route_message(route, src, dst, numel, itemsize, transport.topology,
-                                        transport.min_routed_bytes)):
-        before = last_leg.get(h.piece)
+    for i, (_, piece, phase, a, c, offset, n, nic, isz) in enumerate(
+            route_message(route, src, dst, numel, itemsize, transport.topology, transport.min_routed_bytes)):
+        before = last_leg.get(piece)
         waits = [before] if before is not None else list(deps)
-        if h.dst in entry:
-            waits += entry[h.dst]
+        if c in entry:
+            waits += entry[c]
         handle = b.add((*order, i), waits, kind=COMM, tier=tier,
-                       name=name if h.phase is Phase.DIRECT else f"{name}.{h.phase.name.lower()}",
-                       rank=h.src, peer=h.dst, nbytes=h.numel * h.itemsize, nic=h.nic, backward=backward,
-                       key=(mid, h.piece, int(h.phase), h.offset, h.numel, h.itemsize))
-        last_leg[h.piece] = handle
+                       name=name if phase is Phase.DIRECT else f"{name}.{phase.name.lower()}",
+                       rank=a, peer=c, nbytes=n * isz, nic=nic, backward=backward,
+                       key=(mid, piece, int(phase), offset, n, isz))
+        last_leg[piece] = handle
         if hops is not None:
-            hops.append((handle, h.src, h.dst))
-        if h.dst == dst:
+            hops.append((handle, a, c))
+        if c == dst:
             arrivals.append(handle)
     return arrivals
 
@@ -137,8 +138,9 @@ class _Segment:
         pieces) that none of its other ops wait for: what the rank's next segment
         starts after, as the engine's call returns once all its lanes are done."""
         out = {}
+        deps = self.b.deps
         for rank, hs in self.touching.items():
-            inner = {d for h in hs for d in self.b.deps(h)}
+            inner = set(chain.from_iterable(map(deps, hs)))
             out[rank] = [h for h in hs if h not in inner]
         for rank, deps in self.entry.items():
             out.setdefault(rank, list(deps))   # a rank with nothing here carries its entry on
