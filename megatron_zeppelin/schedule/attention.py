@@ -79,13 +79,13 @@ def add_transfer(b: ScheduleBuilder, order: tuple, transport: Transport, binding
                  numel: int, itemsize: int, deps: list[int], *, tier: str, name: str,
                  backward: bool, route_id: int | None = None,
                  entry: dict[int, list[int]] | None = None,
-                 hops: list[tuple[int, int, int]] | None = None) -> list[int]:
+                 touching: defaultdict[int, list[int]] | None = None) -> list[int]:
     """Add one message as transfer ops (one per hop); return the handles of the
     hops that land on ``dst`` (what a consumer waits for).  ``route_id`` (default:
     the message id) rotates the proxies among concurrent messages.  A hop also
     waits for its receiver's ``entry``: a rank posts its receives when it starts
-    the segment, and no transfer lands before that.  ``hops``, when given,
-    receives ``(handle, src, dst)`` of every hop."""
+    the segment, and no transfer lands before that.  ``touching``, when given,
+    receives every hop's handle under both of its ranks."""
     mid = b.message(binding)
     arrivals, last_leg = [], {}
     route = mid if route_id is None else route_id
@@ -101,8 +101,9 @@ def add_transfer(b: ScheduleBuilder, order: tuple, transport: Transport, binding
                        rank=a, peer=c, nbytes=n * isz, nic=nic, backward=backward,
                        key=(mid, piece, int(phase), offset, n, isz))
         last_leg[piece] = handle
-        if hops is not None:
-            hops.append((handle, a, c))
+        if touching is not None:
+            touching[a].append(handle)
+            touching[c].append(handle)
         if c == dst:
             arrivals.append(handle)
     return arrivals
@@ -122,16 +123,11 @@ class _Segment:
         return h
 
     def transfer(self, order: tuple, transport: Transport, binding: tuple, src: int, dst: int, numel: int,
-                 itemsize: int, deps: list[int], **fields) -> list[int]:
-        hops: list[tuple[int, int, int]] = []
-        arrivals = add_transfer(self.b, (*self.prefix, *order), transport, binding, src, dst, numel,
-                                itemsize, deps or list(self.entry.get(src, ())), entry=self.entry, hops=hops,
-                                **fields)
-        touching = self.touching
-        for handle, a, c in hops:          # a call ends once its sends are done too
-            touching[a].append(handle)
-            touching[c].append(handle)
-        return arrivals
+                 itemsize: int, deps: list[int], tier: str, name: str, backward: bool) -> list[int]:
+        # A call ends once its sends are done too: every hop touches both its ranks.
+        return add_transfer(self.b, (*self.prefix, *order), transport, binding, src, dst, numel, itemsize,
+                            deps or list(self.entry.get(src, ())), tier=tier, name=name, backward=backward,
+                            entry=self.entry, touching=self.touching)
 
     def frontier(self) -> dict[int, list[int]]:
         """Per rank, its ops of the segment (compute, sends, receives, forwarded
