@@ -40,7 +40,8 @@ from megatron_zeppelin.presets import CONFIG_ROOT
 from megatron_zeppelin.sampler import batch_budget
 from megatron_zeppelin.sampler.lengths import load_lengths
 from megatron_zeppelin.sim.rounds import timed_batch
-from megatron_zeppelin.sim.simulate import Strategy, build_strategies, plan_context, sample_batches, te_cp_size
+from megatron_zeppelin.sim.simulate import (Strategy, build_strategies, collect_garbage_rarely, plan_context,
+                                            sample_batches, te_cp_size)
 from megatron_zeppelin.topology import load_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -536,4 +537,5 @@ def main(argv: list[str] | None = None) -> Outcome:
 
 
 if __name__ == "__main__":
+    collect_garbage_rarely()
     exit_on_user_error(main)

@@ -28,7 +28,8 @@ from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.presets import CONFIG_ROOT
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 from megatron_zeppelin.sampler.lengths import load_lengths
-from megatron_zeppelin.sim.simulate import BASELINE, build_strategies, sample_batches, simulate
+from megatron_zeppelin.sim.simulate import (BASELINE, build_strategies, collect_garbage_rarely, sample_batches,
+                                            simulate)
 from megatron_zeppelin.topology import load_cluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -145,6 +146,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="2 models x 2 clusters x 2 max lengths x 2 data sets")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "speedup_matrix.md")
     args = p.parse_args()
+    collect_garbage_rarely()
     lengths = args.lengths or default_lengths()
     if args.quick:
         args.models, args.clusters = args.models[1:3], args.clusters[:2]

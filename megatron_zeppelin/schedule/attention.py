@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import defaultdict
+from itertools import chain
 from dataclasses import dataclass
 
 from megatron_zeppelin.plan.plan import Mode, Plan
@@ -77,28 +79,32 @@ def add_transfer(b: ScheduleBuilder, order: tuple, transport: Transport, binding
                  numel: int, itemsize: int, deps: list[int], *, tier: str, name: str,
                  backward: bool, route_id: int | None = None,
                  entry: dict[int, list[int]] | None = None,
-                 hops: list[tuple[int, int, int]] | None = None) -> list[int]:
+                 touching: defaultdict[int, list[int]] | None = None) -> list[int]:
     """Add one message as transfer ops (one per hop); return the handles of the
     hops that land on ``dst`` (what a consumer waits for).  ``route_id`` (default:
     the message id) rotates the proxies among concurrent messages.  A hop also
     waits for its receiver's ``entry``: a rank posts its receives when it starts
-    the segment, and no transfer lands before that.  ``hops``, when given,
-    receives ``(handle, src, dst)`` of every hop."""
+    the segment, and no transfer lands before that.  ``touching``, when given,
+    receives every hop's handle under both of its ranks."""
     mid = b.message(binding)
     arrivals, last_leg = [], {}
     route = mid if route_id is None else route_id
-    for i, h in enumerate(route_message(route, src, dst, numel, itemsize, transport.topology,
-                                        transport.min_routed_bytes)):
-        before = last_leg.get(h.piece)
+    entry = entry or {}
+    for i, (_, piece, phase, a, c, offset, n, nic, isz) in enumerate(
+            route_message(route, src, dst, numel, itemsize, transport.topology, transport.min_routed_bytes)):
+        before = last_leg.get(piece)
         waits = [before] if before is not None else list(deps)
-        handle = b.add((*order, i), [*waits, *(entry or {}).get(h.dst, ())], kind=COMM, tier=tier,
-                       name=name if h.phase is Phase.DIRECT else f"{name}.{h.phase.name.lower()}",
-                       rank=h.src, peer=h.dst, nbytes=h.nbytes, nic=h.nic, backward=backward,
-                       key=(mid, h.piece, int(h.phase), h.offset, h.numel, h.itemsize))
-        last_leg[h.piece] = handle
-        if hops is not None:
-            hops.append((handle, h.src, h.dst))
-        if h.dst == dst:
+        if c in entry:
+            waits += entry[c]
+        handle = b.add((*order, i), waits, kind=COMM, tier=tier,
+                       name=name if phase is Phase.DIRECT else f"{name}.{phase.name.lower()}",
+                       rank=a, peer=c, nbytes=n * isz, nic=nic, backward=backward,
+                       key=(mid, piece, int(phase), offset, n, isz))
+        last_leg[piece] = handle
+        if touching is not None:
+            touching[a].append(handle)
+            touching[c].append(handle)
+        if c == dst:
             arrivals.append(handle)
     return arrivals
 
@@ -108,32 +114,29 @@ class _Segment:
 
     def __init__(self, b: ScheduleBuilder, prefix: tuple, entry: dict[int, list[int]]) -> None:
         self.b, self.prefix, self.entry = b, prefix, entry
-        self.touching: dict[int, list[int]] = {}   # rank -> its compute ops and arrivals
+        self.touching: defaultdict[int, list[int]] = defaultdict(list)   # rank -> its compute ops and arrivals
 
     def compute(self, order: tuple, rank: int, deps: list[int], **fields) -> int:
         h = self.b.add((*self.prefix, *order), [*deps, *self.entry.get(rank, ())], kind=COMPUTE,
                        rank=rank, **fields)
-        self.touching.setdefault(rank, []).append(h)
+        self.touching[rank].append(h)
         return h
 
     def transfer(self, order: tuple, transport: Transport, binding: tuple, src: int, dst: int, numel: int,
-                 itemsize: int, deps: list[int], **fields) -> list[int]:
-        hops: list[tuple[int, int, int]] = []
-        arrivals = add_transfer(self.b, (*self.prefix, *order), transport, binding, src, dst, numel,
-                                itemsize, deps or list(self.entry.get(src, ())), entry=self.entry, hops=hops,
-                                **fields)
-        for handle, a, c in hops:          # a call ends once its sends are done too
-            self.touching.setdefault(a, []).append(handle)
-            self.touching.setdefault(c, []).append(handle)
-        return arrivals
+                 itemsize: int, deps: list[int], tier: str, name: str, backward: bool) -> list[int]:
+        # A call ends once its sends are done too: every hop touches both its ranks.
+        return add_transfer(self.b, (*self.prefix, *order), transport, binding, src, dst, numel, itemsize,
+                            deps or list(self.entry.get(src, ())), tier=tier, name=name, backward=backward,
+                            entry=self.entry, touching=self.touching)
 
     def frontier(self) -> dict[int, list[int]]:
         """Per rank, its ops of the segment (compute, sends, receives, forwarded
         pieces) that none of its other ops wait for: what the rank's next segment
         starts after, as the engine's call returns once all its lanes are done."""
         out = {}
+        deps = self.b.deps
         for rank, hs in self.touching.items():
-            inner = {d for h in hs for d in self.b.deps(h)}
+            inner = set(chain.from_iterable(map(deps, hs)))
             out[rank] = [h for h in hs if h not in inner]
         for rank, deps in self.entry.items():
             out.setdefault(rank, list(deps))   # a rank with nothing here carries its entry on
@@ -201,7 +204,7 @@ def _add_ring(seg: _Segment, transport: Transport, members: list[tuple[int, obje
     dkv_in: dict[int, list[int]] = {}   # pos -> arrivals of the dK/dV it holds this step
     computed: dict[int, int] = {}       # pos -> its compute op of the previous step
     summed = packed.summed_ring([q for _, q in members]) if len(members) > 1 else p
-    rows_a, rows_b = packed.chunk_rows([q for _, q in members])
+    work_pairs, work_rows = packed.ring_work(*packed.chunk_rows([q for _, q in members]))
     for step in range(geo.ring_steps(p, backward)):
         sent = geo.ring_messages(summed, step, backward, kv_numel)
         new_kv, new_dkv = {}, {}
@@ -216,7 +219,8 @@ def _add_ring(seg: _Segment, transport: Transport, members: list[tuple[int, obje
             (new_kv if kind == "kv" else new_dkv)[c] = arrivals
         if step < k:
             for pos in range(k):
-                pairs, block = packed.ring_step_work(rows_a, rows_b, pos, (pos - step) % k)
+                owner = (pos - step) % k
+                pairs, block = work_pairs[pos][owner], work_rows[pos][owner]
                 computed[pos] = seg.compute(
                     (step, 1, tier_order, index, pos), p.ranks[pos], list(kv_in.get(pos, [])), tier=tier,
                     name="ring_bwd" if backward else "ring_fwd", backward=backward,

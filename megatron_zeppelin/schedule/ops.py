@@ -24,8 +24,12 @@ runs its kernels in posting order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import dataclasses
+from dataclasses import MISSING, dataclass, replace
+from itertools import chain
 from typing import Any, Iterable, Sequence
+
+import numpy as np
 
 from megatron_zeppelin.errors import ZeppelinError
 
@@ -100,23 +104,74 @@ class RankOps:
     """Transfers this rank sends or receives, in lane order."""
 
 
-@dataclass
 class Schedule:
-    """Ops of every rank in one global topological order."""
+    """Ops of every rank in one global topological order.
 
-    world_size: int
-    """Ranks the schedule spans."""
-    ops: tuple[Op, ...]
-    """``ops[i].id == i``."""
-    messages: dict[int, tuple] = field(default_factory=dict)
-    """Message id -> what the engine binds it to (e.g. ``("kv", job, step, src_pos)``);
-    a transfer op's ``key`` starts with its message id."""
-    _lanes: dict[int, RankOps] = field(default_factory=dict, repr=False, compare=False)
-    _waves: tuple[int, ...] = field(default=(), repr=False, compare=False)
-    _batches: dict[int, dict[str, list[list[Op]]]] = field(default_factory=dict, repr=False, compare=False)
+    A builder's schedule keeps each op as its fields and dependency ids, and
+    makes the :class:`Op` objects the first time :attr:`ops` is read: the
+    simulator's replay reads the fields as columns (:meth:`column`) and a
+    64-GPU step has 10^4-10^5 ops, most of which it would never look at."""
 
-    def __post_init__(self) -> None:
-        validate(self.ops, self.world_size)
+    def __init__(self, world_size: int, ops: Sequence[Op] = (), messages: dict[int, tuple] | None = None, *,
+                 rows: tuple[list[dict[str, Any]], list[tuple[int, ...]]] | None = None) -> None:
+        self.world_size = world_size
+        """Ranks the schedule spans."""
+        self.messages: dict[int, tuple] = {} if messages is None else messages
+        """Message id -> what the engine binds it to (e.g. ``("kv", job, step, src_pos)``);
+        a transfer op's ``key`` starts with its message id."""
+        self._ops: tuple[Op, ...] | None = None
+        self._fields: list[dict[str, Any]] | None = None
+        if rows is None:
+            self._ops = tuple(ops)
+            self._deps = [op.deps for op in self._ops]
+        else:
+            self._fields, self._deps = rows
+        self._columns: dict[str, list] = {}
+        self._dep_arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self._lanes: dict[int, RankOps] = {}
+        self._waves: tuple[int, ...] = ()
+        self._batches: dict[int, dict[str, list[list[Op]]]] = {}
+        _validate(self)
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        """``ops[i].id == i``."""
+        if self._ops is None:
+            self._ops = tuple(Op(id=i, deps=deps, **fields)
+                              for i, (fields, deps) in enumerate(zip(self._fields, self._deps)))
+        return self._ops
+
+    def __len__(self) -> int:
+        return len(self._deps)
+
+    def column(self, name: str, at: Sequence[int] | None = None) -> list:
+        """Field ``name`` of every op in op order, or of the ops ``at`` (without
+        making the ops)."""
+        if at is None and name in self._columns:
+            return self._columns[name]
+        if self._fields is None:
+            ops = self._ops if at is None else [self._ops[i] for i in at]
+            values = [getattr(op, name) for op in ops]
+        else:
+            rows = self._fields if at is None else [self._fields[i] for i in at]
+            default = _OP_DEFAULTS.get(name)      # None for the fields every op names
+            values = [fields.get(name, default) for fields in rows]
+        if at is None:
+            self._columns[name] = values
+        return values
+
+    def deps(self) -> list[tuple[int, ...]]:
+        """Every op's dependencies, in op order."""
+        return self._deps
+
+    def dependency_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(count, flat)``: every op's number of dependencies, and all of them in
+        op order (computed once)."""
+        if self._dep_arrays is None:
+            count = np.fromiter(map(len, self._deps), np.int64, len(self._deps))
+            flat = np.fromiter(chain.from_iterable(self._deps), np.int64, int(count.sum()))
+            self._dep_arrays = (count, flat)
+        return self._dep_arrays
 
     def lanes(self, rank: int) -> RankOps:
         """``rank``'s compute and communication lanes (computed once per rank)."""
@@ -164,22 +219,40 @@ class Schedule:
                      for op in self.ops)
 
 
-def validate(ops: Sequence[Op], world_size: int) -> None:
+_OP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Op) if f.default is not MISSING}
+
+
+def _validate(schedule: Schedule) -> None:
     """Ids are positions and every dependency points to an earlier op; else a
     :class:`ScheduleError` naming the op ids (a cycle, or a transfer whose data
-    never arrives, would otherwise hang the engine)."""
-    for i, op in enumerate(ops):
-        if op.id != i:
-            raise ScheduleError(f"schedule: op at position {i} has id {op.id}; ids must be 0..n-1 in order")
-        late = [d for d in op.deps if not 0 <= d < i]
-        if late:
-            raise ScheduleError(f"schedule: op {i} ({op.name} on rank {op.rank}) depends on op(s) {late}, "
-                                "which are not earlier in the schedule: a dependency cycle or a missing op")
-        ends = (op.rank, op.peer) if op.kind == COMM else (op.rank,)
-        if any(not 0 <= r < world_size for r in ends):
-            raise ScheduleError(f"schedule: op {i} ({op.name}) names rank(s) {ends} outside 0..{world_size - 1}")
-        if op.kind == COMM and op.rank == op.peer:
-            raise ScheduleError(f"schedule: op {i} ({op.name}) sends from rank {op.rank} to itself")
+    never arrives, would otherwise hang the engine).  Checked on columns; the
+    first op that fails any check is then described."""
+    n, world = len(schedule), schedule.world_size
+    if schedule._ops is not None:
+        for i, op in enumerate(schedule._ops):
+            if op.id != i:
+                raise ScheduleError(f"schedule: op at position {i} has id {op.id}; ids must be 0..n-1 in order")
+    deps = schedule.deps()
+    ndeps, dep = schedule.dependency_arrays()
+    user = np.repeat(np.arange(n, dtype=np.int64), ndeps)
+    comm = np.array(schedule.column("kind"), dtype=object) == COMM
+    rank = np.fromiter(schedule.column("rank"), np.int64, n)
+    peer = np.fromiter(schedule.column("peer"), np.int64, n)
+    bad = np.zeros(n, np.bool_)
+    bad[user[(dep < 0) | (dep >= user)]] = True
+    bad |= (rank < 0) | (rank >= world) | (comm & ((peer < 0) | (peer >= world) | (peer == rank)))
+    if not bad.any():
+        return
+    i = int(np.argmax(bad))
+    op_rank, name = int(rank[i]), schedule.column("name")[i]
+    late = [d for d in deps[i] if not 0 <= d < i]
+    if late:
+        raise ScheduleError(f"schedule: op {i} ({name} on rank {op_rank}) depends on op(s) {late}, "
+                            "which are not earlier in the schedule: a dependency cycle or a missing op")
+    ends = (op_rank, int(peer[i])) if comm[i] else (op_rank,)
+    if any(not 0 <= r < world for r in ends):
+        raise ScheduleError(f"schedule: op {i} ({name}) names rank(s) {ends} outside 0..{world - 1}")
+    raise ScheduleError(f"schedule: op {i} ({name}) sends from rank {op_rank} to itself")
 
 
 class ScheduleBuilder:
@@ -187,19 +260,24 @@ class ScheduleBuilder:
 
     ``add`` returns a handle; ``build`` sorts by ``(order, insertion)`` and turns
     handles into ids.  Sorting by a key that increases along every dependency is
-    what makes the global order topological; :func:`validate` checks it."""
+    what makes the global order topological; the schedule checks it."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self._ops: list[tuple[tuple, dict[str, Any], tuple[int, ...]]] = []
+        self.orders: list[tuple] = []
+        """Each handle's sort key."""
+        self._deps: list[tuple[int, ...]] = []
+        self._fields: list[dict[str, Any]] = []
         self.messages: dict[int, tuple] = {}
 
     def add(self, order: tuple, deps: Iterable[int] = (), **fields: Any) -> int:
-        self._ops.append((order, fields, tuple(deps)))
-        return len(self._ops) - 1
+        self.orders.append(order)
+        self._deps.append(tuple(deps))
+        self._fields.append(fields)
+        return len(self.orders) - 1
 
     def deps(self, handle: int) -> tuple[int, ...]:
-        return self._ops[handle][2]
+        return self._deps[handle]
 
     def message(self, binding: tuple) -> int:
         """A new message id, bound to ``binding``."""
@@ -207,9 +285,21 @@ class ScheduleBuilder:
         self.messages[mid] = binding
         return mid
 
+    def sorted_handles(self) -> list[int]:
+        """Handles in built order: by sort key, ties in insertion order (a stable sort)."""
+        return sorted(range(len(self.orders)), key=self.orders.__getitem__)
+
     def build(self) -> Schedule:
-        index = sorted(range(len(self._ops)), key=lambda h: (self._ops[h][0], h))
-        new_id = {h: i for i, h in enumerate(index)}
-        ops = tuple(Op(id=i, deps=tuple(sorted({new_id[d] for d in self._ops[h][2]})), **self._ops[h][1])
-                    for i, h in enumerate(index))
-        return Schedule(self.world_size, ops, dict(self.messages))
+        index = self.sorted_handles()
+        new_id = [0] * len(index)
+        for i, h in enumerate(index):
+            new_id[h] = i
+        deps = []
+        for h in index:
+            ds = self._deps[h]
+            if len(ds) == 1:           # most ops wait for one op, or none
+                deps.append((new_id[ds[0]],))
+            else:
+                deps.append(tuple(sorted({new_id[d] for d in ds})))
+        return Schedule(self.world_size, messages=dict(self.messages),
+                        rows=([self._fields[h] for h in index], deps))

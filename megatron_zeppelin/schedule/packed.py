@@ -49,15 +49,17 @@ def summed_ulysses(members: Sequence[SeqPlacement]) -> SeqPlacement:
     return SeqPlacement(first.seq, first.mode, first.ranks, tuple(((0, int(n)),) for n in rows))
 
 
-def ring_step_work(a: np.ndarray, b: np.ndarray, pos: int, owner: int) -> tuple[int, int]:
-    """``(pairs, mean rows per block)`` of position ``pos`` against ``owner``'s
-    K/V, summed over the members (``geometry.block_pairs`` of every member's
-    ``ring_blocks``, and their rows' integer mean)."""
-    ap, bp, ao, bo = a[:, pos], b[:, pos], a[:, owner], b[:, owner]
-    n = len(ap)
-    if owner < pos:
-        return int(((ap + bp) * ao).sum()), int((ap + bp).sum()) // n
-    if owner > pos:
-        return int((bp * (ao + bo)).sum()), int(bp.sum()) // n
-    pairs = (ap * (ap + 1) // 2 + bp * ap + bp * (bp + 1) // 2).sum()
-    return int(pairs), int((ap + 2 * bp).sum()) // (3 * n)
+def ring_work(a: np.ndarray, b: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
+    """``(pairs, rows)``: ``pairs[pos][owner]`` and ``rows[pos][owner]`` of position
+    ``pos`` against ``owner``'s K/V, summed over the members (``geometry.block_pairs``
+    of every member's ``ring_blocks``, and their rows' integer mean), for every
+    pair of positions at once."""
+    n, k = a.shape
+    both = a + b
+    owner_first = np.arange(k)[None, :] < np.arange(k)[:, None]      # [pos, owner]: owner < pos
+    pairs = np.where(owner_first, both.T @ a, b.T @ both)
+    rows = np.where(owner_first, both.sum(axis=0)[:, None] // n, b.sum(axis=0)[:, None] // n)
+    own = np.arange(k)
+    pairs[own, own] = (a * (a + 1) // 2 + b * a + b * (b + 1) // 2).sum(axis=0)
+    rows[own, own] = (a + 2 * b).sum(axis=0) // (3 * n)
+    return pairs.tolist(), rows.tolist()

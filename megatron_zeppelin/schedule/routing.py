@@ -19,9 +19,8 @@ the simulator prices each leg on the link it uses.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from enum import IntEnum
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from megatron_zeppelin.cost.model import CostModel
 from megatron_zeppelin.plan.shards import chunk_bounds
@@ -37,9 +36,9 @@ class Phase(IntEnum):
     COMBINE = 3
 
 
-@dataclass(frozen=True)
-class Hop:
-    """One point-to-point transfer (a whole direct message or one leg of a piece)."""
+class Hop(NamedTuple):
+    """One point-to-point transfer (a whole direct message or one leg of a piece).
+    A named tuple: a schedule makes one per transfer op, 10^5 for a 64-GPU step."""
 
     msg: int
     """Message id."""
@@ -86,13 +85,15 @@ def route_message(msg: int, src: int, dst: int, numel: int, itemsize: int, topol
     """The hops of one message, each piece's chain in order (dispatch, nic, combine).
 
     Pieces are cut on element boundaries with :func:`chunk_bounds`; empty pieces
-    and empty messages produce no hop."""
+    and empty messages produce no hop.  (Node and NIC arithmetic inline: a
+    64-GPU step routes 10^5 messages.)"""
     if numel == 0:
         return []
-    P = topology.nics_per_node
-    cross = not topology.same_node(src, dst)
+    P, gpn = topology.nics_per_node, topology.gpus_per_node
+    node, dst_node = src // gpn, dst // gpn
+    cross = node != dst_node
     if not cross or P == 1 or numel * itemsize < min_routed_bytes:
-        return [Hop(msg, 0, Phase.DIRECT, src, dst, 0, numel, topology.nic_of(src) if cross else None,
+        return [Hop(msg, 0, Phase.DIRECT, src, dst, 0, numel, topology.nic_affinity[src % gpn] if cross else None,
                     itemsize)]
     hops = []
     bounds = chunk_bounds(numel, P)
@@ -101,7 +102,7 @@ def route_message(msg: int, src: int, dst: int, numel: int, itemsize: int, topol
         if n == 0:
             continue
         proxy = _proxy(topology, msg, src, dst, j)
-        peer = topology.rank_of(topology.node_of(dst), topology.local_of(proxy))
+        peer = dst_node * gpn + proxy % gpn
         if proxy != src:
             hops.append(Hop(msg, j, Phase.DISPATCH, src, proxy, lo, n, None, itemsize))
         hops.append(Hop(msg, j, Phase.NIC, proxy, peer, lo, n, j, itemsize))
@@ -128,9 +129,10 @@ def _proxy(topology: Topology, msg: int, src: int, dst: int, nic: int) -> int:
     whose twin on the destination node is the receiver (no combine hop); else
     one of the NIC's GPUs, rotated by message id so that concurrent messages
     share the proxies' NVLink ports."""
-    node = topology.node_of(src)
-    on_nic = [r for r in topology.node_ranks(node) if topology.nic_of(r) == nic]
-    twin = topology.rank_of(node, topology.local_of(dst))
+    gpn = topology.gpus_per_node
+    base = src - src % gpn                     # the node's first rank
+    on_nic = [base + local for local, n in enumerate(topology.nic_affinity) if n == nic]
+    twin = base + dst % gpn
     for preferred in (src, twin):
         if preferred in on_nic:
             return preferred

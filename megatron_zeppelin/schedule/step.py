@@ -114,5 +114,4 @@ def step_schedule(plan: Plan, shape: StepShape, transport: Transport) -> StepSch
 
 def _segment_index(b: ScheduleBuilder) -> list[int]:
     """Segment number of every op in built order (the second element of its prefix)."""
-    keys = sorted((b._ops[h][0], h) for h in range(len(b._ops)))
-    return [key[1] for key, _ in keys]
+    return [b.orders[h][1] for h in b.sorted_handles()]

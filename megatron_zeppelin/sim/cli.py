@@ -40,8 +40,8 @@ from megatron_zeppelin.schedule.trace import read_trace
 from megatron_zeppelin.sim.modeled_trace import (check_fits, from_settings, replay_trace, with_recorded_topology,
                                                  write_modeled_trace)
 from megatron_zeppelin.sim.simulate import (BASELINE, STATIC, STRATEGY_NAMES, VARIANTS, SimResult, Strategy,
-                                            build_strategies, format_table, infeasible_notes, sample_batches,
-                                            simulate, uses_routing)
+                                            build_strategies, collect_garbage_rarely, format_table, infeasible_notes,
+                                            sample_batches, simulate, uses_routing)
 from megatron_zeppelin.sim.static_layout import TRIAL_BATCHES
 from megatron_zeppelin.sim.timeline import step_timeline, transport_of
 from megatron_zeppelin.topology import load_cluster
@@ -379,4 +379,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: user mistakes print one line and exit 2."""
     if sys.argv and sys.argv[0].endswith("__main__.py"):
         sys.argv[0] = "megatron_zeppelin.sim"   # `python -m` run: name the module in error lines
+    if argv is None:                            # the process's entry point, not a caller's function
+        collect_garbage_rarely()
     exit_on_user_error(lambda: run(sys.argv[1:] if argv is None else argv))

@@ -38,7 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
-from megatron_zeppelin.schedule.ops import COMM, TIERS, Op, Schedule
+from megatron_zeppelin.schedule.ops import COMM, TIERS, Schedule
 from megatron_zeppelin.sim.event_loop import run_chain
 
 
@@ -50,37 +50,38 @@ class OpTiming:
     end_s: float
 
 
-def compute_seconds(op: Op, cost: CostModel) -> float:
-    """Cost-model duration of compute op ``op`` (one layer, one pass)."""
+def compute_seconds(tier: str, backward: bool, tokens: int, pairs: int, block: int, lengths: tuple[int, ...],
+                    cost: CostModel) -> float:
+    """Cost-model duration of a compute op with these fields (one layer, one pass)."""
     n = cost.model.num_layers
-    if op.tier == "linear":
-        share = LINEAR_BWD_RATIO if op.backward else 1.0
-        return cost.linear_s(op.tokens) * share / ((1 + LINEAR_BWD_RATIO) * n)
-    share = ATTN_BWD_RATIO if op.backward else 1.0
-    if op.lengths:
-        seconds = sum(cost.local_attn_s(L) for L in op.lengths)
+    if tier == "linear":
+        share = LINEAR_BWD_RATIO if backward else 1.0
+        return cost.linear_s(tokens) * share / ((1 + LINEAR_BWD_RATIO) * n)
+    share = ATTN_BWD_RATIO if backward else 1.0
+    if lengths:
+        seconds = sum(cost.local_attn_s(L) for L in lengths)
     else:
-        seconds = cost.attn_s(op.pairs, op.block)
+        seconds = cost.attn_s(pairs, block)
     return seconds * share / ((1 + ATTN_BWD_RATIO) * n)
 
 
 class CompiledSegment:
     """A schedule's ops as flat arrays, for replaying it many times
-    (``sim/event_loop.py`` reads them; ids are positions in ``schedule.ops``)."""
+    (``sim/event_loop.py`` reads them; ids are positions in ``schedule.ops``).
+    Read from the schedule's columns, without making its ops."""
 
     def __init__(self, schedule: Schedule, cost: CostModel, name: str = "") -> None:
-        ops = schedule.ops
         world = schedule.world_size
         topo = cost.cluster.topology
         self.name = name
-        self.n = n = len(ops)
-        self.is_comm = np.fromiter((op.kind == COMM for op in ops), np.bool_, n)
-        self.rank = np.fromiter((op.rank for op in ops), np.int64, n)
-        self.peer = np.fromiter((op.peer for op in ops), np.int64, n)
-        self.tier = np.fromiter((TIERS.index(op.tier) for op in ops), np.int64, n)
-        self.ndeps = np.fromiter((len(op.deps) for op in ops), np.int64, n)
+        self.n = n = len(schedule)
+        self.is_comm = np.fromiter((kind == COMM for kind in schedule.column("kind")), np.bool_, n)
+        self.rank = np.fromiter(schedule.column("rank"), np.int64, n)
+        self.peer = np.fromiter(schedule.column("peer"), np.int64, n)
+        tier_index = {tier: i for i, tier in enumerate(TIERS)}
+        self.tier = np.fromiter(map(tier_index.__getitem__, schedule.column("tier")), np.int64, n)
+        self.ndeps, dep = schedule.dependency_arrays()
         # Who depends on each op, in op order (the order the replay releases them).
-        dep = np.fromiter((d for op in ops for d in op.deps), np.int64)
         user = np.repeat(np.arange(n, dtype=np.int64), self.ndeps)
         by_dep = np.argsort(dep, kind="stable")
         self.users_idx = user[by_dep]
@@ -89,14 +90,25 @@ class CompiledSegment:
         compute = ids[~self.is_comm]
         comm = ids[self.is_comm]
         self.seconds = np.zeros(n)
-        self.seconds[compute] = [compute_seconds(ops[i], cost) for i in compute.tolist()]
+        # Many compute ops share their fields (a ring's steps over equal shards,
+        # equal linear shares): each distinct set of fields is priced once.
+        at = compute.tolist()
+        fields = zip(*(schedule.column(f, at) for f in ("tier", "backward", "tokens", "pairs", "block", "lengths")))
+        priced: dict[tuple, float] = {}
+        seconds = []
+        for key in fields:
+            if (s := priced.get(key)) is None:
+                s = priced[key] = compute_seconds(*key, cost)
+            seconds.append(s)
+        self.seconds[compute] = seconds
         # A transfer holds NVLink inside a node, else a NIC: the one the op names
         # (a routed leg), or its sender's.  Durations and ports for all at once.
         gpn, nics = topo.gpus_per_node, topo.nics_per_node
         affinity = np.array(topo.nic_affinity, np.int64)
         src, dst = self.rank[comm], self.peer[comm]
-        named = np.fromiter((-1 if ops[i].nic is None else ops[i].nic for i in comm.tolist()), np.int64, len(comm))
-        nbytes = np.fromiter((ops[i].nbytes for i in comm.tolist()), np.float64, len(comm))
+        at = comm.tolist()
+        named = np.fromiter((-1 if x is None else x for x in schedule.column("nic", at)), np.int64, len(comm))
+        nbytes = np.fromiter(schedule.column("nbytes", at), np.float64, len(comm))
         inside = src // gpn == dst // gpn
         nvlink = inside & (named < 0)
         self.seconds[comm] = np.where(nvlink, cost.cluster.nvlink.transfer_s(nbytes),

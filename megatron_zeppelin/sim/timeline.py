@@ -19,6 +19,7 @@ gradient all-reduce leaves exposed and the optimizer (``cost/step_sync.py``).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import time
 from collections import OrderedDict, defaultdict
@@ -183,9 +184,18 @@ def step_parts(plan: Plan, cost: CostModel, *, pack: bool = False, attn: AttnSha
     isz, row = shape.attn.itemsize, shape.hidden_size
 
     def segment(add) -> Schedule:
-        b = ScheduleBuilder(plan.world_size)
-        add(b)
-        return b.build()
+        # A segment allocates 10^4-10^5 acyclic tuples and dicts; the cyclic
+        # collector would rescan them (and everything older) many times over
+        # while finding nothing to free: it waits until the segment is built.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            b = ScheduleBuilder(plan.world_size)
+            add(b)
+            return b.build()
+        finally:
+            if enabled:
+                gc.enable()
 
     parts = [("attn", *(segment(lambda b, bw=bw: add_attention(b, (), plan, shape.attn, transport, bw,
                                                                 pack=pack))
