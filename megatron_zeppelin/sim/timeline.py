@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -232,39 +231,21 @@ TE_RING_STRATEGIES = ("te_cp", "megatron_dp_balanced", "megatron_dynamic_cp")
 PACKED_STRATEGIES = (*TE_RING_STRATEGIES, "flexsp", "ulysses_sp")
 
 
-@dataclass
-class ReplayCharge:
-    """What a caller is charged for the replays it was served from the memo.
-
-    A planner's latency must include its decisions' replays; when another
-    strategy of the same run already replayed a candidate, the simulator reuses
-    that replay and charges the wall-clock seconds it took then, so the
-    ``planner ms`` a strategy reports is what planning it alone would cost."""
-
-    reused_s: float = 0.0
-    """Wall-clock seconds the reused replays took when they were computed."""
-
-
 def step_timeline(plan: Plan, cost: CostModel, *, attn: AttnShape | None = None,
                   transport: Transport | None = None, exact: bool = False, sync: bool = True,
-                  replayed_layers: int = REPLAYED_LAYERS, reuse: bool = True,
-                  charge: ReplayCharge | None = None) -> StepTimeline:
+                  replayed_layers: int = REPLAYED_LAYERS, reuse: bool = True) -> StepTimeline:
     """Per-rank modeled time of one step of ``plan`` (see the module docstring).
     ``exact`` replays every layer instead of extrapolating the steady state after
     ``replayed_layers``; ``sync=False`` leaves out the gradient sync (one
     micro-batch of several); ``reuse=False`` replays even if the same plan was
-    timed the same way before; ``charge`` adds what a reused replay took."""
+    timed the same way before."""
     key = (plan, cost, exact, sync, replayed_layers)
     memo = attn is None and transport is None
     if memo and reuse and (hit := _TIMELINES.get(key)) is not None:
-        timeline, seconds = hit
-        if charge is not None:
-            charge.reused_s += seconds
-        return timeline
-    t0 = time.perf_counter()
+        return hit
     timeline = _replayed_timeline(plan, cost, attn, transport, exact, sync, replayed_layers)
     if memo:
-        _TIMELINES.put(key, (timeline, time.perf_counter() - t0))
+        _TIMELINES.put(key, timeline)
     return timeline
 
 
@@ -288,22 +269,17 @@ class RecentResults:
             self._items.popitem(last=False)
 
 
-def decision_step_s(plan: Plan, cost: CostModel, *, reuse: bool = True,
-                    charge: ReplayCharge | None = None) -> float:
-    """The modeled step a per-batch decision compares (``PlanContext.step_model``):
-    exactly the reported step, at its replay depth, so the chosen plan's report
-    comes from the memo (at 2 layers the extrapolations of two candidates 1 %
-    apart could invert at 4).  A planner whose latency is measured must pay for
-    its decisions: ``reuse=False`` replays even a plan timed before, ``charge``
-    reuses it and charges what its replay took."""
-    return step_timeline(plan, cost, reuse=reuse, charge=charge).step_s
+def decision_step_s(plan: Plan, cost: CostModel) -> float:
+    """The replayed step of ``plan`` at the reported depth: what the surrogate
+    (``planner/surrogate.py``) is certified against, what the trainer logs as a
+    step's modeled time, and what tests compare decisions by."""
+    return step_timeline(plan, cost).step_s
 
 
-#: Timelines kept by :func:`step_timeline`, each with the wall-clock seconds its
-#: replay took.  The same plan is timed more than once in one run -- a static
-#: layout search times the first batches' decision candidates, the simulation
-#: then plans and times those batches again, and Zeppelin's variants decide
-#: among overlapping candidates -- and a replay costs far more than hashing the plan.
+#: Timelines kept by :func:`step_timeline`.  The same plan is timed more than
+#: once in one run -- a static layout search times the first batches' plans, the
+#: simulation then plans and times those batches again, and Zeppelin's variants
+#: often pick the same plan -- and a replay costs far more than hashing the plan.
 _TIMELINES = RecentResults(512)
 
 

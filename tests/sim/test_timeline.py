@@ -16,7 +16,7 @@ from megatron_zeppelin.plan import Mode, Plan, Span, placement
 from megatron_zeppelin.planner.base import PlanContext, same_layout_linear
 from megatron_zeppelin.sim.simulate import SimResult, Strategy, simulate, te_cp_size
 from megatron_zeppelin.sim.replay import replay_schedule
-from megatron_zeppelin.sim.timeline import ReplayCharge, decision_step_s, imbalance, step_parts, step_timeline
+from megatron_zeppelin.sim.timeline import decision_step_s, imbalance, step_parts, step_timeline
 from megatron_zeppelin.topology import Topology, load_cluster
 
 LOCAL, RING, ULYSSES = Mode.LOCAL, Mode.RING, Mode.ULYSSES
@@ -287,15 +287,12 @@ def _ctx(cost):
     return PlanContext(cost=cost, tokens_per_gpu=16384)
 
 
-def test_a_reused_replay_is_charged_what_it_took():
-    """The simulator reuses a candidate another strategy replayed, and charges the
-    deciding planner the seconds that replay took (its latency stays honest)."""
+def test_a_plan_timed_before_is_served_from_the_memo():
+    """The same plan timed twice in a run is replayed once; ``reuse=False`` replays
+    it again, to the same step."""
     cost = make_cost()
     plan = make_plan(cost, [8192, 1024], [(RING, (0, 2)), (LOCAL, (1,))])
     fresh = step_timeline(plan, cost, reuse=False)          # replayed and remembered
-    charge = ReplayCharge()
-    assert decision_step_s(plan, cost, charge=charge) == fresh.step_s
-    assert charge.reused_s > 0
-    replayed = ReplayCharge()
-    assert decision_step_s(plan, cost, reuse=False, charge=replayed) == fresh.step_s
-    assert replayed.reused_s == 0                          # it paid in wall-clock time instead
+    assert step_timeline(plan, cost) is fresh
+    again = step_timeline(plan, cost, reuse=False)
+    assert again is not fresh and decision_step_s(plan, cost) == again.step_s == fresh.step_s
