@@ -34,6 +34,7 @@ from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
 from megatron_zeppelin.sampler.batch_sampler import check_piece_memory
 from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths
+from megatron_zeppelin.sim.pipeline import fits_memory
 from megatron_zeppelin.sim.pipeline_report import parse_pp, run_pipeline
 from megatron_zeppelin.sim.progress import Progress
 from megatron_zeppelin.schedule.trace import read_trace
@@ -327,9 +328,11 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
         trial = [[lens[i] for i in g] for lens in batches[:TRIAL_BATCHES] for g in split(lens)]
     except InfeasibleError as exc:
         raise ConfigError(str(exc)) from None
+    stages = getattr(args, "pipeline_stages", None)     # set by --pp (sim/pipeline_report.py)
     strategies = build_strategies(names, cost, cp_size=args.cp_size, layout_batches=trial,
                                   max_seq_len=args.max_seq_len, tokens_per_gpu=args.tokens_per_gpu,
-                                  time_limit_s=args.flexsp_time_limit)
+                                  time_limit_s=args.flexsp_time_limit,
+                                  fits=fits_memory(stages, len(trial), args.recompute == "full") if stages else None)
     static = {s.name: s for s in strategies if s.name in STATIC}
     layouts = {n: st.layout for n, st in static.items()}
     layouts.update({"zeppelin": s.layout for s in strategies if s.name in VARIANTS and s.layout})

@@ -310,3 +310,17 @@ def stage_memory(works: Sequence[MicroBatchWork], cost: CostModel, stages: int,
                                optimizer=params * OPTIMIZER_BYTES_PER_PARAM / dp, in_flight=k,
                                activations=float(window) * per_token + float(tokens.max()) * one_layer))
     return out
+
+
+def fits_memory(stages: int, micro_batches: int, recompute: bool = False):
+    """The layout search's memory check under pipeline parallelism
+    (``sim/static_layout.py: FitsMemory``): the trial micro-batch, planned and
+    timed on a layout's ranks, standing for each of the step's ``micro_batches``,
+    keeps every stage's peak within one GPU's memory."""
+    def fits(view: CostModel, timed) -> bool:
+        works = [micro_batch_work(plan, part, view, stages, recompute)
+                 for plan, part in zip(timed.rounds, timed.parts)]
+        works = (works * micro_batches)[:max(micro_batches, len(works))]
+        peak = max(m.total for m in stage_memory(works, view, stages, recompute))
+        return peak <= view.cluster.gpu.memory_gib / view.tp_size * GIB   # a TP view's GPU is the TP group
+    return fits

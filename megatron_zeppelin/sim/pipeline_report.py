@@ -76,7 +76,9 @@ def run_pipeline(args: argparse.Namespace, setup: Callable,
     (each strategy's TP searched there), replay, print; with several sizes, each
     strategy's fastest layout that fits in memory (a user tuning TP x PP)."""
     nodes = args.nodes or default_nodes
-    runs = {pp: argparse.Namespace(**{**vars(args), "nodes": nodes // max(pp, 1)}) for pp in args.pp}
+    # Each size's layout searches keep the fastest layout whose stages fit in memory.
+    runs = {pp: argparse.Namespace(**{**vars(args), "nodes": nodes // max(pp, 1), "pipeline_stages": pp})
+            for pp in args.pp}
     if len(args.pp) > 1:
         same_batches(args, runs, nodes)
     for pp, stage_args in runs.items():

@@ -26,7 +26,7 @@ from megatron_zeppelin.planner.micro_batches import Split
 from megatron_zeppelin.sampler.batch_sampler import ZeppelinBatchSampler
 from megatron_zeppelin.sim.progress import Progress
 from megatron_zeppelin.sim.rounds import batch_groups, plan_batch, rounds_timeline
-from megatron_zeppelin.sim.static_layout import choose_layout
+from megatron_zeppelin.sim.static_layout import FitsMemory, choose_layout
 from megatron_zeppelin.sim.strategy import Strategy, plan_context
 from megatron_zeppelin.sim.timeline import StepTimeline
 
@@ -106,7 +106,8 @@ def sample_batches(doc_lengths: np.ndarray, *, max_seq_len: int, tokens_per_batc
 
 def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | None = None,
                      layout_batches: Sequence[Sequence[int]] | None = None, max_seq_len: int | None = None,
-                     tokens_per_gpu: int | None = None, time_limit_s: float = 1.0) -> list[Strategy]:
+                     tokens_per_gpu: int | None = None, time_limit_s: float = 1.0,
+                     fits: FitsMemory | None = None) -> list[Strategy]:
     """Strategies by name (:func:`uses_routing` says which cost model each gets).
     Zeppelin's variants (:data:`VARIANTS`) run its planner with their layers.
 
@@ -114,7 +115,8 @@ def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | No
     launch, and Zeppelin's variants the TP size the full Zeppelin runs fastest
     with (``sim/static_layout.py``), when ``layout_batches``, ``max_seq_len``
     and ``tokens_per_gpu`` are given and no ``cp_size`` fixes it; else
-    ``cp_size`` with TP=1."""
+    ``cp_size`` with TP=1.  ``fits``: the searches keep the fastest layout that
+    fits in memory (pipeline parallelism's stage memory)."""
     unknown = [n for n in names if n not in STRATEGY_NAMES]
     if unknown or not names:
         what = f"unknown strategy {unknown[0]!r}" if unknown else "no strategy given"
@@ -126,7 +128,7 @@ def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | No
     zeppelin_tp = None
     if searched and any(n in VARIANTS for n in names):
         zeppelin_tp = _static_strategy("zeppelin", cost.routed(True), layout_batches, max_seq_len,
-                                       tokens_per_gpu, time_limit_s)
+                                       tokens_per_gpu, time_limit_s, fits)
     for name in names:
         variant = VARIANTS.get(name)
         routed = cost.routed(uses_routing(name))
@@ -141,7 +143,7 @@ def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | No
                                        decide=variant.decide, layout=why, infeasible=why))
         elif name in STATIC and searched:
             strategies.append(_static_strategy(name, routed, layout_batches, max_seq_len, tokens_per_gpu,
-                                               time_limit_s))
+                                               time_limit_s, fits))
         else:
             strategies.append(Strategy(name, get_planner(name), routed, cp_size if name in STATIC else None))
     return strategies
@@ -153,11 +155,11 @@ STATIC = ("te_cp", "ulysses_sp", "megatron_dp_balanced", "megatron_hybrid_cp", "
 
 
 def _static_strategy(name: str, cost: CostModel, batches: Sequence[Sequence[int]], max_seq_len: int | None,
-                     tokens_per_gpu: int | None, time_limit_s: float) -> Strategy:
+                     tokens_per_gpu: int | None, time_limit_s: float, fits: FitsMemory | None = None) -> Strategy:
     if max_seq_len is None or tokens_per_gpu is None:
         raise ConfigError("the static layout search needs max_seq_len and tokens_per_gpu")
     choice = choose_layout(name, cost, batches, max_seq_len=max_seq_len, tokens_per_gpu=tokens_per_gpu,
-                           time_limit_s=time_limit_s)
+                           time_limit_s=time_limit_s, fits=fits)
     if choice.layout is None:
         return Strategy(name, get_planner(name), cost, layout=choice.report, infeasible=choice.report)
     return Strategy(name, get_planner(name), choice.cost, choice.layout.size or None, tp_size=choice.layout.tp,

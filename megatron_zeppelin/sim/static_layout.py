@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.cost.tp import tp_view
@@ -22,7 +22,7 @@ from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.planner.base import get_planner
 from megatron_zeppelin.planner.te_cp import StaticLayout, te_cp_layouts, tp_problems
 from megatron_zeppelin.planner.ulysses_sp import ulysses_layouts
-from megatron_zeppelin.sim.rounds import timed_batch
+from megatron_zeppelin.sim.rounds import TimedBatch, timed_batch
 from megatron_zeppelin.sim.strategy import Strategy, plan_context
 
 #: Batches a layout is tried on (a user's short benchmark run).  One: the
@@ -56,13 +56,21 @@ def layouts_for(name: str, cost: CostModel, max_seq_len: int, tokens_per_gpu: in
     return [StaticLayout(tp, 0, problem) for tp, problem in tp_problems(cost, max_seq_len, tokens_per_gpu).items()]
 
 
+#: ``fits(view, timed)``: whether a layout's ranks (``view``, a TP view when TP > 1)
+#: hold the trial batch as planned and timed (``timed``) in one GPU's memory.
+FitsMemory = Callable[[CostModel, TimedBatch], bool]
+
+
 def choose_layout(name: str, cost: CostModel, batches: Sequence[Sequence[int]], *, max_seq_len: int,
-                  tokens_per_gpu: int, time_limit_s: float = 1.0) -> LayoutChoice:
-    """Time every feasible layout of ``name`` on the first batch(es); keep the fastest."""
+                  tokens_per_gpu: int, time_limit_s: float = 1.0, fits: FitsMemory | None = None) -> LayoutChoice:
+    """Time every feasible layout of ``name`` on the first batch(es); keep the fastest
+    -- of those that ``fits`` in memory when given (a user tuning TP under pipeline
+    parallelism picks the fastest layout that runs; none fitting: the fastest)."""
     candidates = layouts_for(name, cost, max_seq_len, tokens_per_gpu)
     feasible = [c for c in candidates if c.problem is None]
     planner = get_planner(name)
     tried: list[tuple[float, StaticLayout, CostModel]] = []
+    too_big: set[StaticLayout] = set()
     failures = []
     for layout in feasible:
         view = tp_view(cost, layout.tp) if layout.tp > 1 else cost
@@ -71,18 +79,22 @@ def choose_layout(name: str, cost: CostModel, batches: Sequence[Sequence[int]], 
         ctx = plan_context(Strategy(name, planner, view, layout.size or None, tp_size=layout.tp),
                            tokens_per_gpu, time_limit_s)
         try:
-            steps = [timed_batch(planner, b, ctx).step.step_s for b in batches[:TRIAL_BATCHES]]
+            timed = [timed_batch(planner, b, ctx) for b in batches[:TRIAL_BATCHES]]
         except InfeasibleError as exc:
             failures.append(f"{layout}: {exc}")
             continue
-        tried.append((statistics.fmean(steps), layout, view))
+        if fits is not None and not all(fits(view, t) for t in timed):
+            too_big.add(layout)
+        tried.append((statistics.fmean(t.step.step_s for t in timed), layout, view))
     if not tried:
         # Per TP size, the reason of its widest group (the one likeliest to fit).
         widest = {c.tp: c for c in candidates}
         reasons = [f"{_label(name, c)}: {c.problem}" for c in widest.values() if c.problem] + failures
         return LayoutChoice(None, cost, f"{name}: no static layout fits: " + "; ".join(reasons))
-    best_s, best, view = min(tried, key=lambda t: (t[0], t[1].tp, t[1].size))
-    others = ", ".join(f"{_label(name, lay)} {s * 1e3:.0f} ms" for s, lay, _ in sorted(tried, key=lambda t: t[0]))
+    running = [t for t in tried if t[1] not in too_big] or tried
+    best_s, best, view = min(running, key=lambda t: (t[0], t[1].tp, t[1].size))
+    others = ", ".join(f"{_label(name, lay)} {s * 1e3:.0f} ms{' (over memory)' if lay in too_big else ''}"
+                       for s, lay, _ in sorted(tried, key=lambda t: t[0]))
     return LayoutChoice(best, view, f"{name}: {_label(name, best)} (tried: {others})")
 
 

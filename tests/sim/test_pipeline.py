@@ -248,3 +248,30 @@ def test_hybrid_cp_is_refused_under_pp_as_megatron_core_refuses_it(tmp_path, len
     assert "refuses --hybrid-context-parallel with pipeline parallelism" in \
         doc["layouts"]["2"]["strategies"]["megatron_hybrid_cp"]["error"]
     assert doc["tuned"]["megatron_hybrid_cp"]["pp"] == 1
+
+
+def test_under_pp_the_layout_search_keeps_the_fastest_layout_that_fits():
+    """LLaMA-7B at 16K tokens per GPU, PP 2 on 4 H100 nodes: TP 1 is Zeppelin's
+    fastest layout but its first stage needs more than 80 GiB; the search under
+    PP keeps TP 2, which fits (before, the tuned table fell back to PP 4 at TP 1
+    and showed Zeppelin 0.87x te_cp).  No layout fitting: the fastest."""
+    from megatron_zeppelin.cost.tp import tp_view
+    from megatron_zeppelin.sim.pipeline import fits_memory
+    from megatron_zeppelin.sim.rounds import timed_batch
+    from megatron_zeppelin.sim.static_layout import choose_layout
+    from megatron_zeppelin.sim.strategy import Strategy, plan_context
+    from megatron_zeppelin.planner.base import get_planner
+
+    cost = CostModel(load_cluster("h100-8x400g", nodes=2), load_model("llama-7b"), routing=True)
+    lens = [131072, 40000, 30000, 20000] + [4000] * 9     # 257K tokens: 16 GPUs x 16K x 0.98
+    args = dict(max_seq_len=131072, tokens_per_gpu=16384)
+    fits = fits_memory(stages=2, micro_batches=2)
+    free = choose_layout("zeppelin", cost, [lens], **args)
+    assert free.layout.tp == 1
+    planner = get_planner("zeppelin")
+    timed = {tp: timed_batch(planner, lens, plan_context(Strategy("zeppelin", planner, view, tp_size=tp), 16384, 1.0))
+             for tp, view in ((1, cost), (2, tp_view(cost, 2)))}
+    assert not fits(cost, timed[1]) and fits(tp_view(cost, 2), timed[2])
+    kept = choose_layout("zeppelin", cost, [lens], **args, fits=fits)
+    assert kept.layout.tp == 2 and "TP=1" in kept.report and "(over memory)" in kept.report
+    assert choose_layout("zeppelin", cost, [lens], **args, fits=lambda view, t: False).layout == free.layout
