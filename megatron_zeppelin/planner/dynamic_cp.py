@@ -41,7 +41,7 @@ from typing import Sequence
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.planner.hybrid_cp import CpGroup, gpus_needed, group_placements, lay_out
+from megatron_zeppelin.planner.hybrid_cp import CpGroup, check_groups_fit, gpus_needed, group_placements, lay_out
 from megatron_zeppelin.planner.packing import check_lengths
 from megatron_zeppelin.planner.rounds import MergedRounds, RoundsPlan, build_rounds
 
@@ -140,12 +140,7 @@ def dynamic_cp_micro_batches(seq_lens: Sequence[int], tokens_per_gpu: int, world
     """``DefaultDynamicCPScheduler.get_groups_and_subsamples``: the micro-batches
     of one global batch, each a list of aligned CP groups."""
     lens = check_lengths(seq_lens)
-    for seq, L in enumerate(lens):
-        if max(min_cp, gpus_needed(L, tokens_per_gpu)) > world_size:
-            raise InfeasibleError(
-                f"megatron_dynamic_cp: sequence {seq} ({L} tokens) needs "
-                f"{gpus_needed(L, tokens_per_gpu)} ranks at {tokens_per_gpu} tokens per GPU, the DP x CP "
-                f"world has {world_size}; raise --tokens-per-gpu or add nodes")
+    check_groups_fit("megatron_dynamic_cp", lens, tokens_per_gpu, world_size, "the DP x CP world", min_cp)
     samples: list[Sample] = list(enumerate(lens))
     out = []
     while samples:

@@ -67,6 +67,17 @@ def gpus_needed(length: int, cap: int) -> int:
     return max(1, 2 ** math.ceil(math.log2(length / cap)))
 
 
+def check_groups_fit(name: str, lens: Sequence[int], tokens_per_gpu: int, world_size: int, world: str,
+                     min_cp: int = 1) -> None:
+    """Raise :class:`InfeasibleError` for the first sequence whose CP group (at
+    least ``min_cp`` ranks) would be wider than ``world_size``."""
+    for seq, L in enumerate(lens):
+        if max(min_cp, gpus_needed(L, tokens_per_gpu)) > world_size:
+            raise InfeasibleError(
+                f"{name}: sequence {seq} ({L} tokens) needs {gpus_needed(L, tokens_per_gpu)} ranks at "
+                f"{tokens_per_gpu} tokens per GPU, {world} has {world_size}; raise --tokens-per-gpu or add nodes")
+
+
 def lay_out(groups: list[CpGroup]) -> list[CpGroup]:
     """Place a round's groups largest first: prefix sums of descending powers of
     two are aligned offsets, so each group is one of Megatron's aligned process
@@ -200,12 +211,7 @@ def hybrid_cp_rounds(seq_lens: Sequence[int], tokens_per_gpu: int, world_size: i
     (``get_groups_and_subsamples``).  A round ends with a barrier over all ranks,
     so a step takes the sum over rounds of the slowest group's time."""
     lens = check_lengths(seq_lens)
-    for seq, L in enumerate(lens):
-        if gpus_needed(L, tokens_per_gpu) > world_size:
-            raise InfeasibleError(
-                f"megatron_hybrid_cp: sequence {seq} ({L} tokens) needs "
-                f"{gpus_needed(L, tokens_per_gpu)} ranks at {tokens_per_gpu} tokens per GPU, "
-                f"the world has {world_size}; raise --tokens-per-gpu or add nodes")
+    check_groups_fit("megatron_hybrid_cp", lens, tokens_per_gpu, world_size, "the world")
     samples = sorted(enumerate(lens), key=lambda s: -s[1])
     rounds = []
     while samples:
