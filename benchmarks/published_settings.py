@@ -384,7 +384,7 @@ def report(rows: list[Row], args: argparse.Namespace, elapsed: float, cpu: float
     notes = [text for key, text in NOTES.items() if any(key in r.metric and not r.within for r in rows)]
     means = ", ".join(f"{c} {t:.2f}x / {p:.2f}x" for c, (t, p) in getattr(args, "cluster_means", {}).items())
     return (f"# Published measurements beside the model\n\nCommand: `{command.strip()}` ({elapsed:.0f} s wall, "
-            f"{cpu:.0f} s CPU, on a 2-core CPU box shared with three other jobs).\n\n" + "\n".join(lines) + "\n\n"
+            f"{cpu:.0f} s CPU, on a 2-core CPU box).\n\n" + "\n".join(lines) + "\n\n"
             f"`{last_line(rows)}`\n\n"
             + _megatron_table(getattr(args, "megatron_notes", []))
             + _zeppelin_table(getattr(args, "zeppelin_rows", [])) +
