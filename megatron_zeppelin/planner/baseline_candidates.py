@@ -4,8 +4,9 @@ Every baseline's layout of a batch that fits one pass under the per-GPU cap
 is a plan Zeppelin's engine runs: a sequence local on one rank, zigzag-split
 over a ring, or contiguous over a Ulysses group, the linear layout equal to
 the attention layout (no remap).  So the decision (``planner/zeppelin_decide.py``)
-offers them beside its own, and the plan it keeps is never modeled slower than
-any of them *run by Zeppelin's engine*:
+offers them beside its own, and the plan it keeps is not modeled slower than
+any of them *run by Zeppelin's engine*, beyond the misorderings of the
+surrogate it compares them by (``planner/surrogate.py``):
 
 * static CP's uniform layouts (``te_cp``; ``c = 1`` is ``packing_dp``'s
   whole-sequence packing), the two smallest ``c`` that hold the batch in one
@@ -29,11 +30,6 @@ one all-to-all where the engine runs one per sequence
 
 Above :data:`MAX_SEQUENCES_ALL_SOURCES` sequences only static CP's layouts
 are offered: building the others' plans costs seconds at 1,024 GPUs.
-
-When a surrogate ranks the candidates in place of the replay, a baseline's plan
-can lose to a slower one within the surrogate's error;
-:func:`fastest_within_error` replays just the candidates inside that band and
-keeps the decision exact.
 
 Baselines run every crossing direct (NCCL p2p, each GPU through its own NIC):
 each candidate is offered direct, and, where the run routes and the plan has a
@@ -157,25 +153,6 @@ def baseline_candidates(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]
             out.append(plan)
         out.append(dataclasses.replace(plan, routed=False))
     return out
-
-
-def fastest_within_error(candidates: Sequence[Plan], estimate: Callable[[Plan], float],
-                         replay: Callable[[Plan], float], error: float) -> Plan:
-    """The fastest of ``candidates`` by ``replay``, replaying only those whose
-    ``estimate`` (a surrogate within relative ``error`` of the replay on every
-    plan) is within ``(1 + error) / (1 - error)`` of the best estimate.
-
-    The replay's fastest plan ``b`` is always among them: for the estimate's
-    fastest ``a``, ``est(b) <= (1 + error) replay(b) <= (1 + error) replay(a)
-    <= est(a) (1 + error) / (1 - error)``.  So the decision stays exactly as
-    fast as every candidate -- every baseline's plan among them -- at the
-    price of replaying the few the surrogate cannot tell apart.  Ties keep
-    the first candidate."""
-    if not 0 <= error < 1:
-        raise ValueError(f"surrogate error {error} must be in [0, 1)")
-    estimates = [estimate(p) for p in candidates]
-    bound = min(estimates) * (1 + error) / (1 - error)
-    return min((p for p, e in zip(candidates, estimates) if e <= bound), key=replay)
 
 
 def _static_plans(planner: StaticGroupPlanner, seq_lens: Sequence[int], ctx: PlanContext,
