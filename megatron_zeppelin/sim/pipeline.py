@@ -34,6 +34,7 @@ from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.cost.step_sync import StepSync, forward_backward_split, step_sync
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.sim.rounds import TimedBatch
 from megatron_zeppelin.sim.timeline import StepTimeline
 from megatron_zeppelin.topology import LinkSpec
 
@@ -312,14 +313,18 @@ def stage_memory(works: Sequence[MicroBatchWork], cost: CostModel, stages: int,
     return out
 
 
+def batch_works(timed: TimedBatch, cost: CostModel, stages: int, recompute: bool = False) -> list[MicroBatchWork]:
+    """Stage work of a planned and timed batch, one :class:`MicroBatchWork` per round it runs as."""
+    return [micro_batch_work(plan, part, cost, stages, recompute) for plan, part in zip(timed.rounds, timed.parts)]
+
+
 def fits_memory(stages: int, micro_batches: int, recompute: bool = False):
     """The layout search's memory check under pipeline parallelism
     (``sim/static_layout.py: FitsMemory``): the trial micro-batch, planned and
     timed on a layout's ranks, standing for each of the step's ``micro_batches``,
     keeps every stage's peak within one GPU's memory."""
-    def fits(view: CostModel, timed) -> bool:
-        works = [micro_batch_work(plan, part, view, stages, recompute)
-                 for plan, part in zip(timed.rounds, timed.parts)]
+    def fits(view: CostModel, timed: TimedBatch) -> bool:
+        works = batch_works(timed, view, stages, recompute)
         works = (works * micro_batches)[:max(micro_batches, len(works))]
         peak = max(m.total for m in stage_memory(works, view, stages, recompute))
         return peak <= view.cluster.gpu.memory_gib / view.tp_size * GIB   # a TP view's GPU is the TP group

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from megatron_zeppelin.errors import ConfigError, InfeasibleError
 from megatron_zeppelin.model_config import load_model
-from megatron_zeppelin.sim.pipeline import (GIB, PipelineStep, StageMemory, ideal_bubble, micro_batch_work,
+from megatron_zeppelin.sim.pipeline import (GIB, PipelineStep, StageMemory, batch_works, ideal_bubble,
                                             pipeline_step, stage_memory)
 from megatron_zeppelin.sim.rounds import batch_groups, timed_batch
 from megatron_zeppelin.sim.simulate import BASELINE, Strategy, plan_context
@@ -148,9 +148,7 @@ def simulate_strategy(s: Strategy, batches: list[list[int]], split: Callable, pp
         works = []
         try:
             for group in batch_groups(s.planner, lens, split(lens)):
-                timed = timed_batch(s.planner, [lens[i] for i in group], ctx)
-                works += [micro_batch_work(plan, part, s.cost, pp, recompute)
-                          for plan, part in zip(timed.rounds, timed.parts)]
+                works += batch_works(timed_batch(s.planner, [lens[i] for i in group], ctx), s.cost, pp, recompute)
         except InfeasibleError as exc:
             r.error = f"step {step}: {exc}"
             return r
