@@ -293,7 +293,7 @@ def _flag(args: argparse.Namespace, name: str, default=None):
     return default if value is None else value
 
 
-def _check_pipeline(args: argparse.Namespace) -> None:
+def check_pipeline_flags(args: argparse.Namespace) -> None:
     """``--pipeline-model-parallel-size P``: every stage runs each micro-batch's Plan
     (its per-rank token count is the boundary shape, ``variable_seq_lengths``)."""
     pp = _flag(args, "pipeline_model_parallel_size", 1)
@@ -338,7 +338,7 @@ def megatron_core_version() -> tuple[int, int]:
 
 
 def _check_megatron_conflicts(args: argparse.Namespace) -> None:
-    _check_pipeline(args)
+    check_pipeline_flags(args)
     if _flag(args, "sequence_parallel", False) and _flag(args, "tensor_model_parallel_size", 1) == 1:
         raise ConfigError("--sequence-parallel splits tokens over tensor-parallel ranks; it needs "
                           "--tensor-model-parallel-size > 1 (or drop it)")

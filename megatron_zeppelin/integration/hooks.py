@@ -130,7 +130,7 @@ def pipeline_shapes(args: Any) -> None:
     (``variable_seq_lengths``, which ``validate_args`` always clears).  Megatron
     refuses that flag beside its default all-gather MoE dispatcher even for a dense
     model: there the unused dispatcher type says all-to-all (an MoE model under PP
-    must pass ``--moe-token-dispatcher-type alltoall``, ``args._check_pipeline``)."""
+    must pass ``--moe-token-dispatcher-type alltoall``, ``args.check_pipeline_flags``)."""
     if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
         args.variable_seq_lengths = True
         if not getattr(args, "num_experts", None):

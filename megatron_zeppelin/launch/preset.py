@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from megatron_zeppelin.errors import ConfigError
-from megatron_zeppelin.integration.args import _check_pipeline as check_pipeline_flags
+from megatron_zeppelin.integration.args import check_pipeline_flags
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.planner.base import PLANNERS
 from megatron_zeppelin.presets import build_dataclass, load_yaml, resolve_preset
@@ -192,6 +192,12 @@ PRESET_TERMS = (
 )
 
 
+def moe_dispatcher(m: ModelConfig) -> str:
+    """``--moe-token-dispatcher-type`` a preset renders: all-gather with EP 1, as the
+    trainer's model builder picks; all-to-all spreads experts over EP ranks."""
+    return "allgather" if m.expert_parallel_size == 1 else "alltoall"
+
+
 def check_pipeline(p: LaunchPreset, m: ModelConfig) -> None:
     """What ``pretrain_gpt.py --zeppelin`` refuses under pipeline parallelism
     (``integration/args.py``'s checks, the single source), before launch and in
@@ -205,7 +211,8 @@ def check_pipeline(p: LaunchPreset, m: ModelConfig) -> None:
         num_layers_per_virtual_pipeline_stage=None, world_size=p.world_size, zeppelin_cluster=p.cluster,
         tensor_model_parallel_size=p.tensor_parallel, context_parallel_size=1,
         global_batch_size=p.micro_batches * p.data_parallel_size, zeppelin_planner=p.planner,
-        zeppelin_log_interval=p.zeppelin_log_interval, num_experts=m.num_experts if m.moe_enabled else None)
+        zeppelin_log_interval=p.zeppelin_log_interval, num_experts=m.num_experts if m.moe_enabled else None,
+        moe_token_dispatcher_type=moe_dispatcher(m))
     try:
         with warnings.catch_warnings():
             # Its release check imports megatron.core, which warns on a host without TE or Apex.

@@ -11,7 +11,7 @@ import shlex
 from typing import Sequence
 
 from megatron_zeppelin.integration.args import SPEC
-from megatron_zeppelin.launch.preset import LaunchPreset
+from megatron_zeppelin.launch.preset import LaunchPreset, moe_dispatcher
 from megatron_zeppelin.model_config import ModelConfig
 
 
@@ -35,13 +35,12 @@ def model_args(m: ModelConfig, p: LaunchPreset) -> list[str]:
              "--transformer-impl", p.transformer_impl, "--spec", *SPEC]
     if m.moe_enabled:
         # No token dropping and no balancing losses (--zeppelin refuses both: they depend
-        # on which tokens the plan puts on a rank).  All-gather with EP 1, as the
-        # trainer's model builder picks; all-to-all spreads experts over EP ranks.
+        # on which tokens the plan puts on a rank).
         args += ["--num-experts", str(m.num_experts), "--moe-router-topk", str(m.moe_router_topk),
                  "--moe-ffn-hidden-size", str(m.moe_ffn_hidden_size or m.ffn_hidden_size),
                  "--moe-router-load-balancing-type", "none",
                  "--expert-model-parallel-size", str(m.expert_parallel_size),
-                 "--moe-token-dispatcher-type", "allgather" if m.expert_parallel_size == 1 else "alltoall"]
+                 "--moe-token-dispatcher-type", moe_dispatcher(m)]
     if p.transformer_impl == "local":  # Megatron's local RMSNorm (torch) has no persistent kernel
         args.append("--no-persist-layer-norm")
     args += ["--tokenizer-type", p.tokenizer_type]

@@ -102,6 +102,26 @@ def test_pipeline_combinations_the_engine_path_refuses(tmp_path, extra, message)
     assert "\n" not in str(info.value) and str(info.value).startswith("preset p: ")
 
 
+def test_a_moe_preset_under_pp_is_checked_with_the_dispatcher_it_renders(tmp_path):
+    """Expert parallelism renders the all-to-all dispatcher, which PP takes; EP 1
+    renders all-gather, which pretrain_gpt.py refuses under PP (the launcher's check
+    once assumed all-gather for every MoE model and refused both)."""
+    moe = (Path(__file__).parents[2] / "configs" / "models" / "tiny-moe.yaml").read_text()
+    write(tmp_path, moe + "expert_parallel_size: 2\n", name="moe-ep2.yaml")
+    for model, refused in (("tiny-moe", True), (str(tmp_path / "moe-ep2.yaml"), False)):
+        p = load_launch_preset(write(tmp_path, MINIMAL.replace("model: tiny", f"model: {model}")
+                                     + "pipeline_parallel: 2\nmicro_batches: 2\n"))
+        m = load_model(p.model)
+        argv = pretrain_args(p, m)
+        dispatcher = argv[argv.index("--moe-token-dispatcher-type") + 1]
+        assert dispatcher == ("allgather" if refused else "alltoall")
+        if refused:
+            with pytest.raises(ConfigError, match="needs --moe-token-dispatcher-type alltoall"):
+                check_model_fits(p, m)
+        else:
+            check_model_fits(p, m)
+
+
 def test_pipeline_preset_values_are_checked_on_load(tmp_path):
     with pytest.raises(ConfigError, match="tensor_parallel 2 x pipeline_parallel 4 does not divide the 4 GPUs"):
         load_launch_preset(write(tmp_path, MINIMAL + "tensor_parallel: 2\npipeline_parallel: 4\n"))
