@@ -209,9 +209,12 @@ def report(argv: list[str]) -> str:
             own, ref = p.scaled_by
             scale = f" x linear_efficiency {own} / {ref}"
         out.append(f"| {p.preset} | {p.series}{scale} | {e} | {h} | {p.why} |")
-    out += ["", "`nvidia-h200-torch-flash-calibrated` keeps our own calibration (`scripts/gpu_check.sh` on one "
-            "H200, 2026-11-26: torch_flash varlen e = 0.339, h = 684, 128 to 64K tokens). `cpu-sim` describes "
-            "CPU processes and takes nothing from here.", "",
+    out += ["", "`nvidia-h200-torch-flash-calibrated` and `nvidia-h100-80gb-hbm3-torch-flash-calibrated` keep "
+            "our own calibrations (`scripts/gpu_check.sh`, 2026-11-26, torch_flash varlen packs, 128 to 64K "
+            "tokens: one H200 e = 0.339, h = 684; one H100 e = 0.339, h = 729). Their long-block efficiency is "
+            "the H100 FA2 paper fit's (0.337) to 1 %; their half block is longer (varlen packs of short "
+            "documents run slower than the paper's single sequences). `cpu-sim` describes CPU processes and "
+            "takes nothing from here.", "",
             "## Below 512 tokens", "",
             "The papers start at 512 tokens; a ring's chunks of short documents (TE CP cuts every sequence "
             "into 2 x CP chunks) are shorter, so there the curve is an extrapolation. Our H200 tables reach "
