@@ -235,9 +235,7 @@ def build_cases(d: Path) -> list[Case]:
     for name, change in [("pipeline_parallel 2 with 1 micro-batch", {"pipeline_parallel": 2}),
                          ("pipeline_parallel 4 over 2 layers", {"pipeline_parallel": 4, "micro_batches": 4}),
                          ("virtual_pipeline_stages 2", {"pipeline_parallel": 2, "micro_batches": 2,
-                                                        "virtual_pipeline_stages": 2}),
-                         ("pipeline_parallel 2 with zeppelin_log_interval 1", {"pipeline_parallel": 2,
-                                                                               "micro_batches": 2})]:
+                                                        "virtual_pipeline_stages": 2})]:
         path = _write_variant(d, "presets", "tiny-cpu", change, name.split()[0] + name.split()[-1])
         add(f"launch {name} (issue 20)", "launch", ["--preset", path, "--print-args"])
 
