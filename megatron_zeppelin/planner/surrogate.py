@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
-from megatron_zeppelin.cost.step_sync import forward_backward_split, step_sync
+from megatron_zeppelin.cost.step_sync import forward_backward_split, grad_sync_s, optimizer_s, step_sync
 from megatron_zeppelin.plan import Mode, Plan
 from megatron_zeppelin.schedule.routing import min_routed_bytes
 
@@ -513,3 +513,36 @@ def surrogate_clock(cost: CostModel) -> Callable[[Plan], float]:
     step of a plan (what the simulator's ``zeppelin``, the trainer and
     ``pretrain_gpt.py --zeppelin`` decide by)."""
     return StepSurrogate(cost).step_s
+
+
+def step_floor(cost: CostModel, plan: Plan) -> float:
+    """A lower bound of ``StepSurrogate(cost).step_s(plan)`` from its compute
+    alone, for searches that price plans in bound order (``planner/fastest.py``).
+    A rank leaves every segment no earlier than its work after entering it, so
+    each layer adds at least its work (a kernel block is at most the rank's
+    shard of the sequence: ``attn_s`` at the shard's length or less), and the
+    extrapolated layers at least the rank's backward and the least forward of
+    any rank; the sync tail is at least its last buckets and the optimizer."""
+    g, m = cost.cluster.gpu, cost.model
+    per_pair = m.attn_flops_per_pair * (1 + ATTN_BWD_RATIO) / (g.peak_tflops * 1e12 * g.attn_efficiency)
+    attn = np.zeros(plan.world_size)
+    for p in plan.attention:
+        L = plan.seq_lens[p.seq]
+        if p.mode is Mode.ULYSSES:
+            attn[list(p.ranks)] += (L * (L + 1) // 2) // len(p.ranks) * (1 + g.attn_half_block / L)
+            continue
+        for r, ranges in zip(p.ranks, p.shards):
+            tokens = sum(e - s for s, e in ranges)
+            pairs = sum((e * (e + 1) - s * (s + 1)) // 2 for s, e in ranges)
+            attn[r] += pairs * (1 + g.attn_half_block / tokens)
+    attn *= per_pair
+    tokens, of = np.unique(plan.linear_tokens_per_rank(), return_inverse=True)
+    lin = np.array([cost.linear_s(t) for t in tokens.tolist()])[of.reshape(-1)]
+    fwd = (attn / (1 + ATTN_BWD_RATIO) + lin / (1 + LINEAR_BWD_RATIO)) / m.num_layers
+    bwd = (attn * ATTN_BWD_RATIO / (1 + ATTN_BWD_RATIO) + lin * LINEAR_BWD_RATIO / (1 + LINEAR_BWD_RATIO)) / m.num_layers
+    n, rep = m.num_layers, min(m.num_layers, REPLAYED_LAYERS)
+    compute = float((rep * (fwd + bwd) + (n - rep) * (bwd + fwd.min())).max())
+    reduce_s, gather_s, buckets = grad_sync_s(cost)
+    tail = (reduce_s + gather_s) / buckets if buckets else 0.0
+    # Summed in another order than the surrogate sums: a margin far above rounding.
+    return (compute + tail + optimizer_s(cost)) * (1 - 1e-9)

@@ -36,6 +36,8 @@ from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.baseline_candidates import baseline_candidates
+from megatron_zeppelin.planner.fastest import fastest, first_least, floor_of, surrogate_cost
+from megatron_zeppelin.planner.surrogate import StepSurrogate
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
 
 
@@ -57,29 +59,59 @@ class DecidingZeppelinPlanner:
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         if ctx.step_model is None:
             return self.inner.plan(seq_lens, ctx)
-        candidates = decision_candidates(seq_lens, ctx, self.inner)
-        return min(candidates, key=ctx.step_model)   # ties: the first (the run's own choice)
+        return decide(seq_lens, ctx, self.inner)
+
+
+def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None = None) -> Plan:
+    """The first of :func:`decision_candidates` of least ``ctx.step_model``
+    (ties: the run's own choice), pricing only candidates that can win
+    (``planner/fastest.py``): a context's passes are priced one by one when the
+    step model is the surrogate its planner picks a pass by, else the pass it
+    picks is priced as one candidate whose bound is its passes' least."""
+    contexts, baselines = _candidate_plans(seq_lens, ctx, inner)
+    step = ctx.step_model
+    floor, own = floor_of(step), surrogate_cost(step)
+    candidates: list = []
+    for option, plans in contexts:
+        if len(plans) == 1 or option.cost == own:
+            candidates += [(floor(p), lambda p=p: (step(p), p)) for p in plans]
+        else:
+            def price(plans=plans, option=option):
+                plan = fastest(plans, StepSurrogate(option.cost).step_s)
+                return step(plan), plan
+            candidates.append((min(floor(p) for p in plans), price))
+    candidates += [(floor(p), lambda p=p: (step(p), p)) for p in baselines]
+    return first_least(candidates)
 
 
 def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext,
                         inner: ZeppelinPlanner | None = None) -> list[Plan]:
-    """Every plan the decision compares for one batch, the run's own choice first.
+    """Every plan the decision compares for one batch, the run's own choice first:
+    Zeppelin's plan under each of :func:`candidate_contexts`, then the baselines'.
     Raises the first planning error when no candidate can be planned."""
+    contexts, baselines = _candidate_plans(seq_lens, ctx, inner)
+    return [fastest(plans, StepSurrogate(option.cost).step_s) for option, plans in contexts] + baselines
+
+
+def _candidate_plans(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None
+                     ) -> tuple[list[tuple[PlanContext, list[Plan]]], list[Plan]]:
+    """(each context Zeppelin could plan the batch under, with its passes' plans;
+    the baselines' plans).  Raises the first planning error when there is none."""
     inner = inner or ZeppelinPlanner()
-    candidates, errors = [], []
+    contexts, errors = [], []
     for option in candidate_contexts(ctx):
         try:
-            plan = inner.plan(seq_lens, option)
+            plans = inner.pass_plans(seq_lens, option)
         except InfeasibleError as exc:    # e.g. remap's balanced layout has no room; others may
             errors.append(exc)
             continue
         # A plan made for direct crossings also runs them direct: routing's
         # dispatch and combine legs share NVLink with the other traffic, and
         # on some batches they cost more than they save.
-        candidates.append(plan if option.cost.routing == ctx.cost.routing
-                          else dataclasses.replace(plan, routed=False))
-    candidates += baseline_candidates(seq_lens, ctx)   # so no baseline's plan is faster
-    if not candidates:
+        if option.cost.routing != ctx.cost.routing:
+            plans = [dataclasses.replace(p, routed=False) for p in plans]
+        contexts.append((option, plans))
+    baselines = baseline_candidates(seq_lens, ctx)   # so no baseline's plan is faster
+    if not contexts and not baselines:
         raise errors[0]
-    return candidates
-
+    return contexts, baselines
