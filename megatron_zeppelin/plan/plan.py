@@ -126,7 +126,12 @@ class Plan:
         return cached
 
     def attention_tokens_per_rank(self) -> list[int]:
-        return [sum(s.length for s in spans) for spans in self._attention_index()]
+        # From the placements: building every rank's spans costs more.
+        tokens = [0] * self.world_size
+        for p in self.attention:
+            for r, ranges in zip(p.ranks, p.shards):
+                tokens[r] += sum(e - s for s, e in ranges)
+        return tokens
 
     def linear_tokens_per_rank(self) -> list[int]:
         return [sum(s.length for s in spans) for spans in self.linear]
@@ -195,11 +200,14 @@ class Plan:
             raise PlanError(f"plan: world size {w} is not a multiple of gpus_per_node "
                             f"{self.gpus_per_node}")
         seen: set[int] = set()
+        local = Mode.LOCAL
         for p in self.attention:
             L = self._seq_len(p.seq, "attention")
             if p.seq in seen:
                 raise PlanError(f"plan: sequence {p.seq} is placed twice in the attention layout")
             seen.add(p.seq)
+            if p.mode is local and len(p.ranks) == 1 and 0 <= p.ranks[0] < w and p.shards == (((0, L),),):
+                continue    # a valid local placement (most of a batch): the checks below would pass
             if not p.ranks or len(set(p.ranks)) != len(p.ranks) or any(not 0 <= r < w for r in p.ranks):
                 raise PlanError(f"plan: sequence {p.seq} has invalid ranks {list(p.ranks)} "
                                 f"(must be distinct, in 0..{w - 1})")
@@ -319,8 +327,11 @@ def attention_buffers(world_size: int, attention: Sequence[SeqPlacement]) -> lis
             (s, e), = p.shards[0]
             buffers[p.ranks[0]].append(Span(p.seq, s, e))
             continue
+        seq = p.seq
         for rank, ranges in zip(p.ranks, p.shards):
-            buffers[rank].extend(Span(p.seq, s, e) for s, e in ranges)
+            buffer = buffers[rank]
+            for s, e in ranges:
+                buffer.append(Span(seq, s, e))
     return buffers
 
 

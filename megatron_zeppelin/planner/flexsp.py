@@ -178,29 +178,51 @@ def _fits(length: int, shortest: int, d: int, cap: int) -> bool:
     return -(-length // d) <= cap and (d == 1 or shortest >= 2 * d)
 
 
-def _first_fit(lengths: Sequence[int], shortest: Sequence[int], sizes: Sequence[int], world: int,
-               cap: int, t: Callable[[int, int], float], limit: float) -> list[Group] | None:
+@dataclass(frozen=True)
+class _SeqSizes:
+    """Per sequence (longest first) and group size what :func:`_first_fit`
+    asks, computed once for every limit :func:`greedy_groups` tries."""
+
+    order: list[int]
+    """Sequence indices, longest first (ties: lower index)."""
+    fits: list[list[bool]]
+    """``fits[j][k]``: sequence ``order[j]`` fits a group of ``sizes[k]`` (:func:`_fits`)."""
+    seconds: list[list[float]]
+    """``seconds[j][k]``: its time there, ``t(L, sizes[k])`` (unused where it does not fit)."""
+    tokens: list[list[int]]
+    """``tokens[j][k]``: its tokens per GPU there, ``ceil(L / sizes[k])``."""
+
+
+def _seq_sizes(lengths: Sequence[int], shortest: Sequence[int], sizes: Sequence[int], cap: int,
+               t: Callable[[int, int], float]) -> _SeqSizes:
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    fits = [[_fits(lengths[i], shortest[i], d, cap) for d in sizes] for i in order]
+    seconds = [[t(lengths[i], d) if ok else 0.0 for d, ok in zip(sizes, f)] for i, f in zip(order, fits)]
+    tokens = [[-(-lengths[i] // d) for d in sizes] for i in order]
+    return _SeqSizes(order, fits, seconds, tokens)
+
+
+def _first_fit(seqs: _SeqSizes, sizes: Sequence[int], world: int, cap: int, limit: float) -> list[Group] | None:
     """Groups with time <= ``limit``, or None.  Longest first, each sequence joins
     the first open group (any size it fits) with time and memory left, else opens
     a group of the smallest size that runs it within ``limit`` (least
     communication, fewest GPUs)."""
-    groups: list[list] = []  # [size, members, seconds, tokens per GPU]
+    groups: list[list] = []  # [size index, members, seconds, tokens per GPU]
     used = 0
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        L, s = lengths[i], shortest[i]
-        g = next((g for g in groups if _fits(L, s, g[0], cap) and g[2] + t(L, g[0]) <= limit
-                  and g[3] + -(-L // g[0]) <= cap), None)
+    for i, fits, seconds, tokens in zip(seqs.order, seqs.fits, seqs.seconds, seqs.tokens):
+        g = next((g for g in groups if fits[g[0]] and g[2] + seconds[g[0]] <= limit
+                  and g[3] + tokens[g[0]] <= cap), None)
         if g is None:
-            d = next((d for d in sizes if _fits(L, s, d, cap) and t(L, d) <= limit), None)
-            used += d or world
-            if d is None or used > world:
+            k = next((k for k, ok in enumerate(fits) if ok and seconds[k] <= limit), None)
+            used += world if k is None else sizes[k]
+            if k is None or used > world:
                 return None
-            g = [d, [], 0.0, 0]
+            g = [k, [], 0.0, 0]
             groups.append(g)
         g[1].append(i)
-        g[2] += t(L, g[0])
-        g[3] += -(-L // g[0])
-    return [(g[0], g[1]) for g in groups]
+        g[2] += seconds[g[0]]
+        g[3] += tokens[g[0]]
+    return [(sizes[g[0]], g[1]) for g in groups]
 
 
 def greedy_groups(lengths: Sequence[int], shortest: Sequence[int], sizes: Sequence[int], world: int,
@@ -208,14 +230,15 @@ def greedy_groups(lengths: Sequence[int], shortest: Sequence[int], sizes: Sequen
     """Heterogeneous greedy: bisect the makespan limit of :func:`_first_fit` between
     the slowest sequence's best time and the first limit that fits.  The MILP's
     start, and the plan when the MILP finds nothing."""
-    best_alone = [min((t(L, d) for d in sizes if _fits(L, s, d, cap)), default=None)
-                  for L, s in zip(lengths, shortest)]
+    seqs = _seq_sizes(lengths, shortest, sizes, cap, t)
+    best_alone = [min((s for s, ok in zip(seconds, fits) if ok), default=None)
+                  for seconds, fits in zip(seqs.seconds, seqs.fits)]
     if None in best_alone:
         return None
     lo = hi = max(best_alone, default=0.0)
     best = None
     for _ in range(40):
-        best = _first_fit(lengths, shortest, sizes, world, cap, t, hi)
+        best = _first_fit(seqs, sizes, world, cap, hi)
         if best is not None:
             break
         hi *= 2
@@ -223,7 +246,7 @@ def greedy_groups(lengths: Sequence[int], shortest: Sequence[int], sizes: Sequen
         return None
     for _ in range(steps):
         mid = (lo + hi) / 2
-        got = _first_fit(lengths, shortest, sizes, world, cap, t, mid)
+        got = _first_fit(seqs, sizes, world, cap, mid)
         if got is None:
             lo = mid
         else:

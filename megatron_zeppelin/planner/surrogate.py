@@ -525,17 +525,22 @@ def step_floor(cost: CostModel, plan: Plan) -> float:
     any rank; the sync tail is at least its last buckets and the optimizer."""
     g, m = cost.cluster.gpu, cost.model
     per_pair = m.attn_flops_per_pair * (1 + ATTN_BWD_RATIO) / (g.peak_tflops * 1e12 * g.attn_efficiency)
-    attn = np.zeros(plan.world_size)
+    half, lens, local, ulysses = g.attn_half_block, plan.seq_lens, Mode.LOCAL, Mode.ULYSSES
+    pairs = [0.0] * plan.world_size      # causal pairs per rank, each times its block's slowdown
     for p in plan.attention:
-        L = plan.seq_lens[p.seq]
-        if p.mode is Mode.ULYSSES:
-            attn[list(p.ranks)] += (L * (L + 1) // 2) // len(p.ranks) * (1 + g.attn_half_block / L)
+        mode, L = p.mode, lens[p.seq]
+        if mode is local:
+            pairs[p.ranks[0]] += L * (L + 1) // 2 * (1 + half / L)
+            continue
+        if mode is ulysses:
+            share = (L * (L + 1) // 2) // len(p.ranks) * (1 + half / L)
+            for r in p.ranks:
+                pairs[r] += share
             continue
         for r, ranges in zip(p.ranks, p.shards):
             tokens = sum(e - s for s, e in ranges)
-            pairs = sum((e * (e + 1) - s * (s + 1)) // 2 for s, e in ranges)
-            attn[r] += pairs * (1 + g.attn_half_block / tokens)
-    attn *= per_pair
+            pairs[r] += sum((e * (e + 1) - s * (s + 1)) // 2 for s, e in ranges) * (1 + half / tokens)
+    attn = np.asarray(pairs) * per_pair
     tokens, of = np.unique(plan.linear_tokens_per_rank(), return_inverse=True)
     lin = np.array([cost.linear_s(t) for t in tokens.tolist()])[of.reshape(-1)]
     fwd = (attn / (1 + ATTN_BWD_RATIO) + lin / (1 + LINEAR_BWD_RATIO)) / m.num_layers
