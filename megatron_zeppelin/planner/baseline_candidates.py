@@ -168,11 +168,11 @@ def _static_plans(planner: StaticGroupPlanner, seq_lens: Sequence[int], ctx: Pla
         if world % size or -(-longest // size) > cap:
             continue
         try:
-            rounds = planner.plan_rounds(seq_lens, dataclasses.replace(ctx, cp_size=size))
+            plan = planner.one_pass_plan(seq_lens, dataclasses.replace(ctx, cp_size=size))
         except InfeasibleError:
             continue
-        if len(rounds.rounds) == 1:
-            out.append(rounds.merged)
+        if plan is not None:
+            out.append(plan)
     return out
 
 

@@ -1,0 +1,63 @@
+"""The decision's branch and bound (``planner/fastest.py``): it picks what
+``min`` picks, ties included, while pricing fewer plans, and its bound
+(``surrogate.step_floor``) is below the surrogate's step on every candidate."""
+
+from __future__ import annotations
+
+import math
+
+from megatron_zeppelin.planner.baseline_candidates import baseline_candidates
+from megatron_zeppelin.planner.fastest import first_least, floor_of, surrogate_cost
+from megatron_zeppelin.planner.surrogate import StepSurrogate, step_floor, surrogate_clock
+from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
+from megatron_zeppelin.planner.zeppelin_decide import candidate_contexts, decide, decision_candidates
+from megatron_zeppelin.sampler.lengths import resolve_lengths
+from tests.planner.decision_picks import latency_case, matrix_case
+
+
+def test_first_least_is_min_with_first_ties_and_skips_what_cannot_win():
+    steps = [3.0, 3.0, 7.0, 3.0, 9.0]
+    bounds = [3.0, 2.0, 6.9, 3.0, 8.0]
+    priced: list[int] = []
+
+    def price(i):
+        return lambda: (priced.append(i) or steps[i], i)
+
+    assert first_least([(bounds[i], price(i)) for i in range(5)]) == 0 == min(range(5), key=steps.__getitem__)
+    assert priced == [1, 0]     # 3 ties at best but comes later; 2 and 4 are bounded above it
+    priced.clear()
+    assert first_least([(-math.inf, price(i)) for i in range(5)]) == 0 and priced == [0, 1, 2, 3, 4]
+
+
+def test_the_decision_picks_the_exhaustive_pick_pricing_fewer_plans(monkeypatch):
+    calls = []
+    step_s = StepSurrogate.step_s
+
+    def counted(self, plan):
+        calls.append(plan)
+        return step_s(self, plan)
+
+    cases = [latency_case(16, 5), matrix_case(resolve_lengths("synthetic-longtail"), "a800-4x200g", 8,
+                                              "llama-7b", 128, True, False)]
+    for case in cases:
+        ctx = case.context()
+        plans = decision_candidates(case.lens, ctx)
+        surrogate = StepSurrogate(ctx.cost)
+        assert all(step_floor(ctx.cost, p) < surrogate.step_s(p) for p in plans)
+        exhaustive = min(plans, key=surrogate.step_s)
+        with monkeypatch.context() as m:
+            m.setattr(StepSurrogate, "step_s", counted)
+            calls.clear()
+            pick = decide(case.lens, case.context())
+        assert (pick.attention, pick.linear, pick.routed) == (exhaustive.attention, exhaustive.linear,
+                                                              exhaustive.routed)
+        # min() over the candidates priced every pass of every context, then every candidate.
+        every = sum(len(ZeppelinPlanner().pass_plans(case.lens, o)) for o in candidate_contexts(ctx))
+        assert 0 < len(calls) < every + len(baseline_candidates(case.lens, ctx))
+
+
+def test_the_surrogate_clock_has_a_floor_and_other_step_models_none():
+    cost = latency_case(8, 0).context().cost
+    assert surrogate_cost(surrogate_clock(cost)) == cost
+    assert surrogate_cost(lambda plan: 0.0) is None
+    assert floor_of(lambda plan: 0.0)(None) == -math.inf
