@@ -126,12 +126,7 @@ class Plan:
         return cached
 
     def attention_tokens_per_rank(self) -> list[int]:
-        # From the placements: building every rank's spans costs more.
-        tokens = [0] * self.world_size
-        for p in self.attention:
-            for r, ranges in zip(p.ranks, p.shards):
-                tokens[r] += sum(e - s for s, e in ranges)
-        return tokens
+        return attention_tokens(self.world_size, self.attention)
 
     def linear_tokens_per_rank(self) -> list[int]:
         return [sum(s.length for s in spans) for spans in self.linear]
@@ -333,6 +328,16 @@ def attention_buffers(world_size: int, attention: Sequence[SeqPlacement]) -> lis
             for s, e in ranges:
                 buffer.append(Span(seq, s, e))
     return buffers
+
+
+def attention_tokens(world_size: int, attention: Sequence[SeqPlacement]) -> list[int]:
+    """Every rank's token count in the attention layout, from the placements
+    (building every rank's spans, as :func:`attention_buffers` does, costs more)."""
+    tokens = [0] * world_size
+    for p in attention:
+        for r, ranges in zip(p.ranks, p.shards):
+            tokens[r] += sum(e - s for s, e in ranges)
+    return tokens
 
 
 def _expected_shards(mode: Mode, length: int, size: int) -> tuple | None:

@@ -1,7 +1,8 @@
 """The fastest of several plans by a step model, pricing as few as it must.
 
 ``min(plans, key=step)`` prices every plan.  With a lower bound of ``step``
-per candidate (the surrogate's :func:`~megatron_zeppelin.planner.surrogate.step_floor`),
+per candidate (the surrogate's :func:`~megatron_zeppelin.planner.surrogate.layout_floor`,
+which a baseline's layout gets before its plan is built),
 candidates are priced in order of their bounds, and the search stops once the
 next bound is above the best step found: the rest cannot win.  The pick is
 the one ``min`` makes, ties included (the first candidate of the least step).
@@ -13,8 +14,8 @@ import math
 from typing import Callable, Sequence, TypeVar
 
 from megatron_zeppelin.cost import CostModel
-from megatron_zeppelin.plan import Plan
-from megatron_zeppelin.planner.surrogate import StepSurrogate, step_floor
+from megatron_zeppelin.plan import Plan, SeqPlacement
+from megatron_zeppelin.planner.surrogate import StepSurrogate, layout_floor, step_floor
 
 T = TypeVar("T")
 #: A candidate: (lower bound of its step, what prices it: (step, result)).
@@ -46,15 +47,26 @@ def surrogate_cost(step: Callable[[Plan], float]) -> CostModel | None:
     return owner.cost if isinstance(owner, StepSurrogate) and step.__func__ is StepSurrogate.step_s else None
 
 
-def floor_of(step: Callable[[Plan], float]) -> Callable[[Plan], float]:
-    """A lower bound of ``step``: the surrogate's floor, or none (-inf) for another step model."""
-    cost = surrogate_cost(step)
-    return (lambda plan: -math.inf) if cost is None else (lambda plan: step_floor(cost, plan))
+class Floor:
+    """A lower bound of a step model: the surrogate's (``surrogate.layout_floor``),
+    or none (-inf) for another step model."""
+
+    def __init__(self, step: Callable[[Plan], float]) -> None:
+        self.cost = surrogate_cost(step)
+
+    def of_plan(self, plan: Plan) -> float:
+        return -math.inf if self.cost is None else step_floor(self.cost, plan)
+
+    def of_layout(self, seq_lens: Sequence[int], attention: Sequence[SeqPlacement],
+                  linear_tokens: Callable[[], Sequence[int]]) -> float:
+        """Of the plan of ``attention`` whose linear layout holds ``linear_tokens()``
+        per rank, before it is built."""
+        return -math.inf if self.cost is None else layout_floor(self.cost, seq_lens, attention, linear_tokens())
 
 
 def fastest(plans: Sequence[Plan], step: Callable[[Plan], float]) -> Plan:
     """``min(plans, key=step)``, pricing only the plans that can win."""
     if len(plans) == 1:
         return plans[0]
-    floor = floor_of(step)
-    return first_least([(floor(p), lambda p=p: (step(p), p)) for p in plans])
+    floor = Floor(step)
+    return first_least([(floor.of_plan(p), lambda p=p: (step(p), p)) for p in plans])

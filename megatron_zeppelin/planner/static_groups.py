@@ -18,7 +18,7 @@ from megatron_zeppelin.plan import Mode, Plan, SeqPlacement
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.packing import (Bins, Shares, check_lengths, pack_in_rounds, pack_longest_first,
                                                placements)
-from megatron_zeppelin.planner.rounds import RoundsPlan, build_rounds, merge_rounds
+from megatron_zeppelin.planner.rounds import RoundsPlan, build_rounds
 
 
 class StaticGroupPlanner(ABC):
@@ -45,10 +45,10 @@ class StaticGroupPlanner(ABC):
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         return self.plan_rounds(seq_lens, ctx).merged
 
-    def one_pass_plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan | None:
-        """:meth:`plan` when the batch fits one pass, else None, without packing
-        or building the rounds that would follow.  Raises
-        :class:`InfeasibleError` as :meth:`group_size` does."""
+    def one_pass(self, seq_lens: Sequence[int], ctx: PlanContext) -> list[SeqPlacement] | None:
+        """The placements of :meth:`plan` when the batch fits one pass, else
+        None, without packing the rounds that would follow or building a Plan.
+        Raises :class:`InfeasibleError` as :meth:`group_size` does."""
         lens = check_lengths(seq_lens)
         d = self.group_size(lens, ctx)
         try:    # the first round as pack_in_rounds packs it, when nothing waits for a second
@@ -56,7 +56,7 @@ class StaticGroupPlanner(ABC):
                                       what=self._what(d))
         except InfeasibleError:
             return None
-        return merge_rounds(self.name, ctx.topology, lens, [self._placements(bins, lens, d)], ctx.tokens_per_gpu)
+        return self._placements(bins, lens, d)
 
     def _bins(self, d: int, ctx: PlanContext) -> Bins:
         return Bins(ctx.topology.world_size // d, d, ctx.tokens_per_gpu)

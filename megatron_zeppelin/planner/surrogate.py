@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
 from megatron_zeppelin.cost.step_sync import forward_backward_split, grad_sync_s, optimizer_s, step_sync
-from megatron_zeppelin.plan import Mode, Plan
+from megatron_zeppelin.plan import Mode, Plan, SeqPlacement
 from megatron_zeppelin.schedule.routing import min_routed_bytes
 
 #: The ring step at whose transfers' level of the schedule's order a Ulysses
@@ -516,19 +516,27 @@ def surrogate_clock(cost: CostModel) -> Callable[[Plan], float]:
 
 
 def step_floor(cost: CostModel, plan: Plan) -> float:
-    """A lower bound of ``StepSurrogate(cost).step_s(plan)`` from its compute
-    alone, for searches that price plans in bound order (``planner/fastest.py``).
-    A rank leaves every segment no earlier than its work after entering it, so
-    each layer adds at least its work (a kernel block is at most the rank's
-    shard of the sequence: ``attn_s`` at the shard's length or less), and the
-    extrapolated layers at least the rank's backward and the least forward of
-    any rank; the sync tail is at least its last buckets and the optimizer."""
+    """A lower bound of ``StepSurrogate(cost).step_s(plan)`` (:func:`layout_floor`)."""
+    return layout_floor(cost, plan.seq_lens, plan.attention, plan.linear_tokens_per_rank())
+
+
+def layout_floor(cost: CostModel, seq_lens: Sequence[int], attention: Sequence[SeqPlacement],
+                 linear_tokens: Sequence[int]) -> float:
+    """A lower bound of ``StepSurrogate(cost).step_s`` of the plan of
+    ``attention`` whose linear layout holds ``linear_tokens`` per rank, before
+    that plan is built, for searches that price plans in bound order
+    (``planner/fastest.py``).  From compute alone: a rank leaves every segment
+    no earlier than its work after entering it, so each layer adds at least its
+    work (a kernel block is at most the rank's shard of the sequence:
+    ``attn_s`` at the shard's length or less), and the extrapolated layers at
+    least the rank's backward and the least forward of any rank; the sync tail
+    is at least its last buckets and the optimizer."""
     g, m = cost.cluster.gpu, cost.model
     per_pair = m.attn_flops_per_pair * (1 + ATTN_BWD_RATIO) / (g.peak_tflops * 1e12 * g.attn_efficiency)
-    half, lens, local, ulysses = g.attn_half_block, plan.seq_lens, Mode.LOCAL, Mode.ULYSSES
-    pairs = [0.0] * plan.world_size      # causal pairs per rank, each times its block's slowdown
-    for p in plan.attention:
-        mode, L = p.mode, lens[p.seq]
+    half, local, ulysses = g.attn_half_block, Mode.LOCAL, Mode.ULYSSES
+    pairs = [0.0] * len(linear_tokens)      # causal pairs per rank, each times its block's slowdown
+    for p in attention:
+        mode, L = p.mode, seq_lens[p.seq]
         if mode is local:
             pairs[p.ranks[0]] += L * (L + 1) // 2 * (1 + half / L)
             continue
@@ -541,7 +549,7 @@ def step_floor(cost: CostModel, plan: Plan) -> float:
             tokens = sum(e - s for s, e in ranges)
             pairs[r] += sum((e * (e + 1) - s * (s + 1)) // 2 for s, e in ranges) * (1 + half / tokens)
     attn = np.asarray(pairs) * per_pair
-    tokens, of = np.unique(plan.linear_tokens_per_rank(), return_inverse=True)
+    tokens, of = np.unique(np.asarray(linear_tokens, np.int64), return_inverse=True)
     lin = np.array([cost.linear_s(t) for t in tokens.tolist()])[of.reshape(-1)]
     fwd = (attn / (1 + ATTN_BWD_RATIO) + lin / (1 + LINEAR_BWD_RATIO)) / m.num_layers
     bwd = (attn * ATTN_BWD_RATIO / (1 + ATTN_BWD_RATIO) + lin * LINEAR_BWD_RATIO / (1 + LINEAR_BWD_RATIO)) / m.num_layers

@@ -34,13 +34,14 @@ so Zeppelin is not modeled slower than any of those plans run by its engine
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import functools
+from typing import Callable, Sequence
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.planner.baseline_candidates import baseline_candidates
-from megatron_zeppelin.planner.fastest import fastest, first_least, floor_of, surrogate_cost
+from megatron_zeppelin.planner.baseline_candidates import Draft, baseline_drafts
+from megatron_zeppelin.planner.fastest import Floor, fastest, first_least, surrogate_cost
 from megatron_zeppelin.planner.surrogate import StepSurrogate
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
 
@@ -74,17 +75,23 @@ def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | N
     picks is priced as one candidate whose bound is its passes' least."""
     contexts, baselines = _candidate_plans(seq_lens, ctx, inner)
     step = ctx.step_model
-    floor, own = floor_of(step), surrogate_cost(step)
+    floor, own = Floor(step), surrogate_cost(step)
+
+    def priced(build: Callable[[], Plan]) -> Callable[[], tuple[float, Plan]]:
+        def price() -> tuple[float, Plan]:
+            plan = build()
+            return step(plan), plan
+        return price
+
     candidates: list = []
     for option, plans in contexts:
         if len(plans) == 1 or option.cost == own:
-            candidates += [(floor(p), lambda p=p: (step(p), p)) for p in plans]
+            candidates += [(floor.of_plan(p), priced(lambda p=p: p)) for p in plans]
         else:
-            def price(plans=plans, option=option):
-                plan = fastest(plans, StepSurrogate(option.cost).step_s)
-                return step(plan), plan
-            candidates.append((min(floor(p) for p in plans), price))
-    candidates += [(floor(p), lambda p=p: (step(p), p)) for p in baselines]
+            pick = functools.partial(fastest, plans, StepSurrogate(option.cost).step_s)
+            candidates.append((min(floor.of_plan(p) for p in plans), priced(pick)))
+    candidates += [(floor.of_layout(d.seq_lens, d.attention, d.tokens_per_rank), priced(build))
+                   for d, build in baselines]
     return first_least(candidates)
 
 
@@ -94,13 +101,15 @@ def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext,
     Zeppelin's plan under each of :func:`candidate_contexts`, then the baselines'.
     Raises the first planning error when no candidate can be planned."""
     contexts, baselines = _candidate_plans(seq_lens, ctx, inner)
-    return [fastest(plans, StepSurrogate(option.cost).step_s) for option, plans in contexts] + baselines
+    return ([fastest(plans, StepSurrogate(option.cost).step_s) for option, plans in contexts]
+            + [build() for _, build in baselines])
 
 
 def _candidate_plans(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None
-                     ) -> tuple[list[tuple[PlanContext, list[Plan]]], list[Plan]]:
+                     ) -> tuple[list[tuple[PlanContext, list[Plan]]], list[tuple[Draft, Callable[[], Plan]]]]:
     """(each context Zeppelin could plan the batch under, with its passes' plans;
-    the baselines' plans).  Raises the first planning error when there is none."""
+    the baselines' candidates, unbuilt: :func:`baseline_drafts`).  Raises the
+    first planning error when there is none."""
     inner = inner or ZeppelinPlanner()
     contexts, errors = [], []
     for option in candidate_contexts(ctx):
@@ -115,7 +124,7 @@ def _candidate_plans(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinP
         if option.cost.routing != ctx.cost.routing:
             plans = [dataclasses.replace(p, routed=False) for p in plans]
         contexts.append((option, plans))
-    baselines = baseline_candidates(seq_lens, ctx)   # so no baseline's plan is faster
+    baselines = baseline_drafts(seq_lens, ctx)   # so no baseline's plan is faster
     if not contexts and not baselines:
         raise errors[0]
     return contexts, baselines

@@ -132,7 +132,7 @@ def record_case(case: Case) -> dict:
     ctx = case.context()
     return {"pick": digest(DecidingZeppelinPlanner().plan(case.lens, ctx)),
             "candidates": [digest(p) for p in decision_candidates(case.lens, ctx)],
-            "sources": {name: [digest(p) for p in source(case.lens, ctx)] for name, source in SOURCES.items()}}
+            "sources": {name: [digest(d.plan()) for d in source(case.lens, ctx)] for name, source in SOURCES.items()}}
 
 
 def main() -> None:

@@ -1,14 +1,14 @@
 """The decision's branch and bound (``planner/fastest.py``): it picks what
 ``min`` picks, ties included, while pricing fewer plans, and its bound
-(``surrogate.step_floor``) is below the surrogate's step on every candidate."""
+(``surrogate.layout_floor``) is below the surrogate's step on every candidate."""
 
 from __future__ import annotations
 
 import math
 
-from megatron_zeppelin.planner.baseline_candidates import baseline_candidates
-from megatron_zeppelin.planner.fastest import first_least, floor_of, surrogate_cost
-from megatron_zeppelin.planner.surrogate import StepSurrogate, step_floor, surrogate_clock
+from megatron_zeppelin.planner.baseline_candidates import baseline_candidates, baseline_drafts
+from megatron_zeppelin.planner.fastest import Floor, first_least, surrogate_cost
+from megatron_zeppelin.planner.surrogate import StepSurrogate, layout_floor, step_floor, surrogate_clock
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
 from megatron_zeppelin.planner.zeppelin_decide import candidate_contexts, decide, decision_candidates
 from megatron_zeppelin.sampler.lengths import resolve_lengths
@@ -44,6 +44,10 @@ def test_the_decision_picks_the_exhaustive_pick_pricing_fewer_plans(monkeypatch)
         plans = decision_candidates(case.lens, ctx)
         surrogate = StepSurrogate(ctx.cost)
         assert all(step_floor(ctx.cost, p) < surrogate.step_s(p) for p in plans)
+        # A baseline's layout gets the bound its plan gets, before the plan is built.
+        for draft, build in baseline_drafts(case.lens, ctx):
+            assert (layout_floor(ctx.cost, draft.seq_lens, draft.attention, draft.tokens_per_rank())
+                    == step_floor(ctx.cost, build()))
         exhaustive = min(plans, key=surrogate.step_s)
         with monkeypatch.context() as m:
             m.setattr(StepSurrogate, "step_s", counted)
@@ -60,4 +64,4 @@ def test_the_surrogate_clock_has_a_floor_and_other_step_models_none():
     cost = latency_case(8, 0).context().cost
     assert surrogate_cost(surrogate_clock(cost)) == cost
     assert surrogate_cost(lambda plan: 0.0) is None
-    assert floor_of(lambda plan: 0.0)(None) == -math.inf
+    assert Floor(lambda plan: 0.0).of_plan(None) == -math.inf
