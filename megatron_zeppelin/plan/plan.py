@@ -336,7 +336,8 @@ def attention_tokens(world_size: int, attention: Sequence[SeqPlacement]) -> list
     tokens = [0] * world_size
     for p in attention:
         for r, ranges in zip(p.ranks, p.shards):
-            tokens[r] += sum(e - s for s, e in ranges)
+            for s, e in ranges:
+                tokens[r] += e - s
     return tokens
 
 

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, SeqPlacement, placement
-from megatron_zeppelin.plan.shards import contiguous_shards, zigzag_shards
+from megatron_zeppelin.plan.shards import chunk_bounds
 
 #: ``shares(length, rank_loads) -> tokens per rank of the bin`` (same order).
 Shares = Callable[[int, Sequence[int]], Sequence[int]]
@@ -126,7 +126,8 @@ def zigzag_or_one_rank(length: int, loads: Sequence[int]) -> list[int]:
     k = len(loads)
     if k == 1 or length < 2 * k:
         return one_rank(length, loads)
-    return [sum(e - s for s, e in ranges) for ranges in zigzag_shards(length, k)]
+    b = chunk_bounds(length, 2 * k)     # rank i holds chunks i and 2k-1-i (zigzag_shards)
+    return [b[i + 1] - b[i] + b[2 * k - i] - b[2 * k - 1 - i] for i in range(k)]
 
 
 def contiguous_or_one_rank(length: int, loads: Sequence[int]) -> list[int]:
@@ -135,7 +136,8 @@ def contiguous_or_one_rank(length: int, loads: Sequence[int]) -> list[int]:
     k = len(loads)
     if k == 1 or length < 2 * k:
         return one_rank(length, loads)
-    return [sum(e - s for s, e in ranges) for ranges in contiguous_shards(length, k)]
+    b = chunk_bounds(length, k)         # contiguous_shards' boundaries
+    return [b[i + 1] - b[i] for i in range(k)]
 
 
 def placements(bins: Bins, seq_lens: Sequence[int], mode: Mode,

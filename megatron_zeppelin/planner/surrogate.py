@@ -546,8 +546,11 @@ def layout_floor(cost: CostModel, seq_lens: Sequence[int], attention: Sequence[S
                 pairs[r] += share
             continue
         for r, ranges in zip(p.ranks, p.shards):
-            tokens = sum(e - s for s, e in ranges)
-            pairs[r] += sum((e * (e + 1) - s * (s + 1)) // 2 for s, e in ranges) * (1 + half / tokens)
+            tokens = held = 0
+            for s, e in ranges:
+                tokens += e - s
+                held += (e * (e + 1) - s * (s + 1)) // 2
+            pairs[r] += held * (1 + half / tokens)
     attn = np.asarray(pairs) * per_pair
     tokens, of = np.unique(np.asarray(linear_tokens, np.int64), return_inverse=True)
     lin = np.array([cost.linear_s(t) for t in tokens.tolist()])[of.reshape(-1)]
