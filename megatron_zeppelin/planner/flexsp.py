@@ -158,10 +158,11 @@ def ulysses_sizes(world_size: int, kv_heads: int) -> list[int]:
 def seq_time_fn(cost: CostModel) -> Callable[[int, int], float]:
     """``t(L, d)``: seconds of one sequence on an aligned Ulysses group of ``d`` ranks
     (attention on ``heads/d``, all-to-alls, and ``1/d`` of the linear work)."""
+    link = lru_cache(maxsize=None)(lambda d: cost.alltoall_link(range(d)))     # one per group size
+
     @lru_cache(maxsize=None)
     def t(length: int, d: int) -> float:
-        link = cost.alltoall_link(range(d))
-        return cost.ulysses_cost([length], d, link, latency=False).total_s + cost.linear_s(length) / d
+        return cost.ulysses_cost([length], d, link(d), latency=False).total_s + cost.linear_s(length) / d
     return t
 
 
