@@ -31,6 +31,11 @@ one all-to-all where the engine runs one per sequence
 Above :data:`MAX_SEQUENCES_ALL_SOURCES` sequences only static CP's layouts
 are offered: building the others' plans costs seconds at 1,024 GPUs.
 
+A source lays out :class:`Draft`\s, placements without a Plan: the decision
+bounds each by the surrogate's floor of its layout and builds (and validates)
+only the plans it prices (:func:`baseline_drafts`); :func:`baseline_candidates`
+builds them all.
+
 Baselines run every crossing direct (NCCL p2p, each GPU through its own NIC):
 each candidate is offered direct, and, where the run routes and the plan has a
 ring across nodes, also routed (the only messages routing changes).  With the
@@ -192,13 +197,16 @@ def baseline_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[tuple[Dra
     routed or direct)."""
     if ctx.remap_enabled and not ctx.remap_decided:
         return []
-    layouts: dict[tuple, Draft] = {}
+    layouts: list[Draft] = []
     sources = SOURCES.values() if len(seq_lens) <= MAX_SEQUENCES_ALL_SOURCES else (uniform_cp_drafts,)
     for source in sources:
         for draft in source(seq_lens, ctx):
-            layouts.setdefault(draft.attention, draft)
+            # Compared, not hashed: two layouts differ in their first placements, and
+            # hashing one costs every placement.
+            if all(draft.attention != kept.attention for kept in layouts):
+                layouts.append(draft)
     out = []
-    for draft in layouts.values():
+    for draft in layouts:
         # Relabelled: the engine runs it, and the replay times it, as Zeppelin's own.
         if ctx.cost.routing and draft.crosses_nodes_in_a_ring():
             out.append((draft, lambda d=draft: dataclasses.replace(d.plan(), strategy=ZeppelinPlanner.name)))

@@ -28,10 +28,10 @@ def first_least(candidates: Sequence[Candidate]) -> T:
     best: tuple[float, int, T] | None = None
     for i in sorted(range(len(candidates)), key=lambda i: (candidates[i][0], i)):
         bound, price = candidates[i]
-        if best is not None and (bound > best[0] or (bound == best[0] and i > best[1])):
-            if bound > best[0]:
-                break           # every later bound is at least this one
-            continue
+        if best is not None and bound > best[0]:
+            break               # every later bound is at least this one
+        if best is not None and bound == best[0] and i > best[1]:
+            continue            # at best a tie, and a later candidate loses ties
         step, result = price()
         if best is None or step < best[0] or (step == best[0] and i < best[1]):
             best = (step, i, result)
