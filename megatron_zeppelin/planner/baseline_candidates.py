@@ -53,7 +53,7 @@ from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, attention_tokens
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.flexsp import greedy_groups, group_placements, seq_time_fn, ulysses_sizes
-from megatron_zeppelin.planner.hybrid_cp import HybridCpPlanner, hybrid_cp_rounds
+from megatron_zeppelin.planner.hybrid_cp import HybridCpPlanner, hybrid_cp_schedule
 from megatron_zeppelin.planner.hybrid_cp import group_placements as cp_group_placements
 from megatron_zeppelin.planner.packing import check_lengths
 from megatron_zeppelin.planner.rounds import merge_rounds
@@ -138,10 +138,11 @@ def hybrid_cp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
     """Megatron's hybrid CP schedule when it is one round within the cap."""
     lens = check_lengths(seq_lens)
     try:
-        rounds = hybrid_cp_rounds(lens, ctx.tokens_per_gpu, ctx.topology.world_size)
-        if len(rounds) > 1:
+        # The first round says whether another follows: no need to schedule it.
+        groups, more = next(hybrid_cp_schedule(lens, ctx.tokens_per_gpu, ctx.topology.world_size), ([], False))
+        if more:
             return []
-        draft = _draft(HybridCpPlanner.name, ctx, lens, cp_group_placements(rounds[0], lens))
+        draft = _draft(HybridCpPlanner.name, ctx, lens, cp_group_placements(groups, lens))
     except InfeasibleError:
         return []
     # One round of groups can hold more than the cap (sub-samples run one after another).
