@@ -86,6 +86,8 @@ class Draft:
     """Every sequence's placement."""
     token_cap: int
     """The per-GPU cap it holds."""
+    tokens: list[int] | None = field(default=None, repr=False)
+    """Every rank's tokens, in both layouts (None: not counted yet)."""
     built: Plan | None = field(default=None, repr=False)
     """The Plan once :meth:`plan` built it."""
 
@@ -96,7 +98,9 @@ class Draft:
 
     def tokens_per_rank(self) -> list[int]:
         """Every rank's tokens, in both layouts."""
-        return attention_tokens(self.topology.world_size, self.attention)
+        if self.tokens is None:
+            self.tokens = attention_tokens(self.topology.world_size, self.attention)
+        return self.tokens
 
     def crosses_nodes_in_a_ring(self) -> bool:
         """Whether routing changes any message of the plan: only rings route (an
@@ -105,8 +109,9 @@ class Draft:
         return any(p.mode is Mode.RING and len({r // g for r in p.ranks}) > 1 for p in self.attention)
 
 
-def _draft(strategy: str, ctx: PlanContext, lens: Sequence[int], attention: Sequence[SeqPlacement]) -> Draft:
-    return Draft(strategy, ctx.topology, tuple(lens), tuple(attention), ctx.tokens_per_gpu)
+def _draft(strategy: str, ctx: PlanContext, lens: Sequence[int], attention: Sequence[SeqPlacement],
+           tokens: list[int] | None = None) -> Draft:
+    return Draft(strategy, ctx.topology, tuple(lens), tuple(attention), ctx.tokens_per_gpu, tokens)
 
 
 def uniform_cp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
@@ -230,11 +235,11 @@ def _static_drafts(planner: StaticGroupPlanner, seq_lens: Sequence[int], ctx: Pl
         if world % size or -(-longest // size) > cap:
             continue
         try:
-            attention = planner.one_pass(lens, dataclasses.replace(ctx, cp_size=size))
+            packed = planner.one_pass(lens, dataclasses.replace(ctx, cp_size=size))
         except InfeasibleError:
             continue
-        if attention is not None:
-            out.append(_draft(planner.name, ctx, lens, attention))
+        if packed is not None:
+            out.append(_draft(planner.name, ctx, lens, *packed))
     return out
 
 

@@ -196,7 +196,7 @@ class _SeqSizes:
 
 def _seq_sizes(lengths: Sequence[int], shortest: Sequence[int], sizes: Sequence[int], cap: int,
                t: Callable[[int, int], float]) -> _SeqSizes:
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)   # stable: ties by index
     fits = [[_fits(lengths[i], shortest[i], d, cap) for d in sizes] for i in order]
     seconds = [[t(lengths[i], d) if ok else 0.0 for d, ok in zip(sizes, f)] for i, f in zip(order, fits)]
     tokens = [[-(-lengths[i] // d) for d in sizes] for i in order]

@@ -50,7 +50,7 @@ def pack_longest_first(seq_lens: Sequence[int], bins: Bins, shares: Shares, *, s
     """Place every sequence on the bin with the fewest tokens where it fits.
 
     Raises :class:`InfeasibleError` naming the first sequence that fits nowhere."""
-    order = sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i))
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__, reverse=True)   # stable: ties by index
     for seq in order:
         L = seq_lens[seq]
         if not _place(bins, seq, L, shares):
@@ -74,7 +74,7 @@ def pack_in_rounds(seq_lens: Sequence[int], make_bins: Callable[[], Bins], share
     rounds = []
     while remaining:
         bins, placed, deferred = make_bins(), [], []
-        for seq in sorted(remaining, key=lambda i: (-seq_lens[i], i)):
+        for seq in sorted(remaining, key=seq_lens.__getitem__, reverse=True):   # stable: ties by index
             if _place(bins, seq, seq_lens[seq], shares):
                 placed.append(seq)
             else:

@@ -45,10 +45,11 @@ class StaticGroupPlanner(ABC):
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         return self.plan_rounds(seq_lens, ctx).merged
 
-    def one_pass(self, seq_lens: Sequence[int], ctx: PlanContext) -> list[SeqPlacement] | None:
-        """The placements of :meth:`plan` when the batch fits one pass, else
-        None, without packing the rounds that would follow or building a Plan.
-        Raises :class:`InfeasibleError` as :meth:`group_size` does."""
+    def one_pass(self, seq_lens: Sequence[int], ctx: PlanContext) -> tuple[list[SeqPlacement], list[int]] | None:
+        """The placements of :meth:`plan` and every rank's tokens when the batch
+        fits one pass, else None, without packing the rounds that would follow
+        or building a Plan.  Raises :class:`InfeasibleError` as
+        :meth:`group_size` does."""
         lens = check_lengths(seq_lens)
         d = self.group_size(lens, ctx)
         try:    # the first round as pack_in_rounds packs it, when nothing waits for a second
@@ -56,7 +57,7 @@ class StaticGroupPlanner(ABC):
                                       what=self._what(d))
         except InfeasibleError:
             return None
-        return self._placements(bins, lens, d)
+        return self._placements(bins, lens, d), [tokens for loads in bins.loads for tokens in loads]
 
     def _bins(self, d: int, ctx: PlanContext) -> Bins:
         return Bins(ctx.topology.world_size // d, d, ctx.tokens_per_gpu)

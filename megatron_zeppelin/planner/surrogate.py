@@ -535,6 +535,7 @@ def layout_floor(cost: CostModel, seq_lens: Sequence[int], attention: Sequence[S
     per_pair = m.attn_flops_per_pair * (1 + ATTN_BWD_RATIO) / (g.peak_tflops * 1e12 * g.attn_efficiency)
     half, local, ulysses = g.attn_half_block, Mode.LOCAL, Mode.ULYSSES
     pairs = [0.0] * len(linear_tokens)      # causal pairs per rank, each times its block's slowdown
+    ring: dict[tuple[int, int], list[float]] = {}     # per position of a zigzag ring of (length, size): lengths repeat
     for p in attention:
         mode, L = p.mode, seq_lens[p.seq]
         if mode is local:
@@ -545,12 +546,13 @@ def layout_floor(cost: CostModel, seq_lens: Sequence[int], attention: Sequence[S
             for r in p.ranks:
                 pairs[r] += share
             continue
-        for r, ranges in zip(p.ranks, p.shards):
-            tokens = held = 0
-            for s, e in ranges:
-                tokens += e - s
-                held += (e * (e + 1) - s * (s + 1)) // 2
-            pairs[r] += held * (1 + half / tokens)
+        shares = ring.get((L, len(p.ranks)))
+        if shares is None:
+            shares = ring[L, len(p.ranks)] = [
+                sum((e * (e + 1) - s * (s + 1)) // 2 for s, e in ranges) * (1 + half / sum(e - s for s, e in ranges))
+                for ranges in p.shards]
+        for r, share in zip(p.ranks, shares):
+            pairs[r] += share
     attn = np.asarray(pairs) * per_pair
     tokens, of = np.unique(np.asarray(linear_tokens, np.int64), return_inverse=True)
     lin = np.array([cost.linear_s(t) for t in tokens.tolist()])[of.reshape(-1)]
