@@ -11,6 +11,7 @@ sequence's tokens spread over those ranks is the caller's ``shares`` function
 from __future__ import annotations
 
 import heapq
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -119,25 +120,39 @@ def one_rank(length: int, loads: Sequence[int]) -> list[int]:
     return share
 
 
-def zigzag_or_one_rank(length: int, loads: Sequence[int]) -> list[int]:
+def zigzag_or_one_rank(length: int, loads: Sequence[int]) -> Sequence[int]:
     """Zigzag shares over the whole bin (a CP ring); a sequence too short for ``2k``
     chunks stays on one rank, because a Plan cannot express the padding TE and
     Megatron add to reach ``2k`` tokens."""
     k = len(loads)
     if k == 1 or length < 2 * k:
         return one_rank(length, loads)
-    b = chunk_bounds(length, 2 * k)     # rank i holds chunks i and 2k-1-i (zigzag_shards)
-    return [b[i + 1] - b[i] + b[2 * k - i] - b[2 * k - 1 - i] for i in range(k)]
+    return _zigzag_tokens(length, k)
 
 
-def contiguous_or_one_rank(length: int, loads: Sequence[int]) -> list[int]:
+def contiguous_or_one_rank(length: int, loads: Sequence[int]) -> Sequence[int]:
     """Contiguous Ulysses shares over the whole bin; a sequence too short for
     ``2k`` tokens stays on one rank (as in :func:`zigzag_or_one_rank`)."""
     k = len(loads)
     if k == 1 or length < 2 * k:
         return one_rank(length, loads)
-    b = chunk_bounds(length, k)         # contiguous_shards' boundaries
-    return [b[i + 1] - b[i] for i in range(k)]
+    return _contiguous_tokens(length, k)
+
+
+# Cached: a batch repeats lengths, and a sequence's shares are asked of every bin it tries.
+@lru_cache(maxsize=1 << 16)
+def _zigzag_tokens(length: int, k: int) -> tuple[int, ...]:
+    """Tokens per rank of :func:`~megatron_zeppelin.plan.shards.zigzag_shards`:
+    rank ``i`` holds chunks ``i`` and ``2k-1-i``."""
+    b = chunk_bounds(length, 2 * k)
+    return tuple(b[i + 1] - b[i] + b[2 * k - i] - b[2 * k - 1 - i] for i in range(k))
+
+
+@lru_cache(maxsize=1 << 16)
+def _contiguous_tokens(length: int, k: int) -> tuple[int, ...]:
+    """Tokens per rank of :func:`~megatron_zeppelin.plan.shards.contiguous_shards`."""
+    b = chunk_bounds(length, k)
+    return tuple(b[i + 1] - b[i] for i in range(k))
 
 
 def placements(bins: Bins, seq_lens: Sequence[int], mode: Mode,

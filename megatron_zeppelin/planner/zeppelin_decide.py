@@ -44,6 +44,7 @@ from megatron_zeppelin.planner.baseline_candidates import Draft, baseline_drafts
 from megatron_zeppelin.planner.fastest import Floor, fastest, first_least, surrogate_cost
 from megatron_zeppelin.planner.surrogate import StepSurrogate
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
+from megatron_zeppelin.planner.zeppelin.planner import gc_paused
 
 
 def candidate_contexts(ctx: PlanContext) -> list[PlanContext]:
@@ -64,7 +65,11 @@ class DecidingZeppelinPlanner:
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         if ctx.step_model is None:
             return self.inner.plan(seq_lens, ctx)
-        return decide(seq_lens, ctx, self.inner)
+        # One pause of the cyclic collector for every candidate (ZeppelinPlanner's
+        # reason): each pass_plans ending its own pause ran a full collection
+        # over the plans built so far (~80 ms a context at 4,096 GPUs).
+        with gc_paused():
+            return decide(seq_lens, ctx, self.inner)
 
 
 def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None = None) -> Plan:
