@@ -130,7 +130,7 @@ class Plan:
         return attention_tokens(self.world_size, self.attention)
 
     def linear_tokens_per_rank(self) -> list[int]:
-        return [sum(s.length for s in spans) for spans in self.linear]
+        return [sum([s.end - s.start for s in spans]) for spans in self.linear]
 
     def attn_pairs_per_rank(self, num_heads: int = 1) -> list[int]:
         """Causal (query, key) pairs each rank computes.  A Ulysses rank computes

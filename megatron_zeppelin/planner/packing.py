@@ -161,8 +161,11 @@ def placements(bins: Bins, seq_lens: Sequence[int], mode: Mode,
     a sequence held by one rank is local there, any other is split in ``mode``."""
     out = []
     for b, items in enumerate(bins.items):
-        ranks = [first_rank(b) + i for i in range(bins.width)]
+        ranks = tuple(first_rank(b) + i for i in range(bins.width))
         for seq, share in items:
+            if len(ranks) > 1 and 0 not in share:     # every rank holds a part (the usual split)
+                out.append(placement(seq, seq_lens[seq], mode, ranks))
+                continue
             holders = [r for r, s in zip(ranks, share) if s]
             if len(holders) == 1:
                 out.append(placement(seq, seq_lens[seq], Mode.LOCAL, holders))
