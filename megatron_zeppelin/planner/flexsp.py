@@ -35,6 +35,7 @@ latency and the timeline charges it once per group.
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
@@ -192,6 +193,13 @@ class _SeqSizes:
     """``seconds[j][k]``: its time there, ``t(L, sizes[k])`` (unused where it does not fit)."""
     tokens: list[list[int]]
     """``tokens[j][k]``: its tokens per GPU there, ``ceil(L / sizes[k])``."""
+    least_after: list[tuple[list[float], list[float]]]
+    """Every ``PRUNE_EVERY`` sequences ``j``: per size the least seconds and the
+    least tokens of the sequences from ``j`` on that fit it (inf: none)."""
+
+
+#: :func:`_first_fit` drops the groups that no later sequence fits every this many sequences.
+PRUNE_EVERY = 32
 
 
 def _seq_sizes(lengths: Sequence[int], shortest: Sequence[int], sizes: Sequence[int], cap: int,
@@ -200,7 +208,16 @@ def _seq_sizes(lengths: Sequence[int], shortest: Sequence[int], sizes: Sequence[
     fits = [[_fits(lengths[i], shortest[i], d, cap) for d in sizes] for i in order]
     seconds = [[t(lengths[i], d) if ok else 0.0 for d, ok in zip(sizes, f)] for i, f in zip(order, fits)]
     tokens = [[-(-lengths[i] // d) for d in sizes] for i in order]
-    return _SeqSizes(order, fits, seconds, tokens)
+    # Per size, each sequence's seconds and tokens where it fits (inf where not)...
+    col_s = [[x[k] if f[k] else math.inf for x, f in zip(seconds, fits)] for k in range(len(sizes))]
+    col_t = [[x[k] if f[k] else math.inf for x, f in zip(tokens, fits)] for k in range(len(sizes))]
+    least_s, least_t = [math.inf] * len(sizes), [math.inf] * len(sizes)
+    least_after = []
+    for j in reversed(range(0, len(order), PRUNE_EVERY)):     # ... least from each block's first on
+        least_s = [min(a, *c[j:j + PRUNE_EVERY]) for a, c in zip(least_s, col_s)]
+        least_t = [min(a, *c[j:j + PRUNE_EVERY]) for a, c in zip(least_t, col_t)]
+        least_after.append((least_s, least_t))
+    return _SeqSizes(order, fits, seconds, tokens, least_after[::-1])
 
 
 def _first_fit(seqs: _SeqSizes, sizes: Sequence[int], world: int, cap: int, limit: float) -> list[Group] | None:
@@ -209,9 +226,13 @@ def _first_fit(seqs: _SeqSizes, sizes: Sequence[int], world: int, cap: int, limi
     a group of the smallest size that runs it within ``limit`` (least
     communication, fewest GPUs)."""
     groups: list[list] = []  # [size index, members, seconds, tokens per GPU]
+    open_ = groups           # those some later sequence may still fit (the first fit is among them)
     used = 0
-    for i, fits, seconds, tokens in zip(seqs.order, seqs.fits, seqs.seconds, seqs.tokens):
-        g = next((g for g in groups if fits[g[0]] and g[2] + seconds[g[0]] <= limit
+    for j, (i, fits, seconds, tokens) in enumerate(zip(seqs.order, seqs.fits, seqs.seconds, seqs.tokens)):
+        if j % PRUNE_EVERY == 0 and j:
+            least_s, least_t = seqs.least_after[j // PRUNE_EVERY]
+            open_ = [g for g in open_ if g[2] + least_s[g[0]] <= limit and g[3] + least_t[g[0]] <= cap]
+        g = next((g for g in open_ if fits[g[0]] and g[2] + seconds[g[0]] <= limit
                   and g[3] + tokens[g[0]] <= cap), None)
         if g is None:
             k = next((k for k, ok in enumerate(fits) if ok and seconds[k] <= limit), None)
@@ -220,6 +241,8 @@ def _first_fit(seqs: _SeqSizes, sizes: Sequence[int], world: int, cap: int, limi
                 return None
             g = [k, [], 0.0, 0]
             groups.append(g)
+            if open_ is not groups:
+                open_.append(g)
         g[1].append(i)
         g[2] += seconds[g[0]]
         g[3] += tokens[g[0]]
