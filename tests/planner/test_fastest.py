@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from megatron_zeppelin.errors import InfeasibleError
+from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.baseline_candidates import baseline_candidates, baseline_drafts
 from megatron_zeppelin.planner.fastest import Floor, first_least, surrogate_cost
 from megatron_zeppelin.planner.surrogate import StepSurrogate, layout_floor, step_floor, surrogate_clock
@@ -13,6 +17,7 @@ from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
 from megatron_zeppelin.planner.zeppelin_decide import candidate_contexts, decide, decision_candidates
 from megatron_zeppelin.sampler.lengths import resolve_lengths
 from tests.planner.decision_picks import latency_case, matrix_case
+from tests.planner.test_containment import CLUSTERS, cost_of
 
 
 def test_first_least_is_min_with_first_ties_and_skips_what_cannot_win():
@@ -65,3 +70,30 @@ def test_the_surrogate_clock_has_a_floor_and_other_step_models_none():
     assert surrogate_cost(surrogate_clock(cost)) == cost
     assert surrogate_cost(lambda plan: 0.0) is None
     assert Floor(lambda plan: 0.0).of_plan(None) == -math.inf
+
+
+def test_the_floor_is_below_the_surrogate_on_random_batches():
+    """Every pass plan of every context and every baseline plan, on 24 random
+    batches of 2 to 16 GPUs (both clusters of the containment test, routing and
+    remap on and off, short and long sequences)."""
+    rng = np.random.default_rng(7)
+    checked = 0
+    for _ in range(24):
+        nodes, gpn = int(rng.integers(1, 3)), int(rng.choice([2, 4, 8]))
+        cap = int(rng.choice([1024, 2048, 4096]))
+        cost = cost_of(str(rng.choice(CLUSTERS)), nodes, gpn).routed(bool(rng.integers(2)))
+        world = nodes * gpn
+        lens = [int(x) for x in rng.integers(16, cap * min(world, 4), int(rng.integers(1, 4 * world)))]
+        lens = lens[:max(1, int(np.searchsorted(np.cumsum(lens), 0.9 * cap * world)))]
+        ctx = PlanContext(cost=cost, tokens_per_gpu=cap, remap_enabled=bool(rng.integers(2)),
+                          step_model=surrogate_clock(cost))
+        try:
+            plans = [p for o in candidate_contexts(ctx) for p in ZeppelinPlanner().pass_plans(lens, o)]
+        except InfeasibleError:
+            continue
+        plans += baseline_candidates(lens, ctx)
+        surrogate = StepSurrogate(cost)
+        for plan in plans:
+            assert step_floor(cost, plan) <= surrogate.step_s(plan)
+            checked += 1
+    assert checked > 100
