@@ -29,8 +29,9 @@ class ZeppelinPlanner:
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         # The passes' plans compared by the project's clock (the replay's step,
         # through its certified surrogate): ties keep the first pass.
-        plans = self.pass_plans(seq_lens, ctx)
-        return plans[0] if len(plans) == 1 else fastest(plans, StepSurrogate(ctx.cost).step_s)
+        with gc_paused():
+            plans = self._pass_plans(seq_lens, ctx)
+            return plans[0] if len(plans) == 1 else fastest(plans, StepSurrogate(ctx.cost).step_s)
 
     def pass_plans(self, seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
         """The plans of the packing passes the batch allows, in pass order (the
