@@ -138,7 +138,7 @@ def latency(args: argparse.Namespace) -> str:
         row = [str(world), str(len(lens))]
         for source in SOURCES.values():
             c0 = time.process_time()
-            plans = source(lens, ctx)
+            plans = [draft.plan() for draft in source(lens, ctx)]
             row.append(f"{len(plans)}, {(time.process_time() - c0) * 1e3:.0f}")
         for run in (lambda: baseline_candidates(lens, ctx), lambda: get_planner("zeppelin").inner.plan(lens, ctx)):
             c0 = time.process_time()

@@ -15,7 +15,8 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Iterable, Sequence
+from functools import lru_cache
+from typing import Any, Sequence
 
 from megatron_zeppelin.errors import PlanError
 from megatron_zeppelin.plan.shards import Range, causal_pairs, contiguous_shards, zigzag_shards
@@ -126,10 +127,10 @@ class Plan:
         return cached
 
     def attention_tokens_per_rank(self) -> list[int]:
-        return [sum(s.length for s in spans) for spans in self._attention_index()]
+        return attention_tokens(self.world_size, self.attention)
 
     def linear_tokens_per_rank(self) -> list[int]:
-        return [sum(s.length for s in spans) for spans in self.linear]
+        return [sum([s.end - s.start for s in spans]) for spans in self.linear]
 
     def attn_pairs_per_rank(self, num_heads: int = 1) -> list[int]:
         """Causal (query, key) pairs each rank computes.  A Ulysses rank computes
@@ -195,11 +196,14 @@ class Plan:
             raise PlanError(f"plan: world size {w} is not a multiple of gpus_per_node "
                             f"{self.gpus_per_node}")
         seen: set[int] = set()
+        local = Mode.LOCAL
         for p in self.attention:
             L = self._seq_len(p.seq, "attention")
             if p.seq in seen:
                 raise PlanError(f"plan: sequence {p.seq} is placed twice in the attention layout")
             seen.add(p.seq)
+            if p.mode is local and len(p.ranks) == 1 and 0 <= p.ranks[0] < w and p.shards == (((0, L),),):
+                continue    # a valid local placement (most of a batch): the checks below would pass
             if not p.ranks or len(set(p.ranks)) != len(p.ranks) or any(not 0 <= r < w for r in p.ranks):
                 raise PlanError(f"plan: sequence {p.seq} has invalid ranks {list(p.ranks)} "
                                 f"(must be distinct, in 0..{w - 1})")
@@ -319,9 +323,23 @@ def attention_buffers(world_size: int, attention: Sequence[SeqPlacement]) -> lis
             (s, e), = p.shards[0]
             buffers[p.ranks[0]].append(Span(p.seq, s, e))
             continue
+        seq = p.seq
         for rank, ranges in zip(p.ranks, p.shards):
-            buffers[rank].extend(Span(p.seq, s, e) for s, e in ranges)
+            buffer = buffers[rank]
+            for s, e in ranges:
+                buffer.append(Span(seq, s, e))
     return buffers
+
+
+def attention_tokens(world_size: int, attention: Sequence[SeqPlacement]) -> list[int]:
+    """Every rank's token count in the attention layout, from the placements
+    (building every rank's spans, as :func:`attention_buffers` does, costs more)."""
+    tokens = [0] * world_size
+    for p in attention:
+        for r, ranges in zip(p.ranks, p.shards):
+            for s, e in ranges:
+                tokens[r] += e - s
+    return tokens
 
 
 def _expected_shards(mode: Mode, length: int, size: int) -> tuple | None:
@@ -329,6 +347,16 @@ def _expected_shards(mode: Mode, length: int, size: int) -> tuple | None:
         return (((0, length),),) if size == 1 else None
     if size < 2 or length < 2 * size:
         return None
+    return _shards(mode, length, size)
+
+
+@lru_cache(maxsize=1 << 16)
+def _shards(mode: Mode, length: int, size: int) -> tuple[tuple[Range, ...], ...]:
+    """The shards of a sequence of ``length`` in ``mode`` over ``size`` ranks.
+    Cached: a batch repeats lengths (16,384 sequences at 1,024 GPUs hold about
+    3,300 distinct ones), and a plan's builder and its validation ask alike."""
+    if mode is Mode.LOCAL:
+        return (((0, length),),)
     shards = zigzag_shards(length, size) if mode is Mode.RING else contiguous_shards(length, size)
     return tuple(tuple(ranges) for ranges in shards)
 
@@ -336,10 +364,4 @@ def _expected_shards(mode: Mode, length: int, size: int) -> tuple | None:
 def placement(seq: int, length: int, mode: Mode, ranks: Sequence[int]) -> SeqPlacement:
     """The canonical placement of a sequence in ``mode`` over ``ranks``."""
     ranks = tuple(ranks)
-    if mode is Mode.LOCAL:
-        shards: Iterable = (((0, length),),)
-    elif mode is Mode.RING:
-        shards = zigzag_shards(length, len(ranks))
-    else:
-        shards = contiguous_shards(length, len(ranks))
-    return SeqPlacement(seq, mode, ranks, tuple(tuple(r) for r in shards))
+    return SeqPlacement(seq, mode, ranks, _shards(mode, length, len(ranks)))

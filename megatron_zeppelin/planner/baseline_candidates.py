@@ -31,6 +31,11 @@ one all-to-all where the engine runs one per sequence
 Above :data:`MAX_SEQUENCES_ALL_SOURCES` sequences only static CP's layouts
 are offered: building the others' plans costs seconds at 1,024 GPUs.
 
+A source lays out :class:`Draft`\s, placements without a Plan: the decision
+bounds each by the surrogate's floor of its layout and builds (and validates)
+only the plans it prices (:func:`baseline_drafts`); :func:`baseline_candidates`
+builds them all.
+
 Baselines run every crossing direct (NCCL p2p, each GPU through its own NIC):
 each candidate is offered direct, and, where the run routes and the plan has a
 ring across nodes, also routed (the only messages routing changes).  With the
@@ -41,19 +46,22 @@ layouts do not remap.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.plan import Mode, Plan
+from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, attention_tokens
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.flexsp import greedy_groups, group_placements, seq_time_fn, ulysses_sizes
-from megatron_zeppelin.planner.hybrid_cp import HybridCpPlanner
+from megatron_zeppelin.planner.hybrid_cp import HybridCpPlanner, hybrid_cp_schedule
+from megatron_zeppelin.planner.hybrid_cp import group_placements as cp_group_placements
 from megatron_zeppelin.planner.packing import check_lengths
 from megatron_zeppelin.planner.rounds import merge_rounds
 from megatron_zeppelin.planner.static_groups import StaticGroupPlanner
 from megatron_zeppelin.planner.te_cp import TeCpPlanner
 from megatron_zeppelin.planner.ulysses_sp import UlyssesSpPlanner
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
+from megatron_zeppelin.topology import Topology
 
 #: Static CP sizes tried (and Ulysses sizes beyond a node): a wider ring holds
 #: the same tokens in more steps, so a user (and the simulator's layout
@@ -62,14 +70,58 @@ from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
 STATIC_CP_SIZES = 2
 
 
-def uniform_cp_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
+@dataclass
+class Draft:
+    """A baseline's one-pass layout of the batch; its Plan (the linear layout
+    equal to the attention layout, validated) is built on first use, so the
+    decision builds only the plans it prices."""
+
+    strategy: str
+    """The baseline that laid it out."""
+    topology: Topology
+    """The cluster's ranks."""
+    seq_lens: tuple[int, ...]
+    """The batch."""
+    attention: tuple[SeqPlacement, ...]
+    """Every sequence's placement."""
+    token_cap: int
+    """The per-GPU cap it holds."""
+    tokens: list[int] | None = field(default=None, repr=False)
+    """Every rank's tokens, in both layouts (None: not counted yet)."""
+    built: Plan | None = field(default=None, repr=False)
+    """The Plan once :meth:`plan` built it."""
+
+    def plan(self) -> Plan:
+        if self.built is None:
+            self.built = merge_rounds(self.strategy, self.topology, self.seq_lens, [self.attention], self.token_cap)
+        return self.built
+
+    def tokens_per_rank(self) -> list[int]:
+        """Every rank's tokens, in both layouts."""
+        if self.tokens is None:
+            self.tokens = attention_tokens(self.topology.world_size, self.attention)
+        return self.tokens
+
+    def crosses_nodes_in_a_ring(self) -> bool:
+        """Whether routing changes any message of the plan: only rings route (an
+        all-to-all and the remap it does not have run direct)."""
+        g = self.topology.gpus_per_node
+        return any(p.mode is Mode.RING and len({r // g for r in p.ranks}) > 1 for p in self.attention)
+
+
+def _draft(strategy: str, ctx: PlanContext, lens: Sequence[int], attention: Sequence[SeqPlacement],
+           tokens: list[int] | None = None) -> Draft:
+    return Draft(strategy, ctx.topology, tuple(lens), tuple(attention), ctx.tokens_per_gpu, tokens)
+
+
+def uniform_cp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
     """Static CP's layouts that hold the batch in one pass: the smallest such CP
     size and the next (``c = 1``: every sequence whole on one rank)."""
-    return _static_plans(TeCpPlanner(), seq_lens, ctx, sizes=_powers_of_two(1, ctx.topology.world_size),
-                         keep=STATIC_CP_SIZES)
+    return _static_drafts(TeCpPlanner(), seq_lens, ctx, sizes=_powers_of_two(1, ctx.topology.world_size),
+                          keep=STATIC_CP_SIZES)
 
 
-def static_ulysses_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
+def static_ulysses_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
     """Static Ulysses SP's layouts that hold the batch in one pass, at SP sizes
     of at least 2 dividing the KV heads (size 1 is :func:`uniform_cp_plans`'
     ``c = 1``): every such size up to a node -- a wider group is not always
@@ -81,25 +133,28 @@ def static_ulysses_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan
     sequence."""
     kv, gpn = ctx.local_heads[1], ctx.topology.gpus_per_node
     sizes = [d for d in _powers_of_two(2, ctx.topology.world_size) if kv % d == 0]
-    in_node = _static_plans(UlyssesSpPlanner(), seq_lens, ctx, sizes=[d for d in sizes if d <= gpn],
-                            keep=len(sizes))
-    return in_node or _static_plans(UlyssesSpPlanner(), seq_lens, ctx, sizes=[d for d in sizes if d > gpn],
-                                    keep=STATIC_CP_SIZES)
+    in_node = _static_drafts(UlyssesSpPlanner(), seq_lens, ctx, sizes=[d for d in sizes if d <= gpn],
+                             keep=len(sizes))
+    return in_node or _static_drafts(UlyssesSpPlanner(), seq_lens, ctx, sizes=[d for d in sizes if d > gpn],
+                                     keep=STATIC_CP_SIZES)
 
 
-def hybrid_cp_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
+def hybrid_cp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
     """Megatron's hybrid CP schedule when it is one round within the cap."""
+    lens = check_lengths(seq_lens)
     try:
-        rounds = HybridCpPlanner().plan_rounds(seq_lens, ctx)
+        # The first round says whether another follows: no need to schedule it.
+        groups, more = next(hybrid_cp_schedule(lens, ctx.tokens_per_gpu, ctx.topology.world_size), ([], False))
+        if more:
+            return []
+        draft = _draft(HybridCpPlanner.name, ctx, lens, cp_group_placements(groups, lens))
     except InfeasibleError:
         return []
-    plan = rounds.merged
-    if len(rounds.rounds) > 1 or max(plan.attention_tokens_per_rank(), default=0) > ctx.tokens_per_gpu:
-        return []
-    return [dataclasses.replace(plan, token_cap=ctx.tokens_per_gpu)]
+    # One round of groups can hold more than the cap (sub-samples run one after another).
+    return [draft] if max(draft.tokens_per_rank(), default=0) <= ctx.tokens_per_gpu else []
 
 
-def flexsp_greedy_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
+def flexsp_greedy_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
     """FlexSP's heterogeneous Ulysses groups by its greedy, on the real lengths,
     when they hold the batch in one pass."""
     lens = check_lengths(seq_lens)
@@ -114,15 +169,15 @@ def flexsp_greedy_plans(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]
     # long one's is still in flight.
     shortest_first = [(d, sorted(members, key=lambda i: (lens[i], i))) for d, members in groups]
     attention = group_placements(shortest_first, range(len(lens)), lens)
-    return [merge_rounds("flexsp", topo, lens, [attention], cap)]
+    return [_draft("flexsp", ctx, lens, attention)]
 
 
 #: Every source of candidates (``benchmarks/containment.py --latency`` times each).
-SOURCES: dict[str, Callable[[Sequence[int], PlanContext], list[Plan]]] = {
-    "te_cp": uniform_cp_plans,
-    "ulysses_sp": static_ulysses_plans,
-    "megatron_hybrid_cp": hybrid_cp_plans,
-    "flexsp_greedy": flexsp_greedy_plans,
+SOURCES: dict[str, Callable[[Sequence[int], PlanContext], list[Draft]]] = {
+    "te_cp": uniform_cp_drafts,
+    "ulysses_sp": static_ulysses_drafts,
+    "megatron_hybrid_cp": hybrid_cp_drafts,
+    "flexsp_greedy": flexsp_greedy_drafts,
 }
 #: Batches of more sequences get static CP's layouts only (as before these
 #: candidates existed).  Building a baseline's Plan costs about 0.05 ms of CPU
@@ -139,28 +194,40 @@ def baseline_candidates(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]
     :data:`MAX_SEQUENCES_ALL_SOURCES` sequences), each distinct layout once,
     direct and (see the module docstring) routed; none when the remap is
     forced on."""
+    return [build() for _, build in baseline_drafts(seq_lens, ctx)]
+
+
+def baseline_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[tuple[Draft, Callable[[], Plan]]]:
+    """:func:`baseline_candidates` before their plans are built: each candidate's
+    draft, and what builds its plan as Zeppelin's (the draft's plan relabelled,
+    routed or direct)."""
     if ctx.remap_enabled and not ctx.remap_decided:
         return []
-    layouts: dict[tuple, Plan] = {}
-    sources = SOURCES.values() if len(seq_lens) <= MAX_SEQUENCES_ALL_SOURCES else (uniform_cp_plans,)
+    layouts: list[Draft] = []
+    sources = SOURCES.values() if len(seq_lens) <= MAX_SEQUENCES_ALL_SOURCES else (uniform_cp_drafts,)
     for source in sources:
-        for plan in source(seq_lens, ctx):
-            # Relabelled: the engine runs it, and the replay times it, as Zeppelin's own.
-            layouts.setdefault(plan.attention, dataclasses.replace(plan, strategy=ZeppelinPlanner.name))
+        for draft in source(seq_lens, ctx):
+            # Compared, not hashed: two layouts differ in their first placements, and
+            # hashing one costs every placement.
+            if all(draft.attention != kept.attention for kept in layouts):
+                layouts.append(draft)
     out = []
-    for plan in layouts.values():
-        if ctx.cost.routing and _crosses_nodes_in_a_ring(plan):
-            out.append(plan)
-        out.append(dataclasses.replace(plan, routed=False))
+    for draft in layouts:
+        # Relabelled: the engine runs it, and the replay times it, as Zeppelin's own.
+        if ctx.cost.routing and draft.crosses_nodes_in_a_ring():
+            out.append((draft, lambda d=draft: dataclasses.replace(d.plan(), strategy=ZeppelinPlanner.name)))
+        out.append((draft, lambda d=draft: dataclasses.replace(d.plan(), strategy=ZeppelinPlanner.name,
+                                                               routed=False)))
     return out
 
 
-def _static_plans(planner: StaticGroupPlanner, seq_lens: Sequence[int], ctx: PlanContext,
-                  sizes: Sequence[int], keep: int) -> list[Plan]:
-    """``planner``'s plans at the first ``keep`` of ``sizes`` that hold the
+def _static_drafts(planner: StaticGroupPlanner, seq_lens: Sequence[int], ctx: PlanContext,
+                   sizes: Sequence[int], keep: int) -> list[Draft]:
+    """``planner``'s layouts at the first ``keep`` of ``sizes`` that hold the
     longest sequence and the whole batch in one pass."""
     world, cap = ctx.topology.world_size, ctx.tokens_per_gpu
-    longest = max(seq_lens, default=1)
+    lens = check_lengths(seq_lens)
+    longest = max(lens, default=1)
     out = []
     for size in sizes:
         if len(out) == keep:
@@ -168,11 +235,11 @@ def _static_plans(planner: StaticGroupPlanner, seq_lens: Sequence[int], ctx: Pla
         if world % size or -(-longest // size) > cap:
             continue
         try:
-            rounds = planner.plan_rounds(seq_lens, dataclasses.replace(ctx, cp_size=size))
+            packed = planner.one_pass(lens, dataclasses.replace(ctx, cp_size=size))
         except InfeasibleError:
             continue
-        if len(rounds.rounds) == 1:
-            out.append(rounds.merged)
+        if packed is not None:
+            out.append(_draft(planner.name, ctx, lens, *packed))
     return out
 
 
@@ -182,9 +249,3 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
         out.append(d)
         d *= 2
     return out
-
-
-def _crosses_nodes_in_a_ring(plan: Plan) -> bool:
-    """Whether routing changes any message of ``plan``: only rings route (an
-    all-to-all and the remap it does not have run direct)."""
-    return any(p.mode is Mode.RING and plan.tier_of(p) == "inter" for p in plan.attention)

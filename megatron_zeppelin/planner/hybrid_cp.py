@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, SeqPlacement, placement
@@ -210,14 +210,19 @@ def hybrid_cp_rounds(seq_lens: Sequence[int], tokens_per_gpu: int, world_size: i
     """Megatron's schedule of one global batch: rounds of aligned CP groups
     (``get_groups_and_subsamples``).  A round ends with a barrier over all ranks,
     so a step takes the sum over rounds of the slowest group's time."""
+    return [groups for groups, _ in hybrid_cp_schedule(seq_lens, tokens_per_gpu, world_size)]
+
+
+def hybrid_cp_schedule(seq_lens: Sequence[int], tokens_per_gpu: int, world_size: int
+                       ) -> Iterator[tuple[list[CpGroup], bool]]:
+    """:func:`hybrid_cp_rounds` one round at a time, each with whether another
+    follows (a caller that needs the first round only does not schedule the rest)."""
     lens = check_lengths(seq_lens)
     check_groups_fit("megatron_hybrid_cp", lens, tokens_per_gpu, world_size, "the world")
     samples = sorted(enumerate(lens), key=lambda s: -s[1])
-    rounds = []
     while samples:
         groups, samples = _next_round(samples, lens, tokens_per_gpu, world_size)
-        rounds.append(lay_out(groups))
-    return rounds
+        yield lay_out(groups), bool(samples)
 
 
 class HybridCpPlanner(MergedRounds):

@@ -11,12 +11,13 @@ sequence's tokens spread over those ranks is the caller's ``shares`` function
 from __future__ import annotations
 
 import heapq
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, SeqPlacement, placement
-from megatron_zeppelin.plan.shards import contiguous_shards, zigzag_shards
+from megatron_zeppelin.plan.shards import chunk_bounds
 
 #: ``shares(length, rank_loads) -> tokens per rank of the bin`` (same order).
 Shares = Callable[[int, Sequence[int]], Sequence[int]]
@@ -50,7 +51,7 @@ def pack_longest_first(seq_lens: Sequence[int], bins: Bins, shares: Shares, *, s
     """Place every sequence on the bin with the fewest tokens where it fits.
 
     Raises :class:`InfeasibleError` naming the first sequence that fits nowhere."""
-    order = sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i))
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__, reverse=True)   # stable: ties by index
     for seq in order:
         L = seq_lens[seq]
         if not _place(bins, seq, L, shares):
@@ -74,7 +75,7 @@ def pack_in_rounds(seq_lens: Sequence[int], make_bins: Callable[[], Bins], share
     rounds = []
     while remaining:
         bins, placed, deferred = make_bins(), [], []
-        for seq in sorted(remaining, key=lambda i: (-seq_lens[i], i)):
+        for seq in sorted(remaining, key=seq_lens.__getitem__, reverse=True):   # stable: ties by index
             if _place(bins, seq, seq_lens[seq], shares):
                 placed.append(seq)
             else:
@@ -119,23 +120,39 @@ def one_rank(length: int, loads: Sequence[int]) -> list[int]:
     return share
 
 
-def zigzag_or_one_rank(length: int, loads: Sequence[int]) -> list[int]:
+def zigzag_or_one_rank(length: int, loads: Sequence[int]) -> Sequence[int]:
     """Zigzag shares over the whole bin (a CP ring); a sequence too short for ``2k``
     chunks stays on one rank, because a Plan cannot express the padding TE and
     Megatron add to reach ``2k`` tokens."""
     k = len(loads)
     if k == 1 or length < 2 * k:
         return one_rank(length, loads)
-    return [sum(e - s for s, e in ranges) for ranges in zigzag_shards(length, k)]
+    return _zigzag_tokens(length, k)
 
 
-def contiguous_or_one_rank(length: int, loads: Sequence[int]) -> list[int]:
+def contiguous_or_one_rank(length: int, loads: Sequence[int]) -> Sequence[int]:
     """Contiguous Ulysses shares over the whole bin; a sequence too short for
     ``2k`` tokens stays on one rank (as in :func:`zigzag_or_one_rank`)."""
     k = len(loads)
     if k == 1 or length < 2 * k:
         return one_rank(length, loads)
-    return [sum(e - s for s, e in ranges) for ranges in contiguous_shards(length, k)]
+    return _contiguous_tokens(length, k)
+
+
+# Cached: a batch repeats lengths, and a sequence's shares are asked of every bin it tries.
+@lru_cache(maxsize=1 << 16)
+def _zigzag_tokens(length: int, k: int) -> tuple[int, ...]:
+    """Tokens per rank of :func:`~megatron_zeppelin.plan.shards.zigzag_shards`:
+    rank ``i`` holds chunks ``i`` and ``2k-1-i``."""
+    b = chunk_bounds(length, 2 * k)
+    return tuple(b[i + 1] - b[i] + b[2 * k - i] - b[2 * k - 1 - i] for i in range(k))
+
+
+@lru_cache(maxsize=1 << 16)
+def _contiguous_tokens(length: int, k: int) -> tuple[int, ...]:
+    """Tokens per rank of :func:`~megatron_zeppelin.plan.shards.contiguous_shards`."""
+    b = chunk_bounds(length, k)
+    return tuple(b[i + 1] - b[i] for i in range(k))
 
 
 def placements(bins: Bins, seq_lens: Sequence[int], mode: Mode,
@@ -144,8 +161,11 @@ def placements(bins: Bins, seq_lens: Sequence[int], mode: Mode,
     a sequence held by one rank is local there, any other is split in ``mode``."""
     out = []
     for b, items in enumerate(bins.items):
-        ranks = [first_rank(b) + i for i in range(bins.width)]
+        ranks = tuple(first_rank(b) + i for i in range(bins.width))
         for seq, share in items:
+            if len(ranks) > 1 and 0 not in share:     # every rank holds a part (the usual split)
+                out.append(placement(seq, seq_lens[seq], mode, ranks))
+                continue
             holders = [r for r, s in zip(ranks, share) if s]
             if len(holders) == 1:
                 out.append(placement(seq, seq_lens[seq], Mode.LOCAL, holders))

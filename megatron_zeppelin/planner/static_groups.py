@@ -13,9 +13,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Sequence
 
-from megatron_zeppelin.plan import Mode, Plan
+from megatron_zeppelin.errors import InfeasibleError
+from megatron_zeppelin.plan import Mode, Plan, SeqPlacement
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.planner.packing import Bins, Shares, check_lengths, pack_in_rounds, placements
+from megatron_zeppelin.planner.packing import (Bins, Shares, check_lengths, pack_in_rounds, pack_longest_first,
+                                               placements)
 from megatron_zeppelin.planner.rounds import RoundsPlan, build_rounds
 
 
@@ -34,12 +36,34 @@ class StaticGroupPlanner(ABC):
 
     def plan_rounds(self, seq_lens: Sequence[int], ctx: PlanContext) -> RoundsPlan:
         lens = check_lengths(seq_lens)
-        topo, cap = ctx.topology, ctx.tokens_per_gpu
         d = self.group_size(lens, ctx)
-        bins = pack_in_rounds(lens, lambda: Bins(topo.world_size // d, d, cap), type(self).shares,
-                              strategy=self.name, what=f"{self.group} of {d} GPUs")
-        rounds = [placements(b, lens, self.mode, first_rank=lambda i: i * d) for b in bins]
-        return build_rounds(self.name, topo, lens, rounds, cap)
+        bins = pack_in_rounds(lens, lambda: self._bins(d, ctx), type(self).shares,
+                              strategy=self.name, what=self._what(d))
+        return build_rounds(self.name, ctx.topology, lens, [self._placements(b, lens, d) for b in bins],
+                            ctx.tokens_per_gpu)
 
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         return self.plan_rounds(seq_lens, ctx).merged
+
+    def one_pass(self, seq_lens: Sequence[int], ctx: PlanContext) -> tuple[list[SeqPlacement], list[int]] | None:
+        """The placements of :meth:`plan` and every rank's tokens when the batch
+        fits one pass, else None, without packing the rounds that would follow
+        or building a Plan.  Raises :class:`InfeasibleError` as
+        :meth:`group_size` does."""
+        lens = check_lengths(seq_lens)
+        d = self.group_size(lens, ctx)
+        try:    # the first round as pack_in_rounds packs it, when nothing waits for a second
+            bins = pack_longest_first(lens, self._bins(d, ctx), type(self).shares, strategy=self.name,
+                                      what=self._what(d))
+        except InfeasibleError:
+            return None
+        return self._placements(bins, lens, d), [tokens for loads in bins.loads for tokens in loads]
+
+    def _bins(self, d: int, ctx: PlanContext) -> Bins:
+        return Bins(ctx.topology.world_size // d, d, ctx.tokens_per_gpu)
+
+    def _what(self, d: int) -> str:
+        return f"{self.group} of {d} GPUs"
+
+    def _placements(self, bins: Bins, lens: tuple[int, ...], d: int) -> list[SeqPlacement]:
+        return placements(bins, lens, self.mode, first_rank=lambda i: i * d)

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
-from megatron_zeppelin.cost.step_sync import forward_backward_split, step_sync
-from megatron_zeppelin.plan import Mode, Plan
+from megatron_zeppelin.cost.step_sync import forward_backward_split, grad_sync_s, optimizer_s, step_sync
+from megatron_zeppelin.plan import Mode, Plan, SeqPlacement
 from megatron_zeppelin.schedule.routing import min_routed_bytes
 
 #: The ring step at whose transfers' level of the schedule's order a Ulysses
@@ -513,3 +513,54 @@ def surrogate_clock(cost: CostModel) -> Callable[[Plan], float]:
     step of a plan (what the simulator's ``zeppelin``, the trainer and
     ``pretrain_gpt.py --zeppelin`` decide by)."""
     return StepSurrogate(cost).step_s
+
+
+def step_floor(cost: CostModel, plan: Plan) -> float:
+    """A lower bound of ``StepSurrogate(cost).step_s(plan)`` (:func:`layout_floor`)."""
+    return layout_floor(cost, plan.seq_lens, plan.attention, plan.linear_tokens_per_rank())
+
+
+def layout_floor(cost: CostModel, seq_lens: Sequence[int], attention: Sequence[SeqPlacement],
+                 linear_tokens: Sequence[int]) -> float:
+    """A lower bound of ``StepSurrogate(cost).step_s`` of the plan of
+    ``attention`` whose linear layout holds ``linear_tokens`` per rank, before
+    that plan is built, for searches that price plans in bound order
+    (``planner/fastest.py``).  From compute alone: a rank leaves every segment
+    no earlier than its work after entering it, so each layer adds at least its
+    work (a kernel block is at most the rank's shard of the sequence:
+    ``attn_s`` at the shard's length or less), and the extrapolated layers at
+    least the rank's backward and the least forward of any rank; the sync tail
+    is at least its last buckets and the optimizer."""
+    g, m = cost.cluster.gpu, cost.model
+    per_pair = m.attn_flops_per_pair * (1 + ATTN_BWD_RATIO) / (g.peak_tflops * 1e12 * g.attn_efficiency)
+    half, local, ulysses = g.attn_half_block, Mode.LOCAL, Mode.ULYSSES
+    pairs = [0.0] * len(linear_tokens)      # causal pairs per rank, each times its block's slowdown
+    ring: dict[tuple[int, int], list[float]] = {}     # per position of a zigzag ring of (length, size): lengths repeat
+    for p in attention:
+        mode, L = p.mode, seq_lens[p.seq]
+        if mode is local:
+            pairs[p.ranks[0]] += L * (L + 1) // 2 * (1 + half / L)
+            continue
+        if mode is ulysses:
+            share = (L * (L + 1) // 2) // len(p.ranks) * (1 + half / L)
+            for r in p.ranks:
+                pairs[r] += share
+            continue
+        shares = ring.get((L, len(p.ranks)))
+        if shares is None:
+            shares = ring[L, len(p.ranks)] = [
+                sum((e * (e + 1) - s * (s + 1)) // 2 for s, e in ranges) * (1 + half / sum(e - s for s, e in ranges))
+                for ranges in p.shards]
+        for r, share in zip(p.ranks, shares):
+            pairs[r] += share
+    attn = np.asarray(pairs) * per_pair
+    tokens, of = np.unique(np.asarray(linear_tokens, np.int64), return_inverse=True)
+    lin = np.array([cost.linear_s(t) for t in tokens.tolist()])[of.reshape(-1)]
+    fwd = (attn / (1 + ATTN_BWD_RATIO) + lin / (1 + LINEAR_BWD_RATIO)) / m.num_layers
+    bwd = (attn * ATTN_BWD_RATIO / (1 + ATTN_BWD_RATIO) + lin * LINEAR_BWD_RATIO / (1 + LINEAR_BWD_RATIO)) / m.num_layers
+    n, rep = m.num_layers, min(m.num_layers, REPLAYED_LAYERS)
+    compute = float((rep * (fwd + bwd) + (n - rep) * (bwd + fwd.min())).max())
+    reduce_s, gather_s, buckets = grad_sync_s(cost)
+    tail = (reduce_s + gather_s) / buckets if buckets else 0.0
+    # Summed in another order than the surrogate sums: a margin far above rounding.
+    return (compute + tail + optimizer_s(cost)) * (1 - 1e-9)

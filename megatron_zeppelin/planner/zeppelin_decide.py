@@ -16,7 +16,11 @@ replay honor) -- and the plan with the smallest step by
 so Zeppelin is not modeled slower than its variants beyond the surrogate's
 misorderings (``docs/results/surrogate.md`` measures them against the replay).
 The candidates come from :func:`decision_candidates`; a new kind of candidate
-is one more list there.
+is one more list there.  :func:`decide` prices only those that can win: in
+order of the surrogate's lower bound (``surrogate.step_floor``), each context's
+packing passes one by one where the step model is the surrogate its planner
+picks a pass by, stopping once the next bound is above the best step
+(``planner/fastest.py``); the pick is ``min``'s, ties included.
 
 The baselines' layouts of the batch -- static CP's and Ulysses SP's uniform
 groups, Megatron's hybrid CP groups, FlexSP's heterogeneous Ulysses groups --
@@ -30,13 +34,17 @@ so Zeppelin is not modeled slower than any of those plans run by its engine
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import functools
+from typing import Callable, Sequence
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.planner.baseline_candidates import baseline_candidates
+from megatron_zeppelin.planner.baseline_candidates import Draft, baseline_drafts
+from megatron_zeppelin.planner.fastest import Floor, fastest, first_least, surrogate_cost
+from megatron_zeppelin.planner.surrogate import StepSurrogate
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
+from megatron_zeppelin.planner.zeppelin.planner import gc_paused
 
 
 def candidate_contexts(ctx: PlanContext) -> list[PlanContext]:
@@ -57,29 +65,71 @@ class DecidingZeppelinPlanner:
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         if ctx.step_model is None:
             return self.inner.plan(seq_lens, ctx)
-        candidates = decision_candidates(seq_lens, ctx, self.inner)
-        return min(candidates, key=ctx.step_model)   # ties: the first (the run's own choice)
+        # One pause of the cyclic collector for every candidate (ZeppelinPlanner's
+        # reason): each pass_plans ending its own pause ran a full collection
+        # over the plans built so far (~80 ms a context at 4,096 GPUs).
+        with gc_paused():
+            return decide(seq_lens, ctx, self.inner)
+
+
+def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None = None) -> Plan:
+    """The first of :func:`decision_candidates` of least ``ctx.step_model``
+    (ties: the run's own choice), pricing only candidates that can win
+    (``planner/fastest.py``): a context's passes are priced one by one when the
+    step model is the surrogate its planner picks a pass by, else the pass it
+    picks is priced as one candidate whose bound is its passes' least."""
+    contexts, baselines = _candidate_plans(seq_lens, ctx, inner)
+    step = ctx.step_model
+    floor, own = Floor(step), surrogate_cost(step)
+
+    def priced(build: Callable[[], Plan]) -> Callable[[], tuple[float, Plan]]:
+        def price() -> tuple[float, Plan]:
+            plan = build()
+            return step(plan), plan
+        return price
+
+    candidates: list = []
+    for option, plans in contexts:
+        if len(plans) == 1 or option.cost == own:
+            candidates += [(floor.of_plan(p), priced(lambda p=p: p)) for p in plans]
+        else:
+            pick = functools.partial(fastest, plans, StepSurrogate(option.cost).step_s)
+            candidates.append((min(floor.of_plan(p) for p in plans), priced(pick)))
+    candidates += [(floor.of_layout(d.seq_lens, d.attention, d.tokens_per_rank), priced(build))
+                   for d, build in baselines]
+    return first_least(candidates)
 
 
 def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext,
                         inner: ZeppelinPlanner | None = None) -> list[Plan]:
-    """Every plan the decision compares for one batch, the run's own choice first.
+    """Every plan the decision compares for one batch, the run's own choice first:
+    Zeppelin's plan under each of :func:`candidate_contexts`, then the baselines'.
     Raises the first planning error when no candidate can be planned."""
+    contexts, baselines = _candidate_plans(seq_lens, ctx, inner)
+    return ([fastest(plans, StepSurrogate(option.cost).step_s) for option, plans in contexts]
+            + [build() for _, build in baselines])
+
+
+def _candidate_plans(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None
+                     ) -> tuple[list[tuple[PlanContext, list[Plan]]], list[tuple[Draft, Callable[[], Plan]]]]:
+    """(each context Zeppelin could plan the batch under, with its passes' plans;
+    the baselines' candidates, unbuilt: :func:`baseline_drafts`).  Raises the
+    first planning error when there is none."""
     inner = inner or ZeppelinPlanner()
-    candidates, errors = [], []
+    contexts, errors = [], []
     for option in candidate_contexts(ctx):
         try:
-            plan = inner.plan(seq_lens, option)
+            plans = inner.pass_plans(seq_lens, option)
         except InfeasibleError as exc:    # e.g. remap's balanced layout has no room; others may
             errors.append(exc)
             continue
         # A plan made for direct crossings also runs them direct: routing's
         # dispatch and combine legs share NVLink with the other traffic, and
         # on some batches they cost more than they save.
-        candidates.append(plan if option.cost.routing == ctx.cost.routing
-                          else dataclasses.replace(plan, routed=False))
-    candidates += baseline_candidates(seq_lens, ctx)   # so no baseline's plan is faster
-    if not candidates:
+        if option.cost.routing != ctx.cost.routing:
+            plans = [dataclasses.replace(p, routed=False) for p in plans]
+        contexts.append((option, plans))
+    baselines = baseline_drafts(seq_lens, ctx)   # so no baseline's plan is faster
+    if not contexts and not baselines:
         raise errors[0]
-    return candidates
-
+    return contexts, baselines

@@ -23,7 +23,7 @@ from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Mode
 from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.planner.baseline_candidates import (SOURCES, baseline_candidates,
-                                                           flexsp_greedy_plans)
+                                                           flexsp_greedy_drafts)
 from megatron_zeppelin.planner.te_cp import te_cp_layouts
 from megatron_zeppelin.planner.ulysses_sp import ulysses_layouts
 from megatron_zeppelin.sim.rounds import plan_batch, rounds_timeline
@@ -83,8 +83,8 @@ def baseline_steps(lens: list[int], cost: CostModel, cap: int) -> dict[str, tupl
             out[f"{name}{size or ''}"] = steps(rounds, direct)
     # FlexSP's groups by its greedy; its MILP (seconds a batch at 64 GPUs) is
     # not a candidate, and benchmarks/containment.py measures what it finds beyond.
-    for plan in flexsp_greedy_plans(lens, PlanContext(cost=direct, tokens_per_gpu=cap)):
-        out["flexsp_greedy"] = steps([plan], direct)
+    for draft in flexsp_greedy_drafts(lens, PlanContext(cost=direct, tokens_per_gpu=cap)):
+        out["flexsp_greedy"] = steps([draft.plan()], direct)
     return out
 
 
@@ -140,7 +140,8 @@ def test_every_candidate_is_a_valid_one_pass_plan_of_the_engine():
 
 def test_flexsp_greedy_orders_each_group_shortest_first():
     ctx = PlanContext(cost=cost_of("a800-4x200g", 2, 4), tokens_per_gpu=2048)
-    plan, = flexsp_greedy_plans([1028, 152, 477, 8293, 126], ctx)
+    draft, = flexsp_greedy_drafts([1028, 152, 477, 8293, 126], ctx)
+    plan = draft.plan()
     by_group: dict[tuple, list[int]] = {}
     for p in plan.attention:
         by_group.setdefault(p.ranks, []).append(plan.seq_lens[p.seq])
@@ -162,8 +163,9 @@ def test_the_engine_runs_every_sources_plan(world):
     cost = CostModel(dataclasses.replace(base, topology=topo), load_model("tiny"))    # 4 heads, 2 KV: the engine test's
     ctx = PlanContext(cost=cost, tokens_per_gpu=64)
     rings, ulysses = [200, 90, 40, 30, 12, 8], [120, 60, 30, 12, 8]
-    plans = [SOURCES["te_cp"](rings, ctx)[-1], SOURCES["megatron_hybrid_cp"](rings, ctx)[0],
-             SOURCES["ulysses_sp"](ulysses, ctx)[0], SOURCES["flexsp_greedy"](ulysses, ctx)[0]]
+    drafts = [SOURCES["te_cp"](rings, ctx)[-1], SOURCES["megatron_hybrid_cp"](rings, ctx)[0],
+              SOURCES["ulysses_sp"](ulysses, ctx)[0], SOURCES["flexsp_greedy"](ulysses, ctx)[0]]
+    plans = [d.plan() for d in drafts]
     shapes = {(p.mode, len({r // 4 for r in p.ranks}) > 1) for plan in plans for p in plan.attention}
     assert {(Mode.LOCAL, False), (Mode.RING, False), (Mode.RING, True), (Mode.ULYSSES, False)} <= shapes
     for plan in plans:

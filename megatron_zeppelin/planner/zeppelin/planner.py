@@ -12,6 +12,7 @@ import numpy as np
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, placement
 from megatron_zeppelin.planner.base import PlanContext, same_layout_linear
+from megatron_zeppelin.planner.fastest import fastest
 from megatron_zeppelin.planner.linear_layout import balance_linear
 from megatron_zeppelin.planner.surrogate import StepSurrogate
 from megatron_zeppelin.planner.zeppelin.exact import exact_fill
@@ -26,13 +27,24 @@ class ZeppelinPlanner:
     name = "zeppelin"
 
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
+        # The passes' plans compared by the project's clock (the replay's step,
+        # through its certified surrogate): ties keep the first pass.
+        with gc_paused():
+            plans = self._pass_plans(seq_lens, ctx)
+            return plans[0] if len(plans) == 1 else fastest(plans, StepSurrogate(ctx.cost).step_s)
+
+    def pass_plans(self, seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
+        """The plans of the packing passes the batch allows, in pass order (the
+        last resort's alone when every pass stranded a sequence): :meth:`plan`
+        keeps the one of least surrogate step, the per-batch decision compares
+        them with its other candidates."""
         # A plan allocates tens of thousands of small objects (placements,
         # spans) and none of them forms a cycle: the cyclic collector's passes
         # over the whole heap would be pure overhead (~20 % at 1024 GPUs).
-        with _gc_paused():
-            return self._plan(seq_lens, ctx)
+        with gc_paused():
+            return self._pass_plans(seq_lens, ctx)
 
-    def _plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
+    def _pass_plans(self, seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
         topo = ctx.topology
         w, g, cap = topo.world_size, topo.gpus_per_node, ctx.tokens_per_gpu
         lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
@@ -67,14 +79,8 @@ class ZeppelinPlanner:
                 break
         lens_t = tuple(lens.tolist())
         if not results:
-            return _built(self.name, lens_t, _last_resort(packer, order), ctx.remap_enabled, ctx)
-        plans = [_built(self.name, lens_t, r.assign, r.remap and ctx.remap_enabled, ctx) for r in results]
-        if len(plans) == 1:
-            return plans[0]
-        # The passes' plans compared by the project's clock (the replay's step,
-        # through its certified surrogate): ties keep the first pass.
-        clock = StepSurrogate(ctx.cost)
-        return min(plans, key=clock.step_s)
+            return [_built(self.name, lens_t, _last_resort(packer, order), ctx.remap_enabled, ctx)]
+        return [_built(self.name, lens_t, r.assign, r.remap and ctx.remap_enabled, ctx) for r in results]
 
 
 def _built(name: str, seq_lens: tuple[int, ...], out: _Assign, remap: bool, ctx: PlanContext) -> Plan:
@@ -112,7 +118,7 @@ def _brief(lens: np.ndarray) -> str:
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector (reference counting still frees
     everything); restore it only if it was on, so nested or concurrent callers
     never leave it off."""

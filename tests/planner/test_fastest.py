@@ -1,0 +1,99 @@
+"""The decision's branch and bound (``planner/fastest.py``): it picks what
+``min`` picks, ties included, while pricing fewer plans, and its bound
+(``surrogate.layout_floor``) is below the surrogate's step on every candidate."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from megatron_zeppelin.errors import InfeasibleError
+from megatron_zeppelin.planner.base import PlanContext
+from megatron_zeppelin.planner.baseline_candidates import baseline_candidates, baseline_drafts
+from megatron_zeppelin.planner.fastest import Floor, first_least, surrogate_cost
+from megatron_zeppelin.planner.surrogate import StepSurrogate, layout_floor, step_floor, surrogate_clock
+from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
+from megatron_zeppelin.planner.zeppelin_decide import candidate_contexts, decide, decision_candidates
+from megatron_zeppelin.sampler.lengths import resolve_lengths
+from tests.planner.decision_picks import latency_case, matrix_case
+from tests.planner.test_containment import CLUSTERS, cost_of
+
+
+def test_first_least_is_min_with_first_ties_and_skips_what_cannot_win():
+    steps = [3.0, 3.0, 7.0, 3.0, 9.0]
+    bounds = [3.0, 2.0, 6.9, 3.0, 8.0]
+    priced: list[int] = []
+
+    def price(i):
+        return lambda: (priced.append(i) or steps[i], i)
+
+    assert first_least([(bounds[i], price(i)) for i in range(5)]) == 0 == min(range(5), key=steps.__getitem__)
+    assert priced == [1, 0]     # 3 ties at best but comes later; 2 and 4 are bounded above it
+    priced.clear()
+    assert first_least([(-math.inf, price(i)) for i in range(5)]) == 0 and priced == [0, 1, 2, 3, 4]
+
+
+def test_the_decision_picks_the_exhaustive_pick_pricing_fewer_plans(monkeypatch):
+    calls = []
+    step_s = StepSurrogate.step_s
+
+    def counted(self, plan):
+        calls.append(plan)
+        return step_s(self, plan)
+
+    cases = [latency_case(16, 5), matrix_case(resolve_lengths("synthetic-longtail"), "a800-4x200g", 8,
+                                              "llama-7b", 128, True, False)]
+    for case in cases:
+        ctx = case.context()
+        plans = decision_candidates(case.lens, ctx)
+        surrogate = StepSurrogate(ctx.cost)
+        assert all(step_floor(ctx.cost, p) < surrogate.step_s(p) for p in plans)
+        # A baseline's layout gets the bound its plan gets, before the plan is built.
+        for draft, build in baseline_drafts(case.lens, ctx):
+            assert (layout_floor(ctx.cost, draft.seq_lens, draft.attention, draft.tokens_per_rank())
+                    == step_floor(ctx.cost, build()))
+        exhaustive = min(plans, key=surrogate.step_s)
+        with monkeypatch.context() as m:
+            m.setattr(StepSurrogate, "step_s", counted)
+            calls.clear()
+            pick = decide(case.lens, case.context())
+        assert (pick.attention, pick.linear, pick.routed) == (exhaustive.attention, exhaustive.linear,
+                                                              exhaustive.routed)
+        # min() over the candidates priced every pass of every context, then every candidate.
+        every = sum(len(ZeppelinPlanner().pass_plans(case.lens, o)) for o in candidate_contexts(ctx))
+        assert 0 < len(calls) < every + len(baseline_candidates(case.lens, ctx))
+
+
+def test_the_surrogate_clock_has_a_floor_and_other_step_models_none():
+    cost = latency_case(8, 0).context().cost
+    assert surrogate_cost(surrogate_clock(cost)) == cost
+    assert surrogate_cost(lambda plan: 0.0) is None
+    assert Floor(lambda plan: 0.0).of_plan(None) == -math.inf
+
+
+def test_the_floor_is_below_the_surrogate_on_random_batches():
+    """Every pass plan of every context and every baseline plan, on 24 random
+    batches of 2 to 16 GPUs (both clusters of the containment test, routing and
+    remap on and off, short and long sequences)."""
+    rng = np.random.default_rng(7)
+    checked = 0
+    for _ in range(24):
+        nodes, gpn = int(rng.integers(1, 3)), int(rng.choice([2, 4, 8]))
+        cap = int(rng.choice([1024, 2048, 4096]))
+        cost = cost_of(str(rng.choice(CLUSTERS)), nodes, gpn).routed(bool(rng.integers(2)))
+        world = nodes * gpn
+        lens = [int(x) for x in rng.integers(16, cap * min(world, 4), int(rng.integers(1, 4 * world)))]
+        lens = lens[:max(1, int(np.searchsorted(np.cumsum(lens), 0.9 * cap * world)))]
+        ctx = PlanContext(cost=cost, tokens_per_gpu=cap, remap_enabled=bool(rng.integers(2)),
+                          step_model=surrogate_clock(cost))
+        try:
+            plans = [p for o in candidate_contexts(ctx) for p in ZeppelinPlanner().pass_plans(lens, o)]
+        except InfeasibleError:
+            continue
+        plans += baseline_candidates(lens, ctx)
+        surrogate = StepSurrogate(cost)
+        for plan in plans:
+            assert step_floor(cost, plan) <= surrogate.step_s(plan)
+            checked += 1
+    assert checked > 100
