@@ -36,7 +36,8 @@ import numpy as np
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
 from megatron_zeppelin.cost.step_sync import forward_backward_split, step_sync
-from megatron_zeppelin.plan import Mode, Plan
+from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.planner.plan_arrays import PlanArrays, plan_arrays
 from megatron_zeppelin.schedule.routing import min_routed_bytes
 
 #: The ring step at whose transfers' level of the schedule's order a Ulysses
@@ -187,44 +188,28 @@ class StepSurrogate:
         return out
 
     # ----------------------------------------------------------- attention
-    @staticmethod
-    def _placements(plan: Plan) -> tuple[np.ndarray, np.ndarray, dict[int, list], list]:
-        """(local ranks, local lengths, rings by size, Ulysses groups) of ``plan``."""
-        local_rank, local_len, rings, groups = [], [], {}, []
-        lens = plan.seq_lens
-        local = Mode.LOCAL
-        for p in plan.attention:
-            if p.mode is local:
-                local_rank.append(p.ranks[0])
-                local_len.append(lens[p.seq])
-            elif p.mode is Mode.RING:
-                rings.setdefault(len(p.ranks), []).append((p.ranks, lens[p.seq]))
-            else:
-                groups.append((p.ranks, lens[p.seq]))
-        return np.asarray(local_rank, np.int64), np.asarray(local_len, np.float64), rings, groups
-
-    def _attention(self, w: int, placements: tuple, backward: bool, routed: bool) -> _Segment:
+    def _attention(self, w: int, layout: PlanArrays, backward: bool, routed: bool) -> _Segment:
         share = self.attn_share[backward]
         work = np.zeros(w)
         load = np.zeros(2 * w + 2 * (w // self.gpn + 1) * self.nics)
-        local_rank, L, rings, groups = placements
+        L = layout.local_len
         if len(L):
-            np.add.at(work, local_rank, self._attn_s(L * (L + 1) / 2, L) * share)
+            np.add.at(work, layout.local_rank, self._attn_s(L * (L + 1) / 2, L) * share)
         # A rank posts its Ulysses outputs in its send lane's order, before its
         # rings' transfers of step ULYSSES_OUT_STEP + 1 on: those wait for its
         # Ulysses kernels (``gate``).
         gate = np.zeros(w)
-        pending = [self._ulysses(groups, backward, work, load, w, gate)] if groups else []
-        pending += [self._rings([self._ring_batch(k, members, backward, routed, w) for k, members in rings.items()],
-                                backward, work, load, w, gate)] if rings else []
+        pending = [self._ulysses(layout, backward, work, load, w, gate)] if len(layout.group_len) else []
+        pending += [self._rings([self._ring_batch(k, ranks, lens, backward, routed, w)
+                                 for k, (ranks, lens) in layout.rings.items()],
+                                backward, work, load, w, gate)] if layout.rings else []
         chains = [finish(load) for finish in pending]
         return _Segment(work, chains)
 
-    def _ring_batch(self, k: int, members: list, backward: bool, routed: bool, w: int) -> "_RingBatch":
-        """Kernels and messages of the rings of ``k`` ranks (one row per ring)."""
+    def _ring_batch(self, k: int, ranks: np.ndarray, L: np.ndarray, backward: bool, routed: bool,
+                    w: int) -> "_RingBatch":
+        """Kernels and messages of the rings of ``k`` ranks (``ranks``: one row per ring)."""
         share = self.attn_share[backward]
-        ranks = np.asarray([r for r, _ in members], np.int64)            # (n, k)
-        L = np.asarray([n for _, n in members], np.int64)
         n = len(L)
         # Zigzag chunk rows: position i holds chunks i and 2k-1-i.
         sizes = np.diff((np.arange(2 * k + 1)[None, :] * L[:, None]) // (2 * k), axis=1)
@@ -361,38 +346,48 @@ class StepSurrogate:
 
         return finish
 
-    def _ulysses(self, groups: list, backward: bool, work: np.ndarray, load: np.ndarray, w: int,
+    def _ulysses(self, layout: PlanArrays, backward: bool, work: np.ndarray, load: np.ndarray, w: int,
                  gate: np.ndarray):
         """Ulysses groups: all-to-all (always direct), kernel on ``1/d`` of the heads, all-to-all."""
         share = self.attn_share[backward]
-        kernels = []
-        leg_group, leg_port, leg_sec, leg_a2a = [], [], [], []
-        for gi, (ranks, L) in enumerate(groups):
-            d = len(ranks)
-            tokens = np.diff(np.arange(d + 1) * L // d).astype(np.float64)
-            hq, hk = self.q_heads // d, self.kv_heads // d
-            pairs = np.array([(L * (L + 1) // 2) // d], np.float64)
-            c = float(self._attn_s(pairs, np.array([float(L)]))[0]) * share
-            r = np.asarray(ranks, np.int64)
-            work[r] += c
-            kernels.append((r, c))
-            a, bb = np.nonzero(~np.eye(d, dtype=bool))
-            for step, to_heads in enumerate((True, False)):
-                heads = hq if to_heads == backward else hq + 2 * hk
-                rows = tokens[a] if to_heads else tokens[bb]
-                _, _, _, msg, port, held = self._transfers(r[a], r[bb], rows * heads * self.head_dim * self.isz, w, False)
-                leg_group.append(np.full(len(port), gi))
-                leg_a2a.append(np.full(len(port), 2 * gi + step))
-                leg_port.append(port)
-                leg_sec.append(held)
-        group, a2a = np.concatenate(leg_group), np.concatenate(leg_a2a)
-        port, held = np.concatenate(leg_port), np.concatenate(leg_sec)
+        L, d, flat = layout.group_len, layout.group_size, layout.group_ranks
+        G = len(L)
+        gid = np.repeat(np.arange(G), d)                                     # group of each member slot
+        first_slot = np.cumsum(d) - d
+        member = np.arange(len(flat)) - first_slot[gid]                      # position in its group
+        tokens = ((member + 1) * L[gid] // d[gid] - member * L[gid] // d[gid]).astype(np.float64)
+        kernel = self._attn_s(((L * (L + 1) // 2) // d).astype(np.float64), L.astype(np.float64)) * share
+        np.add.at(work, flat, kernel[gid])
+        # Every ordered pair (a, b), a != b, of each group, row-major as the
+        # engine posts them; a group's all-to-all in, then out.
+        square = d * d
+        pair_gid = np.repeat(np.arange(G), square)
+        t = np.arange(int(square.sum())) - np.repeat(np.cumsum(square) - square, square)
+        a, b = t // d[pair_gid], t % d[pair_gid]
+        keep = a != b
+        pair_gid, a, b = pair_gid[keep], a[keep] + first_slot[pair_gid[keep]], b[keep] + first_slot[pair_gid[keep]]
+        hq, hk = self.q_heads // d[pair_gid], self.kv_heads // d[pair_gid]
+        src, dst = flat[a], flat[b]
+        legs = []
+        for step, to_heads in enumerate((True, False)):
+            heads = hq if to_heads == backward else hq + 2 * hk
+            rows = tokens[a] if to_heads else tokens[b]
+            _, _, _, msg, port, held = self._transfers(src, dst, rows * heads * self.head_dim * self.isz, w, False)
+            ingress = np.arange(len(msg)) >= len(src)           # direct legs: every egress, then every ingress
+            legs.append((pair_gid[msg], np.full(len(msg), step), ingress, msg, port, held))
+        # The legs in the engine's order: group by group, its all-to-all in
+        # then out, egress legs before ingress (the port sums add in this order).
+        group, step, ingress, msg, port, held = (np.concatenate(x) for x in zip(*legs))
+        order = np.lexsort((msg, ingress, step, group))
+        group, port, held = group[order], port[order], held[order]
+        a2a = 2 * group + step[order]
         np.add.at(load, port, held)
         # Each all-to-all lasts as long as its busiest port needs.
         key = a2a * len(load) + port
         uniq, inv = np.unique(key, return_inverse=True)
-        busiest = np.zeros(2 * len(groups))
-        np.maximum.at(busiest, uniq // len(load), np.bincount(inv, weights=held))
+        sums = np.bincount(inv, weights=held)
+        busiest = np.zeros(2 * G)
+        np.maximum.at(busiest, uniq // len(load), sums)
 
         out_s = busiest[1::2]
         # The groups' inputs share ports and go in the schedule's order: a group's
@@ -400,7 +395,6 @@ class StepSurrogate:
         # earlier group's input through that port.  A rank runs its groups'
         # kernels in that order as their data arrives, and sends each group's
         # outputs once its kernel is done, one group's after another.
-        sums = np.bincount(inv, weights=held)
         first = (uniq // len(load)) % 2 == 0
         g_in, p_in, s_in = uniq[first] // len(load) // 2, uniq[first] % len(load), sums[first]
         order = np.lexsort((g_in, p_in))
@@ -408,21 +402,24 @@ class StepSurrogate:
         queued = np.cumsum(s_in)
         starts = np.flatnonzero(np.r_[True, p_in[1:] != p_in[:-1]])
         queued -= np.repeat(queued[starts] - s_in[starts], np.diff(np.r_[starts, len(p_in)]))
-        arrival = np.zeros(len(groups))
+        arrival = np.zeros(G)
         np.maximum.at(arrival, g_in, queued)
-        lane, sent = {}, {}
-        for gi, (ranks, _) in enumerate(groups):
-            for r in ranks:
-                lane[r] = max(lane.get(r, 0.0), arrival[gi]) + kernels[gi][1]
-                sent[r] = max(sent.get(r, 0.0), lane[r]) + out_s[gi]
-        gate[list(lane)] = list(lane.values())
+        # A rank's groups one after another: its n-th groups of all ranks at once.
+        by_rank = np.argsort(flat, kind="stable")
+        runs = np.r_[0, np.flatnonzero(np.diff(flat[by_rank])) + 1]
+        nth = np.empty(len(flat), np.int64)
+        nth[by_rank] = np.arange(len(flat)) - np.repeat(runs, np.diff(np.r_[runs, len(flat)]))
+        lane, sent = np.zeros(w), np.zeros(w)
+        for n in range(int(nth.max()) + 1):
+            slot = np.flatnonzero(nth == n)
+            r, g = flat[slot], gid[slot]
+            lane[r] = np.maximum(lane[r], arrival[g]) + kernel[g]
+            sent[r] = np.maximum(sent[r], lane[r]) + out_s[g]
+        gate[flat] = lane[flat]
 
         def finish(total: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            drain = self._drain(group, port, total, len(groups))
-            flat = np.concatenate([r for r, _ in kernels])
-            gid = np.repeat(np.arange(len(kernels)), [len(r) for r, _ in kernels])
-            end = np.array([max(sent[r], drain[g]) for r, g in zip(flat.tolist(), gid.tolist())])
-            return flat, gid, end
+            drain = self._drain(group, port, total, G)
+            return flat, gid, np.maximum(sent[flat], drain[gid])
 
         return finish
 
@@ -452,22 +449,15 @@ class StepSurrogate:
         """Modeled step of ``plan`` in seconds: the replay's ``step_s`` (sync tail included)."""
         w = plan.world_size
         routed = plan.routed and self.cost.routing
-        grouped: dict[tuple[int, int], int] = {}
-        # A plan whose linear layout is its attention layout moves nothing (the
-        # check is far cheaper than the schedule it skips).
-        same = all(tuple(plan.attention_spans(r)) == spans for r, spans in enumerate(plan.linear))
-        for t in [] if same else plan.remap_schedule():
-            grouped[(t.src, t.dst)] = grouped.get((t.src, t.dst), 0) + t.length
-        tokens = np.asarray(plan.linear_tokens_per_rank(), np.float64)
-        placements = self._placements(plan)
+        layout = plan_arrays(plan)
+        msgs = layout.remap
         parts = {}
         for bw in PASSES:
-            seq = [("attn", self._attention(w, placements, bw, routed))]
-            if grouped:
-                msgs = tuple(np.asarray(x, np.int64) for x in zip(*((s, d, n) for (s, d), n in grouped.items())))
+            seq = [("attn", self._attention(w, layout, bw, routed))]
+            if msgs is not None:
                 seq.append(("to_linear", self._switch(msgs, w, routed, reverse=bw)))
-            seq.append(("linear", self._linear(tokens, bw)))
-            if grouped:
+            seq.append(("linear", self._linear(layout.linear_tokens, bw)))
+            if msgs is not None:
                 seq.append(("to_attn", self._switch(msgs, w, routed, reverse=not bw)))
             parts[bw] = seq
         m = REPLAYED_LAYERS
