@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from operator import attrgetter
 
 import numpy as np
 
@@ -55,10 +56,11 @@ def plan_arrays(plan: Plan) -> PlanArrays:
     w, att = plan.world_size, plan.attention
     n = len(att)
     seq_len = np.asarray(plan.seq_lens, np.int64)
-    seq = np.fromiter((p.seq for p in att), np.int64, n)
-    mode = np.fromiter((_MODE_CODE[p.mode] for p in att), np.int8, n)
-    size = np.fromiter((len(p.ranks) for p in att), np.int64, n)
-    flat = np.fromiter(chain.from_iterable(p.ranks for p in att), np.int64, int(size.sum()))
+    seq = np.fromiter(map(attrgetter("seq"), att), np.int64, n)
+    mode = np.fromiter(map(_MODE_CODE.__getitem__, map(attrgetter("mode"), att)), np.int8, n)
+    ranks = list(map(attrgetter("ranks"), att))
+    size = np.fromiter(map(len, ranks), np.int64, n)
+    flat = np.fromiter(chain.from_iterable(ranks), np.int64, int(size.sum()))
     first = np.cumsum(size) - size
     L = seq_len[seq]
 
@@ -71,36 +73,52 @@ def plan_arrays(plan: Plan) -> PlanArrays:
         rings[k] = (flat[first[of][:, None] + np.arange(k)], L[of])
     group = np.flatnonzero(mode == 2)
 
-    # The attention layout as chunks: a ring of k cuts its sequence into 2k
-    # chunks, position i holding chunks i and 2k - 1 - i; a Ulysses group of d
-    # (or a local sequence, d = 1) into d, position i holding chunk i.
+    # The attention layout as pieces (chunks): a ring of k cuts its sequence
+    # into 2k chunks, position i holding chunks i and 2k - 1 - i; a Ulysses
+    # group of d (or a local sequence, d = 1) into d, position i holding chunk i.
     chunks = np.where(mode == 1, 2 * size, size)
     of = np.repeat(np.arange(n), chunks)
-    c = np.arange(len(of)) - np.repeat(np.cumsum(chunks) - chunks, chunks)
+    piece_first = np.cumsum(chunks) - chunks
+    c = np.arange(len(of)) - piece_first[of]
     pos = np.where(c < size[of], c, chunks[of] - 1 - c)
-    seq_start = np.cumsum(seq_len) - seq_len
-    a_lo = seq_start[seq[of]] + c * L[of] // chunks[of]
-    a_hi = seq_start[seq[of]] + (c + 1) * L[of] // chunks[of]
-    a_owner = flat[first[of] + pos]
+    lo, hi = c * L[of] // chunks[of], (c + 1) * L[of] // chunks[of]
+    owner = flat[first[of] + pos]
 
-    spans = np.array([(sp.seq, sp.start, sp.end) for spans in plan.linear for sp in spans], np.int64).reshape(-1, 3)
-    b_owner = np.repeat(np.arange(w), [len(spans) for spans in plan.linear])
-    b_lo = seq_start[spans[:, 0]] + spans[:, 1]
-    linear_tokens = np.bincount(b_owner, weights=spans[:, 2] - spans[:, 1], minlength=w)
+    linear = plan.linear
+    spans = np.fromiter(chain.from_iterable(map(attrgetter("seq", "start", "end"), chain.from_iterable(linear))),
+                        np.int64).reshape(-1, 3)
+    span_owner = np.repeat(np.arange(w), np.fromiter(map(len, linear), np.int64, w))
+    linear_tokens = np.bincount(span_owner, weights=spans[:, 2] - spans[:, 1], minlength=w)
+    # A layout without a remap (every baseline's) lists each rank's attention
+    # pieces in buffer order: placements in order, a rank's chunks in order.
+    # (uint16 ranks: numpy sorts them stably in linear time.)
+    held = hi > lo
+    buffer = np.argsort(owner[held].astype(np.uint16) if w <= 1 << 16 else owner[held], kind="stable")
+    same = (len(spans) == len(buffer) and np.array_equal(span_owner, owner[held][buffer])
+            and np.array_equal(spans, np.stack([seq[of], lo, hi], axis=1)[held][buffer]))
+    remap = None
+    if not same:
+        # Pieces in token order: placements by sequence (each sequence has one), chunks in order.
+        by_seq = np.empty(n, np.int64)
+        by_seq[seq] = np.arange(n)
+        order = _slices(piece_first[by_seq], chunks[by_seq])
+        order = order[held[order]]
+        seq_start = np.cumsum(seq_len) - seq_len
+        remap = _moves(seq_start[seq[of[order]]] + lo[order], owner[order],
+                       seq_start[spans[:, 0]] + spans[:, 1], span_owner, int(seq_len.sum()), w)
     return PlanArrays(local_rank=flat[first[local]], local_len=L[local].astype(np.float64), rings=rings,
                       group_ranks=flat[_slices(first[group], size[group])], group_size=size[group],
-                      group_len=L[group], remap=_moves(a_lo[a_hi > a_lo], a_owner[a_hi > a_lo], b_lo, b_owner,
-                                                       int(seq_len.sum()), w),
-                      linear_tokens=linear_tokens)
+                      group_len=L[group], remap=remap, linear_tokens=linear_tokens)
 
 
 def _moves(a_lo: np.ndarray, a_owner: np.ndarray, b_lo: np.ndarray, b_owner: np.ndarray, total: int,
            w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """Tokens per (owner in a, owner in b) pair that differ, of two partitions of
-    ``[0, total)`` given by their pieces' starts and owners."""
-    a, b = np.argsort(a_lo), np.argsort(b_lo)
-    a_lo, a_owner, b_lo, b_owner = a_lo[a], a_owner[a], b_lo[b], b_owner[b]
-    cuts = np.union1d(a_lo, b_lo)
+    ``[0, total)`` given by their pieces' starts (``a_lo`` ascending) and owners."""
+    b = np.argsort(b_lo, kind="stable")
+    b_lo, b_owner = b_lo[b], b_owner[b]
+    cuts = np.sort(np.concatenate([a_lo, b_lo]), kind="stable")     # two sorted runs: a linear merge
+    cuts = cuts[np.r_[True, cuts[1:] != cuts[:-1]]]
     src = a_owner[np.searchsorted(a_lo, cuts, "right") - 1]
     dst = b_owner[np.searchsorted(b_lo, cuts, "right") - 1]
     moved = src != dst

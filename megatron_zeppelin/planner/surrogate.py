@@ -103,6 +103,18 @@ def _components(group_of_slot: np.ndarray, rank_of_slot: np.ndarray, groups: int
     return np.unique(label, return_inverse=True)[1].reshape(-1)
 
 
+def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(distinct rows in lexicographic order, index of each row's, first row of
+    each, rows of each): ``np.unique(rows, axis=0)`` without its row-as-bytes sort."""
+    order = np.lexsort(rows.T[::-1])
+    ordered = rows[order]
+    new = np.r_[True, (ordered[1:] != ordered[:-1]).any(axis=1)]
+    starts = np.flatnonzero(new)
+    of = np.empty(len(rows), np.int64)
+    of[order] = np.cumsum(new) - 1
+    return ordered[starts], of, order[starts], np.diff(np.r_[starts, len(rows)])
+
+
 class StepSurrogate:
     """The step time of plans under one cost model (see the module docstring)."""
 
@@ -125,7 +137,8 @@ class StepSurrogate:
         self.isz, self.acc = m.dtype_bytes, 4
         self.q_heads, self.kv_heads, self.head_dim = m.num_attention_heads, m.num_query_groups, m.head_dim
         self.row_bytes = m.hidden_size * m.dtype_bytes
-        self.nvl, self.nic = c.nvlink, c.nic
+        self.nvl_lat, self.nvl_bw = c.nvlink.latency_us * 1e-6, c.nvlink.bandwidth_GBps * 1e9
+        self.nic_lat, self.nic_bw = c.nic.latency_us * 1e-6, c.nic.bandwidth_GBps * 1e9
         self.threshold = min_routed_bytes(cost) if cost.routing else math.inf
 
     # ----------------------------------------------------------------- links
@@ -151,8 +164,8 @@ class StepSurrogate:
         the sender's NVLink one after another, each over NIC ``j``, combined into
         the receiver; proxies and peers forward them (spread over the node's GPUs)."""
         inside, out, inn = self._ports(src, dst, w)
-        nvl = self.nvl.latency_us * 1e-6 + nbytes / (self.nvl.bandwidth_GBps * 1e9)
-        nic = self.nic.latency_us * 1e-6 + nbytes / (self.nic.bandwidth_GBps * 1e9)
+        nvl = self.nvl_lat + nbytes / self.nvl_bw
+        nic = self.nic_lat + nbytes / self.nic_bw
         seconds = np.where(inside, nvl, nic)
         ids = np.arange(len(src))
         route = ~inside & (nbytes >= self.threshold) if routed and self.nics > 1 else np.zeros(len(src), bool)
@@ -161,8 +174,8 @@ class StepSurrogate:
         if route.any():
             P, g = self.nics, self.gpn
             piece = nbytes[route] / P
-            d = self.nvl.latency_us * 1e-6 + piece / (self.nvl.bandwidth_GBps * 1e9)
-            n = self.nic.latency_us * 1e-6 + piece / (self.nic.bandwidth_GBps * 1e9)
+            d = self.nvl_lat + piece / self.nvl_bw
+            n = self.nic_lat + piece / self.nic_bw
             seconds[route] = P * d + n
             i, s, t = ids[route], src[route], dst[route]
             legs += [(i, 2 * s, (P - 1) * d), (i, 2 * t + 1, (P - 1) * d)]
@@ -214,16 +227,19 @@ class StepSurrogate:
         # Zigzag chunk rows: position i holds chunks i and 2k-1-i.
         sizes = np.diff((np.arange(2 * k + 1)[None, :] * L[:, None]) // (2 * k), axis=1)
         a, b = sizes[:, :k].astype(np.float64), sizes[:, ::-1][:, :k].astype(np.float64)
-        pos = np.arange(k)
-        owner = (pos[:, None] - pos[None, :]) % k                          # (pos, step)
-        ap, bp = a[:, :, None], b[:, :, None]
-        ao, bo = a[:, owner], b[:, owner]
-        earlier = (owner < pos[:, None])[None]
-        later = (owner > pos[:, None])[None]
-        pairs = np.where(earlier, (ap + bp) * ao, np.where(later, bp * (ao + bo),
-                                                             ap * (ap + 1) / 2 + bp * ap + bp * (bp + 1) / 2))
-        block = np.where(earlier, ap + bp, np.where(later, bp, np.floor((ap + 2 * bp) / 3)))
-        batch = _RingBatch(ranks, self._attn_s(pairs, block) * share, k)
+        # Step t's kernel on position p: the K/V of owner p - t, whose chunks all
+        # come before p's (p >= t) or after p's first chunk (p < t, owner p - t + k).
+        comp = np.empty((n, k, k))
+        for t in range(k):
+            if t == 0:
+                pairs, block = a * (a + 1) / 2 + b * a + b * (b + 1) / 2, np.floor((a + 2 * b) / 3)
+                comp[:, :, 0] = self._attn_s(pairs, block) * share
+                continue
+            ap, bp, ao = a[:, t:], b[:, t:], a[:, :k - t]
+            comp[:, t:, t] = self._attn_s((ap + bp) * ao, ap + bp) * share
+            ap, bp, ao, bo = a[:, :t], b[:, :t], a[:, k - t:], b[:, k - t:]
+            comp[:, :t, t] = self._attn_s(bp * (ao + bo), bp) * share
+        batch = _RingBatch(ranks, comp, k)
         if k == 1:
             return batch
         # Step s sends on link j -> j+1 the K/V of owner (j - s) % k (not at the
@@ -236,41 +252,39 @@ class StepSurrogate:
         nodes = ranks // self.gpn
         inside = bool((nodes.min(axis=1) == nodes.max(axis=1)).all())
         if inside:
-            tuples, of = np.unique(ranks, axis=0, return_inverse=True)
-            of = of.reshape(-1)
-            first = np.zeros(len(tuples), np.int64)
-            first[of[::-1]] = np.arange(n)[::-1]
-            extra = np.bincount(of) - 1
-        latency = self.nvl.latency_us * 1e-6
+            tuples, of, first, count = _unique_rows(ranks)
+            # bytes are whole numbers: summed per tuple in any order they are exact
+            shard = np.stack([np.bincount(of, weights=shard[:, j], minlength=len(tuples)) for j in range(k)], axis=1)
+            extra = count - 1
+        routed_cells, routed_pieces = [], []
 
         def send(steps: np.ndarray, owners: np.ndarray, itemsize: int) -> None:
-            nbytes = 2 * shard[:, owners] * self.kv_numel * itemsize         # (n, link, step)
-            if inside:
-                summed = np.zeros((len(tuples),) + nbytes.shape[1:])
-                np.add.at(summed, of, nbytes)
-                nbytes, senders = summed, tuples
-            else:
-                senders = ranks
+            nbytes = 2 * shard[:, owners] * self.kv_numel * itemsize         # (ring or tuple, link, step)
+            senders = tuples if inside else ranks
             shape = nbytes.shape
             src = np.broadcast_to(senders[:, :, None], shape).ravel()
             dst = np.broadcast_to(np.roll(senders, -1, axis=1)[:, :, None], shape).ravel()
-            sec, piece, fill, msg, port, held = self._transfers(src, dst, nbytes.ravel(), w, routed)
+            sec, piece, piece_fill, msg, port, held = self._transfers(src, dst, nbytes.ravel(), w, routed)
             ring, _, col = np.unravel_index(msg, shape)
             if inside:
-                held = held + extra[ring] * latency
+                held = held + extra[ring] * self.nvl_lat
                 ring = first[ring]
             batch.legs.append((ring, steps[col], port, held))
             if not inside:
-                step_of = np.broadcast_to(steps[None, None, :], shape).ravel()
-                ring_of = np.repeat(np.arange(n), shape[1] * shape[2])
-                np.add.at(batch.via, (ring_of, step_of), piece)
-                np.maximum.at(batch.fill, (ring_of, step_of), fill)
+                routed_cells.append(np.broadcast_to((np.arange(n) * (k + 1))[:, None, None] + steps, shape).ravel())
+                routed_pieces.append((piece, piece_fill))
 
+        pos = np.arange(k)
         kv_steps = np.arange(k - 1)
-        send(kv_steps, owner[:, :k - 1], self.isz)
+        send(kv_steps, (pos[:, None] - kv_steps[None, :]) % k, self.isz)
         if backward:
             dkv_steps = np.arange(1, k + 1)
             send(dkv_steps, (pos[:, None] - dkv_steps[None, :] + 1) % k, self.acc)
+        if routed_cells:
+            cell = np.concatenate(routed_cells)
+            piece, piece_fill = (np.concatenate(x) for x in zip(*routed_pieces))
+            batch.via = np.bincount(cell, weights=piece, minlength=n * (k + 1)).reshape(n, k + 1)
+            np.maximum.at(batch.fill.reshape(-1), cell, piece_fill)
         return batch
 
     def _rings(self, batches: list["_RingBatch"], backward: bool, work: np.ndarray, load: np.ndarray, w: int,
@@ -296,19 +310,20 @@ class StepSurrogate:
         fam_of_rank = np.full(w, -1)
         fam_of_rank[rank_of_slot] = family[ring_of_slot]
         F = int(family.max()) + 1
-        lane = np.zeros((w, S))
         per_step = np.zeros((F, S))
-        via, fill = np.zeros((F, S)), np.zeros((F, S))
+        fill = np.zeros((F, S))
         leg_fam, leg_key, leg_port, leg_held = [], [], [], []
         n_ports = len(load)
+        # Per (rank, step) kernel seconds, per (family, step) routed NIC pieces:
+        # summed ring after ring (bincount adds in order, as a loop would).
+        lane = np.bincount(np.concatenate([(bt.ranks[:, :, None] * S + np.arange(bt.k)).ravel() for bt in batches]),
+                           np.concatenate([bt.comp.ravel() for bt in batches]), w * S).reshape(w, S)
+        cells = [((family[base[i]:base[i + 1]] * S)[:, None] + np.arange(S)).ravel() for i in range(len(batches))]
+        via = np.bincount(np.concatenate(cells), np.concatenate([_pad(bt.via, S).ravel() for bt in batches]),
+                          F * S).reshape(F, S)
         for i, bt in enumerate(batches):
-            k = bt.k
-            steps = np.broadcast_to(np.arange(k)[None, None, :], bt.comp.shape)
-            np.add.at(lane, (np.broadcast_to(bt.ranks[:, :, None], bt.comp.shape), steps), bt.comp)
             fam = family[base[i]:base[i + 1]]
-            np.add.at(via, (np.repeat(fam, S), np.tile(np.arange(S), len(fam))), _pad(bt.via, S).ravel())
-            np.maximum.at(fill, (np.repeat(fam, S), np.tile(np.arange(S), len(fam))),
-                          _pad(bt.fill, S).ravel())
+            np.maximum.at(fill.reshape(-1), cells[i], _pad(bt.fill, S).ravel())
             for ring, step, port, held in bt.legs:
                 leg_fam.append(fam[ring])
                 leg_key.append((fam[ring] * S + step) * n_ports + port)
@@ -358,34 +373,39 @@ class StepSurrogate:
         tokens = ((member + 1) * L[gid] // d[gid] - member * L[gid] // d[gid]).astype(np.float64)
         kernel = self._attn_s(((L * (L + 1) // 2) // d).astype(np.float64), L.astype(np.float64)) * share
         np.add.at(work, flat, kernel[gid])
-        # Every ordered pair (a, b), a != b, of each group, row-major as the
-        # engine posts them; a group's all-to-all in, then out.
-        square = d * d
-        pair_gid = np.repeat(np.arange(G), square)
-        t = np.arange(int(square.sum())) - np.repeat(np.cumsum(square) - square, square)
-        a, b = t // d[pair_gid], t % d[pair_gid]
-        keep = a != b
-        pair_gid, a, b = pair_gid[keep], a[keep] + first_slot[pair_gid[keep]], b[keep] + first_slot[pair_gid[keep]]
-        hq, hk = self.q_heads // d[pair_gid], self.kv_heads // d[pair_gid]
-        src, dst = flat[a], flat[b]
-        legs = []
+        # A member's messages, by the link they take: to and from the other
+        # members on its node over NVLink, the rest through its NIC.  A message
+        # carries its sender's tokens in (step 0) and its receiver's out (step
+        # 1), so each port's seconds per all-to-all come from per-member counts
+        # and token sums, not from the d * (d - 1) messages.
+        node = flat // self.gpn
+        _, of, on_node = np.unique(gid * (w // self.gpn) + node, return_inverse=True, return_counts=True)
+        node_tokens = np.bincount(of, weights=tokens)[of]
+        near, far = on_node[of] - 1, d[gid] - on_node[of]
+        near_tokens, far_tokens = node_tokens - tokens, L[gid] - node_tokens
+        nic = 2 * w + 2 * (node * self.nics + self.affinity[flat % self.gpn])
+        port = np.concatenate([2 * flat, 2 * flat + 1, nic, nic + 1] * 2)
+        count = np.concatenate([near, near, far, far] * 2)
+        hq, hk = self.q_heads // d, self.kv_heads // d
+        per_step = []
         for step, to_heads in enumerate((True, False)):
-            heads = hq if to_heads == backward else hq + 2 * hk
-            rows = tokens[a] if to_heads else tokens[b]
-            _, _, _, msg, port, held = self._transfers(src, dst, rows * heads * self.head_dim * self.isz, w, False)
-            ingress = np.arange(len(msg)) >= len(src)           # direct legs: every egress, then every ingress
-            legs.append((pair_gid[msg], np.full(len(msg), step), ingress, msg, port, held))
-        # The legs in the engine's order: group by group, its all-to-all in
-        # then out, egress legs before ingress (the port sums add in this order).
-        group, step, ingress, msg, port, held = (np.concatenate(x) for x in zip(*legs))
-        order = np.lexsort((msg, ingress, step, group))
-        group, port, held = group[order], port[order], held[order]
-        a2a = 2 * group + step[order]
-        np.add.at(load, port, held)
-        # Each all-to-all lasts as long as its busiest port needs.
-        key = a2a * len(load) + port
+            row = ((hq if to_heads == backward else hq + 2 * hk) * self.head_dim * self.isz)[gid]   # bytes per token
+            own, near_in, far_in = tokens * row, near_tokens * row, far_tokens * row
+            # (egress, ingress) bytes of the member's ports: in step 0 it sends its own
+            # tokens to each peer, in step 1 it receives its own tokens from each
+            nvl = (near * own, near_in) if step == 0 else (near_in, near * own)
+            via_nic = (far * own, far_in) if step == 0 else (far_in, far * own)
+            per_step += [near * self.nvl_lat + b / self.nvl_bw for b in nvl]
+            per_step += [far * self.nic_lat + b / self.nic_bw for b in via_nic]
+        held = np.concatenate(per_step)
+        a2a = np.concatenate([2 * gid + step for step in (0, 1) for _ in range(4)])
+        used = count > 0
+        key = a2a[used] * len(load) + port[used]
         uniq, inv = np.unique(key, return_inverse=True)
-        sums = np.bincount(inv, weights=held)
+        sums = np.bincount(inv, weights=held[used])
+        group, port = uniq // len(load) // 2, uniq % len(load)
+        np.add.at(load, port, sums)
+        # Each all-to-all lasts as long as its busiest port needs.
         busiest = np.zeros(2 * G)
         np.maximum.at(busiest, uniq // len(load), sums)
 
