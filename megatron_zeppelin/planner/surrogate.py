@@ -14,13 +14,18 @@ numpy over its rings, groups and ranks, what the replay executes:
   (NVLink, the sender's NIC, or the routing layer's dispatch / NIC / combine
   legs), slowed by the other traffic of the segment on the same ports (a port
   serves one transfer at a time);
-* Ulysses groups as all-to-all in, kernel, all-to-all out, and layout switches
-  as all-to-alls: a rank leaves once its busiest port drained;
+* Ulysses groups as all-to-all in, kernel, all-to-all out
+  (``planner/surrogate_ulysses.py``), and layout switches as all-to-alls: a
+  rank leaves once its busiest port drained;
 * the segments chained per rank as the replay chains them (a rank enters a
   segment when its part of the previous one is done; a ring or group starts
   once all its ranks entered), for ``m`` and ``m - 1`` layers extrapolated as
   ``replay_step`` extrapolates, plus the gradient sync tail
   (``cost/step_sync.py``).
+
+The plan is read once into flat arrays (``planner/plan_arrays.py``); Python
+loops run per ring size, ring step and distinct token count, not per
+sequence, rank or message.
 
 Every constant is the cost model's; nothing is fitted.  ``benchmarks/surrogate_error.py``
 measures how far it is from the replay (``docs/results/surrogate.md``).
@@ -38,6 +43,7 @@ from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostM
 from megatron_zeppelin.cost.step_sync import forward_backward_split, step_sync
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.plan_arrays import PlanArrays, plan_arrays
+from megatron_zeppelin.planner.surrogate_ulysses import UlyssesGroups
 from megatron_zeppelin.schedule.routing import min_routed_bytes
 
 #: The ring step at whose transfers' level of the schedule's order a Ulysses
@@ -140,8 +146,13 @@ class StepSurrogate:
         self.nvl_lat, self.nvl_bw = c.nvlink.latency_us * 1e-6, c.nvlink.bandwidth_GBps * 1e9
         self.nic_lat, self.nic_bw = c.nic.latency_us * 1e-6, c.nic.bandwidth_GBps * 1e9
         self.threshold = min_routed_bytes(cost) if cost.routing else math.inf
+        self.linear_memo: dict[float, float] = {}
 
     # ----------------------------------------------------------------- links
+    def _n_ports(self, w: int) -> int:
+        """Ports of ``w`` ranks: each GPU's NVLink out and in, each NIC's out and in."""
+        return 2 * w + 2 * (w // self.gpn + 1) * self.nics
+
     def _attn_s(self, pairs: np.ndarray, block: np.ndarray) -> np.ndarray:
         block = np.maximum(block, 1)
         return np.where(pairs > 0, pairs * self.per_pair * (block + self.half) / block, 0.0)
@@ -191,20 +202,12 @@ class StepSurrogate:
             fill[route] = seconds[route] - np.maximum((P - 1) * d, n)
         return seconds, piece_s, fill, msg, port, sec
 
-    @staticmethod
-    def _drain(group: np.ndarray, port: np.ndarray, total: np.ndarray, groups: int) -> np.ndarray:
-        """Per group, when the busiest port it uses has carried the segment's
-        whole traffic (a port serves one transfer at a time)."""
-        out = np.zeros(groups)
-        if len(port):
-            np.maximum.at(out, group, total[port])
-        return out
-
     # ----------------------------------------------------------- attention
-    def _attention(self, w: int, layout: PlanArrays, backward: bool, routed: bool) -> _Segment:
+    def _attention(self, w: int, layout: PlanArrays, groups: UlyssesGroups | None, backward: bool,
+                   routed: bool) -> _Segment:
         share = self.attn_share[backward]
         work = np.zeros(w)
-        load = np.zeros(2 * w + 2 * (w // self.gpn + 1) * self.nics)
+        load = np.zeros(self._n_ports(w))
         L = layout.local_len
         if len(L):
             np.add.at(work, layout.local_rank, self._attn_s(L * (L + 1) / 2, L) * share)
@@ -212,7 +215,7 @@ class StepSurrogate:
         # rings' transfers of step ULYSSES_OUT_STEP + 1 on: those wait for its
         # Ulysses kernels (``gate``).
         gate = np.zeros(w)
-        pending = [self._ulysses(layout, backward, work, load, w, gate)] if len(layout.group_len) else []
+        pending = [groups.price(backward, work, load, gate)] if groups is not None else []
         pending += [self._rings([self._ring_batch(k, ranks, lens, backward, routed, w)
                                  for k, (ranks, lens) in layout.rings.items()],
                                 backward, work, load, w, gate)] if layout.rings else []
@@ -361,95 +364,13 @@ class StepSurrogate:
 
         return finish
 
-    def _ulysses(self, layout: PlanArrays, backward: bool, work: np.ndarray, load: np.ndarray, w: int,
-                 gate: np.ndarray):
-        """Ulysses groups: all-to-all (always direct), kernel on ``1/d`` of the heads, all-to-all."""
-        share = self.attn_share[backward]
-        L, d, flat = layout.group_len, layout.group_size, layout.group_ranks
-        G = len(L)
-        gid = np.repeat(np.arange(G), d)                                     # group of each member slot
-        first_slot = np.cumsum(d) - d
-        member = np.arange(len(flat)) - first_slot[gid]                      # position in its group
-        tokens = ((member + 1) * L[gid] // d[gid] - member * L[gid] // d[gid]).astype(np.float64)
-        kernel = self._attn_s(((L * (L + 1) // 2) // d).astype(np.float64), L.astype(np.float64)) * share
-        np.add.at(work, flat, kernel[gid])
-        # A member's messages, by the link they take: to and from the other
-        # members on its node over NVLink, the rest through its NIC.  A message
-        # carries its sender's tokens in (step 0) and its receiver's out (step
-        # 1), so each port's seconds per all-to-all come from per-member counts
-        # and token sums, not from the d * (d - 1) messages.
-        node = flat // self.gpn
-        _, of, on_node = np.unique(gid * (w // self.gpn) + node, return_inverse=True, return_counts=True)
-        node_tokens = np.bincount(of, weights=tokens)[of]
-        near, far = on_node[of] - 1, d[gid] - on_node[of]
-        near_tokens, far_tokens = node_tokens - tokens, L[gid] - node_tokens
-        nic = 2 * w + 2 * (node * self.nics + self.affinity[flat % self.gpn])
-        port = np.concatenate([2 * flat, 2 * flat + 1, nic, nic + 1] * 2)
-        count = np.concatenate([near, near, far, far] * 2)
-        hq, hk = self.q_heads // d, self.kv_heads // d
-        per_step = []
-        for step, to_heads in enumerate((True, False)):
-            row = ((hq if to_heads == backward else hq + 2 * hk) * self.head_dim * self.isz)[gid]   # bytes per token
-            own, near_in, far_in = tokens * row, near_tokens * row, far_tokens * row
-            # (egress, ingress) bytes of the member's ports: in step 0 it sends its own
-            # tokens to each peer, in step 1 it receives its own tokens from each
-            nvl = (near * own, near_in) if step == 0 else (near_in, near * own)
-            via_nic = (far * own, far_in) if step == 0 else (far_in, far * own)
-            per_step += [near * self.nvl_lat + b / self.nvl_bw for b in nvl]
-            per_step += [far * self.nic_lat + b / self.nic_bw for b in via_nic]
-        held = np.concatenate(per_step)
-        a2a = np.concatenate([2 * gid + step for step in (0, 1) for _ in range(4)])
-        used = count > 0
-        key = a2a[used] * len(load) + port[used]
-        uniq, inv = np.unique(key, return_inverse=True)
-        sums = np.bincount(inv, weights=held[used])
-        group, port = uniq // len(load) // 2, uniq % len(load)
-        np.add.at(load, port, sums)
-        # Each all-to-all lasts as long as its busiest port needs.
-        busiest = np.zeros(2 * G)
-        np.maximum.at(busiest, uniq // len(load), sums)
-
-        out_s = busiest[1::2]
-        # The groups' inputs share ports and go in the schedule's order: a group's
-        # all-to-all in has arrived once each of its ports carried it and every
-        # earlier group's input through that port.  A rank runs its groups'
-        # kernels in that order as their data arrives, and sends each group's
-        # outputs once its kernel is done, one group's after another.
-        first = (uniq // len(load)) % 2 == 0
-        g_in, p_in, s_in = uniq[first] // len(load) // 2, uniq[first] % len(load), sums[first]
-        order = np.lexsort((g_in, p_in))
-        g_in, p_in, s_in = g_in[order], p_in[order], s_in[order]
-        queued = np.cumsum(s_in)
-        starts = np.flatnonzero(np.r_[True, p_in[1:] != p_in[:-1]])
-        queued -= np.repeat(queued[starts] - s_in[starts], np.diff(np.r_[starts, len(p_in)]))
-        arrival = np.zeros(G)
-        np.maximum.at(arrival, g_in, queued)
-        # A rank's groups one after another: its n-th groups of all ranks at once.
-        by_rank = np.argsort(flat, kind="stable")
-        runs = np.r_[0, np.flatnonzero(np.diff(flat[by_rank])) + 1]
-        nth = np.empty(len(flat), np.int64)
-        nth[by_rank] = np.arange(len(flat)) - np.repeat(runs, np.diff(np.r_[runs, len(flat)]))
-        lane, sent = np.zeros(w), np.zeros(w)
-        for n in range(int(nth.max()) + 1):
-            slot = np.flatnonzero(nth == n)
-            r, g = flat[slot], gid[slot]
-            lane[r] = np.maximum(lane[r], arrival[g]) + kernel[g]
-            sent[r] = np.maximum(sent[r], lane[r]) + out_s[g]
-        gate[flat] = lane[flat]
-
-        def finish(total: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            drain = self._drain(group, port, total, G)
-            return flat, gid, np.maximum(sent[flat], drain[gid])
-
-        return finish
-
     # -------------------------------------------------------- switch, linear
     def _switch(self, messages: tuple[np.ndarray, np.ndarray, np.ndarray], w: int, routed: bool,
                 reverse: bool) -> _Segment:
         src, dst, tokens = messages
         if reverse:
             src, dst = dst, src
-        load = np.zeros(2 * w + 2 * (w // self.gpn + 1) * self.nics)
+        load = np.zeros(self._n_ports(w))
         _, _, _, _, port, held = self._transfers(src, dst, tokens * self.row_bytes, w, routed)
         np.add.at(load, port, held)
         g = self.gpn
@@ -458,11 +379,16 @@ class StepSurrogate:
         per_rank = np.maximum.reduce([load[2 * r], load[2 * r + 1], load[nic], load[nic + 1]])
         return _Segment(np.zeros(w), [], per_rank)
 
-    def _linear(self, tokens: np.ndarray, backward: bool) -> _Segment:
-        # linear_s per distinct count (a balanced layout has one or two)
+    def _linear_s(self, tokens: np.ndarray) -> np.ndarray:
+        """``CostModel.linear_s`` per rank, once per distinct count (a balanced
+        layout has one or two; candidates of one batch share most; at most the
+        token cap of them are kept)."""
         counts, of = np.unique(tokens, return_inverse=True)
-        lin = np.array([self.cost.linear_s(t) for t in counts.tolist()])[of.reshape(-1)] * self.lin_share[backward]
-        return _Segment(lin, [])
+        known = self.linear_memo
+        for t in counts.tolist():
+            if t not in known:
+                known[t] = self.cost.linear_s(t)
+        return np.array([known[t] for t in counts.tolist()])[of.reshape(-1)]
 
     # ------------------------------------------------------------------ step
     def step_s(self, plan: Plan) -> float:
@@ -471,29 +397,33 @@ class StepSurrogate:
         routed = plan.routed and self.cost.routing
         layout = plan_arrays(plan)
         msgs = layout.remap
+        linear = self._linear_s(layout.linear_tokens)
+        groups = UlyssesGroups(self, layout, w, self._n_ports(w)) if len(layout.group_len) else None
         parts = {}
         for bw in PASSES:
-            seq = [("attn", self._attention(w, layout, bw, routed))]
+            seq = [("attn", self._attention(w, layout, groups, bw, routed))]
             if msgs is not None:
                 seq.append(("to_linear", self._switch(msgs, w, routed, reverse=bw)))
-            seq.append(("linear", self._linear(layout.linear_tokens, bw)))
+            seq.append(("linear", _Segment(linear * self.lin_share[bw], [])))
             if msgs is not None:
                 seq.append(("to_attn", self._switch(msgs, w, routed, reverse=not bw)))
             parts[bw] = seq
         m = REPLAYED_LAYERS
         layers = self.layers
 
-        def run(n: int) -> np.ndarray:
-            t = np.zeros(w)
-            chain = [s for _, s in parts[False]] * n + [s for _, s in reversed(parts[True])] * n
-            for seg in chain:
+        forward, backward = [s for _, s in parts[False]], [s for _, s in reversed(parts[True])]
+
+        def run(t: np.ndarray, segments: list[_Segment], n: int) -> np.ndarray:
+            for seg in segments * n:
                 t = self._advance(seg, t)
             return t
 
         if layers <= m:
-            finish = run(layers)
+            finish = run(run(np.zeros(w), forward, layers), backward, layers)
         else:
-            big, small = run(m), run(m - 1)
+            # m and m - 1 layers share their first m - 1 forward layers
+            head = run(np.zeros(w), forward, m - 1)
+            big, small = run(run(head, forward, 1), backward, m), run(head, backward, m - 1)
             finish = big + (big - small) * (layers - m)
         slowest = int(np.argmax(finish))
         attn = sum(seg.work[slowest] for bw in PASSES for name, seg in parts[bw] if name == "attn") * layers
