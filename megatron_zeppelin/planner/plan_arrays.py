@@ -93,9 +93,12 @@ def plan_arrays(plan: Plan) -> PlanArrays:
     # pieces in buffer order: placements in order, a rank's chunks in order.
     # (uint16 ranks: numpy sorts them stably in linear time.)
     held = hi > lo
-    buffer = np.argsort(owner[held].astype(np.uint16) if w <= 1 << 16 else owner[held], kind="stable")
-    same = (len(spans) == len(buffer) and np.array_equal(span_owner, owner[held][buffer])
-            and np.array_equal(spans, np.stack([seq[of], lo, hi], axis=1)[held][buffer]))
+    kept = np.flatnonzero(held)
+    same = len(spans) == len(kept)
+    if same:
+        kept = kept[np.argsort(owner[kept].astype(np.uint16) if w <= 1 << 16 else owner[kept], kind="stable")]
+        same = all(np.array_equal(x, y) for x, y in ((span_owner, owner[kept]), (spans[:, 0], seq[of[kept]]),
+                                                     (spans[:, 1], lo[kept]), (spans[:, 2], hi[kept])))
     remap = None
     if not same:
         # Pieces in token order: placements by sequence (each sequence has one), chunks in order.
