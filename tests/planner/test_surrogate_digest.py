@@ -33,6 +33,7 @@ from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.cost.tp import tp_view
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Mode, Plan, Span, placement
+from megatron_zeppelin.planner.plan_arrays import plan_arrays
 from megatron_zeppelin.planner.surrogate import StepSurrogate
 from megatron_zeppelin.topology import load_cluster
 
@@ -128,6 +129,23 @@ def test_the_recorded_plans_cover_every_tier(recorded):
             worlds.add(p.world_size)
     assert tiers == {"local", "intra", "inter", "ulysses"}
     assert remapped and min(worlds) <= 8 and max(worlds) >= 256
+
+
+def test_plan_arrays_reads_the_remap_and_the_linear_tokens_as_the_plan_has_them(recorded):
+    plans, _ = recorded
+    remapped = 0
+    for layouts in plans.values():
+        for d in layouts:
+            plan = decode(d, True)
+            arrays = plan_arrays(plan)
+            moved: dict[tuple[int, int], int] = {}
+            for t in plan.remap_schedule():
+                moved[(t.src, t.dst)] = moved.get((t.src, t.dst), 0) + t.length
+            got = {} if arrays.remap is None else {(s, t): n for s, t, n in zip(*(x.tolist() for x in arrays.remap))}
+            assert got == moved
+            assert arrays.linear_tokens.tolist() == plan.linear_tokens_per_rank()
+            remapped += bool(moved)
+    assert remapped >= 10                 # plans with a remap: the overlap merge, not its shortcut
 
 
 def record() -> None:
