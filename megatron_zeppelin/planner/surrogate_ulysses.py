@@ -58,15 +58,15 @@ class UlyssesGroups:
         p_in = self.key_port[self.inputs]
         starts = np.flatnonzero(np.r_[True, p_in[1:] != p_in[:-1]])
         self.queue_start = np.repeat(starts, np.diff(np.r_[starts, len(p_in)]))
-        # A rank runs its groups in order: one row per rank, its groups by column.
+        # A rank runs its groups in order: a column per rank, its groups by row.
         by_rank = np.argsort(flat, kind="stable")
         runs = np.flatnonzero(np.r_[True, np.diff(flat[by_rank]) != 0])
         lengths = np.diff(np.r_[runs, len(flat)])
-        self.row = np.empty(len(flat), np.int64)
-        self.col = np.empty(len(flat), np.int64)
-        self.row[by_rank] = np.repeat(np.arange(len(runs)), lengths)
-        self.col[by_rank] = np.arange(len(flat)) - np.repeat(runs, lengths)
-        self.row_rank, self.row_last = flat[by_rank[runs]], lengths - 1
+        self.chain_of = np.empty(len(flat), np.int64)
+        self.nth = np.empty(len(flat), np.int64)
+        self.chain_of[by_rank] = np.repeat(np.arange(len(runs)), lengths)
+        self.nth[by_rank] = np.arange(len(flat)) - np.repeat(runs, lengths)
+        self.chain_rank, self.chain_last = flat[by_rank[runs]], lengths - 1
 
     def price(self, backward: bool, work: np.ndarray, load: np.ndarray, gate: np.ndarray):
         """One pass: adds the kernels to ``work`` and the ports' seconds to
@@ -99,13 +99,13 @@ class UlyssesGroups:
         # A rank runs its groups' kernels in order as their data arrives and
         # sends each group's outputs once its kernel is done, one group's after
         # another: lane_n = max(lane_n-1, arrival_n) + kernel_n and sent_n =
-        # max(sent_n-1, lane_n) + out_n, as running maxima of prefix sums.
-        shape = (len(self.row_rank), int(self.col.max()) + 1)
+        # max(sent_n-1, lane_n) + out_n.
+        shape = (int(self.nth.max()) + 1, len(self.chain_rank))
         lane = self._chain(arrival[self.gid], kernel[self.gid], shape)
-        sent = self._chain(lane[self.row, self.col], busiest[1::2][self.gid], shape)
-        last = (np.arange(shape[0]), self.row_last)
+        sent = self._chain(lane[self.nth, self.chain_of], busiest[1::2][self.gid], shape)
+        last = (self.chain_last, np.arange(shape[1]))
         lane_of, sent_of = np.zeros(self.w), np.zeros(self.w)
-        lane_of[self.row_rank], sent_of[self.row_rank] = lane[last], sent[last]
+        lane_of[self.chain_rank], sent_of[self.chain_rank] = lane[last], sent[last]
         gate[self.ranks] = lane_of[self.ranks]
         group_of_key = self.key_a2a // 2
 
@@ -117,10 +117,14 @@ class UlyssesGroups:
         return finish
 
     def _chain(self, ready: np.ndarray, cost: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-        """Per rank row and column, ``x_n = max(x_n-1, ready_n) + cost_n`` from
-        ``x = 0`` (``ready >= 0``): ``C_n + max over j <= n of (ready_j - C_j-1)``
-        with ``C`` the running sum of ``cost``."""
+        """Per (n-th group, rank) ``x_n = max(x_n-1, ready_n) + cost_n`` from
+        ``x = 0``, every rank's n-th group at once.  Added one by one as the
+        engine's lane runs them: a closed form (running maxima of prefix sums)
+        rounds differently for the same groups in another order, and breaks
+        the decision's ties between such plans."""
         r, m = np.zeros(shape), np.zeros(shape)
-        r[self.row, self.col], m[self.row, self.col] = ready, cost
-        total = np.cumsum(m, axis=1)
-        return total + np.maximum.accumulate(r - (total - m), axis=1)
+        r[self.nth, self.chain_of], m[self.nth, self.chain_of] = ready, cost
+        x = np.zeros(shape)
+        for n in range(shape[0]):
+            x[n] = np.maximum(x[n - 1] if n else 0.0, r[n]) + m[n]
+        return x
