@@ -14,13 +14,18 @@ numpy over its rings, groups and ranks, what the replay executes:
   (NVLink, the sender's NIC, or the routing layer's dispatch / NIC / combine
   legs), slowed by the other traffic of the segment on the same ports (a port
   serves one transfer at a time);
-* Ulysses groups as all-to-all in, kernel, all-to-all out, and layout switches
-  as all-to-alls: a rank leaves once its busiest port drained;
+* Ulysses groups as all-to-all in, kernel, all-to-all out
+  (``planner/surrogate_ulysses.py``), and layout switches as all-to-alls: a
+  rank leaves once its busiest port drained;
 * the segments chained per rank as the replay chains them (a rank enters a
   segment when its part of the previous one is done; a ring or group starts
   once all its ranks entered), for ``m`` and ``m - 1`` layers extrapolated as
   ``replay_step`` extrapolates, plus the gradient sync tail
   (``cost/step_sync.py``).
+
+The plan is read once into flat arrays (``planner/plan_arrays.py``); Python
+loops run per ring size, ring step and distinct token count, not per
+sequence, rank or message.
 
 Every constant is the cost model's; nothing is fitted.  ``benchmarks/surrogate_error.py``
 measures how far it is from the replay (``docs/results/surrogate.md``).
@@ -37,6 +42,8 @@ import numpy as np
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
 from megatron_zeppelin.cost.step_sync import forward_backward_split, grad_sync_s, optimizer_s, step_sync
 from megatron_zeppelin.plan import Mode, Plan, SeqPlacement
+from megatron_zeppelin.planner.plan_arrays import PlanArrays, plan_arrays
+from megatron_zeppelin.planner.surrogate_ulysses import UlyssesGroups
 from megatron_zeppelin.schedule.routing import min_routed_bytes
 
 #: The ring step at whose transfers' level of the schedule's order a Ulysses
@@ -102,6 +109,18 @@ def _components(group_of_slot: np.ndarray, rank_of_slot: np.ndarray, groups: int
     return np.unique(label, return_inverse=True)[1].reshape(-1)
 
 
+def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(distinct rows in lexicographic order, index of each row's, first row of
+    each, rows of each): ``np.unique(rows, axis=0)`` without its row-as-bytes sort."""
+    order = np.lexsort(rows.T[::-1])
+    ordered = rows[order]
+    new = np.r_[True, (ordered[1:] != ordered[:-1]).any(axis=1)]
+    starts = np.flatnonzero(new)
+    of = np.empty(len(rows), np.int64)
+    of[order] = np.cumsum(new) - 1
+    return ordered[starts], of, order[starts], np.diff(np.r_[starts, len(rows)])
+
+
 class StepSurrogate:
     """The step time of plans under one cost model (see the module docstring)."""
 
@@ -124,10 +143,16 @@ class StepSurrogate:
         self.isz, self.acc = m.dtype_bytes, 4
         self.q_heads, self.kv_heads, self.head_dim = m.num_attention_heads, m.num_query_groups, m.head_dim
         self.row_bytes = m.hidden_size * m.dtype_bytes
-        self.nvl, self.nic = c.nvlink, c.nic
+        self.nvl_lat, self.nvl_bw = c.nvlink.latency_us * 1e-6, c.nvlink.bandwidth_GBps * 1e9
+        self.nic_lat, self.nic_bw = c.nic.latency_us * 1e-6, c.nic.bandwidth_GBps * 1e9
         self.threshold = min_routed_bytes(cost) if cost.routing else math.inf
+        self.linear_memo: dict[float, float] = {}
 
     # ----------------------------------------------------------------- links
+    def _n_ports(self, w: int) -> int:
+        """Ports of ``w`` ranks: each GPU's NVLink out and in, each NIC's out and in."""
+        return 2 * w + 2 * (w // self.gpn + 1) * self.nics
+
     def _attn_s(self, pairs: np.ndarray, block: np.ndarray) -> np.ndarray:
         block = np.maximum(block, 1)
         return np.where(pairs > 0, pairs * self.per_pair * (block + self.half) / block, 0.0)
@@ -150,8 +175,8 @@ class StepSurrogate:
         the sender's NVLink one after another, each over NIC ``j``, combined into
         the receiver; proxies and peers forward them (spread over the node's GPUs)."""
         inside, out, inn = self._ports(src, dst, w)
-        nvl = self.nvl.latency_us * 1e-6 + nbytes / (self.nvl.bandwidth_GBps * 1e9)
-        nic = self.nic.latency_us * 1e-6 + nbytes / (self.nic.bandwidth_GBps * 1e9)
+        nvl = self.nvl_lat + nbytes / self.nvl_bw
+        nic = self.nic_lat + nbytes / self.nic_bw
         seconds = np.where(inside, nvl, nic)
         ids = np.arange(len(src))
         route = ~inside & (nbytes >= self.threshold) if routed and self.nics > 1 else np.zeros(len(src), bool)
@@ -160,8 +185,8 @@ class StepSurrogate:
         if route.any():
             P, g = self.nics, self.gpn
             piece = nbytes[route] / P
-            d = self.nvl.latency_us * 1e-6 + piece / (self.nvl.bandwidth_GBps * 1e9)
-            n = self.nic.latency_us * 1e-6 + piece / (self.nic.bandwidth_GBps * 1e9)
+            d = self.nvl_lat + piece / self.nvl_bw
+            n = self.nic_lat + piece / self.nic_bw
             seconds[route] = P * d + n
             i, s, t = ids[route], src[route], dst[route]
             legs += [(i, 2 * s, (P - 1) * d), (i, 2 * t + 1, (P - 1) * d)]
@@ -177,68 +202,47 @@ class StepSurrogate:
             fill[route] = seconds[route] - np.maximum((P - 1) * d, n)
         return seconds, piece_s, fill, msg, port, sec
 
-    @staticmethod
-    def _drain(group: np.ndarray, port: np.ndarray, total: np.ndarray, groups: int) -> np.ndarray:
-        """Per group, when the busiest port it uses has carried the segment's
-        whole traffic (a port serves one transfer at a time)."""
-        out = np.zeros(groups)
-        if len(port):
-            np.maximum.at(out, group, total[port])
-        return out
-
     # ----------------------------------------------------------- attention
-    @staticmethod
-    def _placements(plan: Plan) -> tuple[np.ndarray, np.ndarray, dict[int, list], list]:
-        """(local ranks, local lengths, rings by size, Ulysses groups) of ``plan``."""
-        local_rank, local_len, rings, groups = [], [], {}, []
-        lens = plan.seq_lens
-        local = Mode.LOCAL
-        for p in plan.attention:
-            if p.mode is local:
-                local_rank.append(p.ranks[0])
-                local_len.append(lens[p.seq])
-            elif p.mode is Mode.RING:
-                rings.setdefault(len(p.ranks), []).append((p.ranks, lens[p.seq]))
-            else:
-                groups.append((p.ranks, lens[p.seq]))
-        return np.asarray(local_rank, np.int64), np.asarray(local_len, np.float64), rings, groups
-
-    def _attention(self, w: int, placements: tuple, backward: bool, routed: bool) -> _Segment:
+    def _attention(self, w: int, layout: PlanArrays, groups: UlyssesGroups | None, backward: bool,
+                   routed: bool) -> _Segment:
         share = self.attn_share[backward]
         work = np.zeros(w)
-        load = np.zeros(2 * w + 2 * (w // self.gpn + 1) * self.nics)
-        local_rank, L, rings, groups = placements
+        load = np.zeros(self._n_ports(w))
+        L = layout.local_len
         if len(L):
-            np.add.at(work, local_rank, self._attn_s(L * (L + 1) / 2, L) * share)
+            np.add.at(work, layout.local_rank, self._attn_s(L * (L + 1) / 2, L) * share)
         # A rank posts its Ulysses outputs in its send lane's order, before its
         # rings' transfers of step ULYSSES_OUT_STEP + 1 on: those wait for its
         # Ulysses kernels (``gate``).
         gate = np.zeros(w)
-        pending = [self._ulysses(groups, backward, work, load, w, gate)] if groups else []
-        pending += [self._rings([self._ring_batch(k, members, backward, routed, w) for k, members in rings.items()],
-                                backward, work, load, w, gate)] if rings else []
+        pending = [groups.price(backward, work, load, gate)] if groups is not None else []
+        pending += [self._rings([self._ring_batch(k, ranks, lens, backward, routed, w)
+                                 for k, (ranks, lens) in layout.rings.items()],
+                                backward, work, load, w, gate)] if layout.rings else []
         chains = [finish(load) for finish in pending]
         return _Segment(work, chains)
 
-    def _ring_batch(self, k: int, members: list, backward: bool, routed: bool, w: int) -> "_RingBatch":
-        """Kernels and messages of the rings of ``k`` ranks (one row per ring)."""
+    def _ring_batch(self, k: int, ranks: np.ndarray, L: np.ndarray, backward: bool, routed: bool,
+                    w: int) -> "_RingBatch":
+        """Kernels and messages of the rings of ``k`` ranks (``ranks``: one row per ring)."""
         share = self.attn_share[backward]
-        ranks = np.asarray([r for r, _ in members], np.int64)            # (n, k)
-        L = np.asarray([n for _, n in members], np.int64)
         n = len(L)
         # Zigzag chunk rows: position i holds chunks i and 2k-1-i.
         sizes = np.diff((np.arange(2 * k + 1)[None, :] * L[:, None]) // (2 * k), axis=1)
         a, b = sizes[:, :k].astype(np.float64), sizes[:, ::-1][:, :k].astype(np.float64)
-        pos = np.arange(k)
-        owner = (pos[:, None] - pos[None, :]) % k                          # (pos, step)
-        ap, bp = a[:, :, None], b[:, :, None]
-        ao, bo = a[:, owner], b[:, owner]
-        earlier = (owner < pos[:, None])[None]
-        later = (owner > pos[:, None])[None]
-        pairs = np.where(earlier, (ap + bp) * ao, np.where(later, bp * (ao + bo),
-                                                             ap * (ap + 1) / 2 + bp * ap + bp * (bp + 1) / 2))
-        block = np.where(earlier, ap + bp, np.where(later, bp, np.floor((ap + 2 * bp) / 3)))
-        batch = _RingBatch(ranks, self._attn_s(pairs, block) * share, k)
+        # Step t's kernel on position p: the K/V of owner p - t, whose chunks all
+        # come before p's (p >= t) or after p's first chunk (p < t, owner p - t + k).
+        comp = np.empty((n, k, k))
+        for t in range(k):
+            if t == 0:
+                pairs, block = a * (a + 1) / 2 + b * a + b * (b + 1) / 2, np.floor((a + 2 * b) / 3)
+                comp[:, :, 0] = self._attn_s(pairs, block) * share
+                continue
+            ap, bp, ao = a[:, t:], b[:, t:], a[:, :k - t]
+            comp[:, t:, t] = self._attn_s((ap + bp) * ao, ap + bp) * share
+            ap, bp, ao, bo = a[:, :t], b[:, :t], a[:, k - t:], b[:, k - t:]
+            comp[:, :t, t] = self._attn_s(bp * (ao + bo), bp) * share
+        batch = _RingBatch(ranks, comp, k)
         if k == 1:
             return batch
         # Step s sends on link j -> j+1 the K/V of owner (j - s) % k (not at the
@@ -251,41 +255,39 @@ class StepSurrogate:
         nodes = ranks // self.gpn
         inside = bool((nodes.min(axis=1) == nodes.max(axis=1)).all())
         if inside:
-            tuples, of = np.unique(ranks, axis=0, return_inverse=True)
-            of = of.reshape(-1)
-            first = np.zeros(len(tuples), np.int64)
-            first[of[::-1]] = np.arange(n)[::-1]
-            extra = np.bincount(of) - 1
-        latency = self.nvl.latency_us * 1e-6
+            tuples, of, first, count = _unique_rows(ranks)
+            # bytes are whole numbers: summed per tuple in any order they are exact
+            shard = np.stack([np.bincount(of, weights=shard[:, j], minlength=len(tuples)) for j in range(k)], axis=1)
+            extra = count - 1
+        routed_cells, routed_pieces = [], []
 
         def send(steps: np.ndarray, owners: np.ndarray, itemsize: int) -> None:
-            nbytes = 2 * shard[:, owners] * self.kv_numel * itemsize         # (n, link, step)
-            if inside:
-                summed = np.zeros((len(tuples),) + nbytes.shape[1:])
-                np.add.at(summed, of, nbytes)
-                nbytes, senders = summed, tuples
-            else:
-                senders = ranks
+            nbytes = 2 * shard[:, owners] * self.kv_numel * itemsize         # (ring or tuple, link, step)
+            senders = tuples if inside else ranks
             shape = nbytes.shape
             src = np.broadcast_to(senders[:, :, None], shape).ravel()
             dst = np.broadcast_to(np.roll(senders, -1, axis=1)[:, :, None], shape).ravel()
-            sec, piece, fill, msg, port, held = self._transfers(src, dst, nbytes.ravel(), w, routed)
+            sec, piece, piece_fill, msg, port, held = self._transfers(src, dst, nbytes.ravel(), w, routed)
             ring, _, col = np.unravel_index(msg, shape)
             if inside:
-                held = held + extra[ring] * latency
+                held = held + extra[ring] * self.nvl_lat
                 ring = first[ring]
             batch.legs.append((ring, steps[col], port, held))
             if not inside:
-                step_of = np.broadcast_to(steps[None, None, :], shape).ravel()
-                ring_of = np.repeat(np.arange(n), shape[1] * shape[2])
-                np.add.at(batch.via, (ring_of, step_of), piece)
-                np.maximum.at(batch.fill, (ring_of, step_of), fill)
+                routed_cells.append(np.broadcast_to((np.arange(n) * (k + 1))[:, None, None] + steps, shape).ravel())
+                routed_pieces.append((piece, piece_fill))
 
+        pos = np.arange(k)
         kv_steps = np.arange(k - 1)
-        send(kv_steps, owner[:, :k - 1], self.isz)
+        send(kv_steps, (pos[:, None] - kv_steps[None, :]) % k, self.isz)
         if backward:
             dkv_steps = np.arange(1, k + 1)
             send(dkv_steps, (pos[:, None] - dkv_steps[None, :] + 1) % k, self.acc)
+        if routed_cells:
+            cell = np.concatenate(routed_cells)
+            piece, piece_fill = (np.concatenate(x) for x in zip(*routed_pieces))
+            batch.via = np.bincount(cell, weights=piece, minlength=n * (k + 1)).reshape(n, k + 1)
+            np.maximum.at(batch.fill.reshape(-1), cell, piece_fill)
         return batch
 
     def _rings(self, batches: list["_RingBatch"], backward: bool, work: np.ndarray, load: np.ndarray, w: int,
@@ -311,19 +313,20 @@ class StepSurrogate:
         fam_of_rank = np.full(w, -1)
         fam_of_rank[rank_of_slot] = family[ring_of_slot]
         F = int(family.max()) + 1
-        lane = np.zeros((w, S))
         per_step = np.zeros((F, S))
-        via, fill = np.zeros((F, S)), np.zeros((F, S))
+        fill = np.zeros((F, S))
         leg_fam, leg_key, leg_port, leg_held = [], [], [], []
         n_ports = len(load)
+        # Per (rank, step) kernel seconds, per (family, step) routed NIC pieces:
+        # summed ring after ring (bincount adds in order, as a loop would).
+        lane = np.bincount(np.concatenate([(bt.ranks[:, :, None] * S + np.arange(bt.k)).ravel() for bt in batches]),
+                           np.concatenate([bt.comp.ravel() for bt in batches]), w * S).reshape(w, S)
+        cells = [((family[base[i]:base[i + 1]] * S)[:, None] + np.arange(S)).ravel() for i in range(len(batches))]
+        via = np.bincount(np.concatenate(cells), np.concatenate([_pad(bt.via, S).ravel() for bt in batches]),
+                          F * S).reshape(F, S)
         for i, bt in enumerate(batches):
-            k = bt.k
-            steps = np.broadcast_to(np.arange(k)[None, None, :], bt.comp.shape)
-            np.add.at(lane, (np.broadcast_to(bt.ranks[:, :, None], bt.comp.shape), steps), bt.comp)
             fam = family[base[i]:base[i + 1]]
-            np.add.at(via, (np.repeat(fam, S), np.tile(np.arange(S), len(fam))), _pad(bt.via, S).ravel())
-            np.maximum.at(fill, (np.repeat(fam, S), np.tile(np.arange(S), len(fam))),
-                          _pad(bt.fill, S).ravel())
+            np.maximum.at(fill.reshape(-1), cells[i], _pad(bt.fill, S).ravel())
             for ring, step, port, held in bt.legs:
                 leg_fam.append(fam[ring])
                 leg_key.append((fam[ring] * S + step) * n_ports + port)
@@ -361,78 +364,13 @@ class StepSurrogate:
 
         return finish
 
-    def _ulysses(self, groups: list, backward: bool, work: np.ndarray, load: np.ndarray, w: int,
-                 gate: np.ndarray):
-        """Ulysses groups: all-to-all (always direct), kernel on ``1/d`` of the heads, all-to-all."""
-        share = self.attn_share[backward]
-        kernels = []
-        leg_group, leg_port, leg_sec, leg_a2a = [], [], [], []
-        for gi, (ranks, L) in enumerate(groups):
-            d = len(ranks)
-            tokens = np.diff(np.arange(d + 1) * L // d).astype(np.float64)
-            hq, hk = self.q_heads // d, self.kv_heads // d
-            pairs = np.array([(L * (L + 1) // 2) // d], np.float64)
-            c = float(self._attn_s(pairs, np.array([float(L)]))[0]) * share
-            r = np.asarray(ranks, np.int64)
-            work[r] += c
-            kernels.append((r, c))
-            a, bb = np.nonzero(~np.eye(d, dtype=bool))
-            for step, to_heads in enumerate((True, False)):
-                heads = hq if to_heads == backward else hq + 2 * hk
-                rows = tokens[a] if to_heads else tokens[bb]
-                _, _, _, msg, port, held = self._transfers(r[a], r[bb], rows * heads * self.head_dim * self.isz, w, False)
-                leg_group.append(np.full(len(port), gi))
-                leg_a2a.append(np.full(len(port), 2 * gi + step))
-                leg_port.append(port)
-                leg_sec.append(held)
-        group, a2a = np.concatenate(leg_group), np.concatenate(leg_a2a)
-        port, held = np.concatenate(leg_port), np.concatenate(leg_sec)
-        np.add.at(load, port, held)
-        # Each all-to-all lasts as long as its busiest port needs.
-        key = a2a * len(load) + port
-        uniq, inv = np.unique(key, return_inverse=True)
-        busiest = np.zeros(2 * len(groups))
-        np.maximum.at(busiest, uniq // len(load), np.bincount(inv, weights=held))
-
-        out_s = busiest[1::2]
-        # The groups' inputs share ports and go in the schedule's order: a group's
-        # all-to-all in has arrived once each of its ports carried it and every
-        # earlier group's input through that port.  A rank runs its groups'
-        # kernels in that order as their data arrives, and sends each group's
-        # outputs once its kernel is done, one group's after another.
-        sums = np.bincount(inv, weights=held)
-        first = (uniq // len(load)) % 2 == 0
-        g_in, p_in, s_in = uniq[first] // len(load) // 2, uniq[first] % len(load), sums[first]
-        order = np.lexsort((g_in, p_in))
-        g_in, p_in, s_in = g_in[order], p_in[order], s_in[order]
-        queued = np.cumsum(s_in)
-        starts = np.flatnonzero(np.r_[True, p_in[1:] != p_in[:-1]])
-        queued -= np.repeat(queued[starts] - s_in[starts], np.diff(np.r_[starts, len(p_in)]))
-        arrival = np.zeros(len(groups))
-        np.maximum.at(arrival, g_in, queued)
-        lane, sent = {}, {}
-        for gi, (ranks, _) in enumerate(groups):
-            for r in ranks:
-                lane[r] = max(lane.get(r, 0.0), arrival[gi]) + kernels[gi][1]
-                sent[r] = max(sent.get(r, 0.0), lane[r]) + out_s[gi]
-        gate[list(lane)] = list(lane.values())
-
-        def finish(total: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            drain = self._drain(group, port, total, len(groups))
-            flat = np.concatenate([r for r, _ in kernels])
-            gid = np.repeat(np.arange(len(kernels)), [len(r) for r, _ in kernels])
-            end = np.array([max(sent[r], drain[g]) for r, g in zip(flat.tolist(), gid.tolist())])
-            return flat, gid, end
-
-        return finish
-
     # -------------------------------------------------------- switch, linear
     def _switch(self, messages: tuple[np.ndarray, np.ndarray, np.ndarray], w: int, routed: bool,
                 reverse: bool) -> _Segment:
         src, dst, tokens = messages
         if reverse:
             src, dst = dst, src
-        load = np.zeros(2 * w + 2 * (w // self.gpn + 1) * self.nics)
+        load = np.zeros(self._n_ports(w))
         _, _, _, _, port, held = self._transfers(src, dst, tokens * self.row_bytes, w, routed)
         np.add.at(load, port, held)
         g = self.gpn
@@ -441,49 +379,51 @@ class StepSurrogate:
         per_rank = np.maximum.reduce([load[2 * r], load[2 * r + 1], load[nic], load[nic + 1]])
         return _Segment(np.zeros(w), [], per_rank)
 
-    def _linear(self, tokens: np.ndarray, backward: bool) -> _Segment:
-        # linear_s per distinct count (a balanced layout has one or two)
+    def _linear_s(self, tokens: np.ndarray) -> np.ndarray:
+        """``CostModel.linear_s`` per rank, once per distinct count (a balanced
+        layout has one or two; candidates of one batch share most; at most the
+        token cap of them are kept)."""
         counts, of = np.unique(tokens, return_inverse=True)
-        lin = np.array([self.cost.linear_s(t) for t in counts.tolist()])[of.reshape(-1)] * self.lin_share[backward]
-        return _Segment(lin, [])
+        known = self.linear_memo
+        for t in counts.tolist():
+            if t not in known:
+                known[t] = self.cost.linear_s(t)
+        return np.array([known[t] for t in counts.tolist()])[of.reshape(-1)]
 
     # ------------------------------------------------------------------ step
     def step_s(self, plan: Plan) -> float:
         """Modeled step of ``plan`` in seconds: the replay's ``step_s`` (sync tail included)."""
         w = plan.world_size
         routed = plan.routed and self.cost.routing
-        grouped: dict[tuple[int, int], int] = {}
-        # A plan whose linear layout is its attention layout moves nothing (the
-        # check is far cheaper than the schedule it skips).
-        same = all(tuple(plan.attention_spans(r)) == spans for r, spans in enumerate(plan.linear))
-        for t in [] if same else plan.remap_schedule():
-            grouped[(t.src, t.dst)] = grouped.get((t.src, t.dst), 0) + t.length
-        tokens = np.asarray(plan.linear_tokens_per_rank(), np.float64)
-        placements = self._placements(plan)
+        layout = plan_arrays(plan)
+        msgs = layout.remap
+        linear = self._linear_s(layout.linear_tokens)
+        groups = UlyssesGroups(self, layout, w, self._n_ports(w)) if len(layout.group_len) else None
         parts = {}
         for bw in PASSES:
-            seq = [("attn", self._attention(w, placements, bw, routed))]
-            if grouped:
-                msgs = tuple(np.asarray(x, np.int64) for x in zip(*((s, d, n) for (s, d), n in grouped.items())))
+            seq = [("attn", self._attention(w, layout, groups, bw, routed))]
+            if msgs is not None:
                 seq.append(("to_linear", self._switch(msgs, w, routed, reverse=bw)))
-            seq.append(("linear", self._linear(tokens, bw)))
-            if grouped:
+            seq.append(("linear", _Segment(linear * self.lin_share[bw], [])))
+            if msgs is not None:
                 seq.append(("to_attn", self._switch(msgs, w, routed, reverse=not bw)))
             parts[bw] = seq
         m = REPLAYED_LAYERS
         layers = self.layers
 
-        def run(n: int) -> np.ndarray:
-            t = np.zeros(w)
-            chain = [s for _, s in parts[False]] * n + [s for _, s in reversed(parts[True])] * n
-            for seg in chain:
+        forward, backward = [s for _, s in parts[False]], [s for _, s in reversed(parts[True])]
+
+        def run(t: np.ndarray, segments: list[_Segment], n: int) -> np.ndarray:
+            for seg in segments * n:
                 t = self._advance(seg, t)
             return t
 
         if layers <= m:
-            finish = run(layers)
+            finish = run(run(np.zeros(w), forward, layers), backward, layers)
         else:
-            big, small = run(m), run(m - 1)
+            # m and m - 1 layers share their first m - 1 forward layers
+            head = run(np.zeros(w), forward, m - 1)
+            big, small = run(run(head, forward, 1), backward, m), run(head, backward, m - 1)
             finish = big + (big - small) * (layers - m)
         slowest = int(np.argmax(finish))
         attn = sum(seg.work[slowest] for bw in PASSES for name, seg in parts[bw] if name == "attn") * layers

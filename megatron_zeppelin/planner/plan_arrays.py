@@ -1,0 +1,132 @@
+"""A plan as the flat numpy arrays the surrogate clock (``planner/surrogate.py``) reads.
+
+A plan holds one Python object per sequence, shard and span; at 1,024 GPUs
+(16K sequences) walking them per candidate cost the clock more than its whole
+model.  :func:`plan_arrays` reads each placement's ranks and each linear span
+once and derives the rest from the canonical shards (``plan/shards.py``;
+``Plan.validate`` checks plans hold them): the rings by size, the Ulysses
+groups, and the remap's tokens per (sender, receiver) -- what
+``Plan.remap_schedule`` moves, summed per pair -- from the overlap of the two
+layouts as partitions of the batch's tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
+
+import numpy as np
+
+from megatron_zeppelin.plan import Mode, Plan
+
+_MODE_CODE = {Mode.LOCAL: 0, Mode.RING: 1, Mode.ULYSSES: 2}
+
+
+@dataclass(frozen=True)
+class PlanArrays:
+    """One plan's layouts, placements in plan order within each kind."""
+
+    local_rank: np.ndarray
+    """Rank of each local sequence."""
+    local_len: np.ndarray
+    """Length of each local sequence (float64)."""
+    rings: dict[int, tuple[np.ndarray, np.ndarray]]
+    """Ring size ``k`` -> ((rings, k) ranks by position, (rings,) lengths), sizes in order of first appearance."""
+    group_ranks: np.ndarray
+    """The Ulysses groups' ranks, group after group."""
+    group_size: np.ndarray
+    """Ranks of each Ulysses group."""
+    group_len: np.ndarray
+    """Length of each Ulysses group's sequence."""
+    remap: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+    """(sender, receiver, tokens) of the remap to the linear layout, one row per
+    pair in (sender, receiver) order; None when it moves nothing."""
+    linear_tokens: np.ndarray
+    """Tokens per rank in the linear layout (float64)."""
+
+
+def _slices(start: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """Indices ``start[i] .. start[i] + size[i] - 1``, slice after slice."""
+    ends = np.cumsum(size)
+    return np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(start - (ends - size), size)
+
+
+def plan_arrays(plan: Plan) -> PlanArrays:
+    w, att = plan.world_size, plan.attention
+    n = len(att)
+    seq_len = np.asarray(plan.seq_lens, np.int64)
+    seq = np.fromiter(map(attrgetter("seq"), att), np.int64, n)
+    mode = np.fromiter(map(_MODE_CODE.__getitem__, map(attrgetter("mode"), att)), np.int8, n)
+    ranks = list(map(attrgetter("ranks"), att))
+    size = np.fromiter(map(len, ranks), np.int64, n)
+    flat = np.fromiter(chain.from_iterable(ranks), np.int64, int(size.sum()))
+    first = np.cumsum(size) - size
+    L = seq_len[seq]
+
+    local = np.flatnonzero(mode == 0)
+    ring = np.flatnonzero(mode == 1)
+    rings = {}
+    sizes, at = np.unique(size[ring], return_index=True)
+    for k in sizes[np.argsort(at)].tolist():
+        of = ring[size[ring] == k]
+        rings[k] = (flat[first[of][:, None] + np.arange(k)], L[of])
+    group = np.flatnonzero(mode == 2)
+
+    # The attention layout as pieces (chunks): a ring of k cuts its sequence
+    # into 2k chunks, position i holding chunks i and 2k - 1 - i; a Ulysses
+    # group of d (or a local sequence, d = 1) into d, position i holding chunk i.
+    chunks = np.where(mode == 1, 2 * size, size)
+    of = np.repeat(np.arange(n), chunks)
+    piece_first = np.cumsum(chunks) - chunks
+    c = np.arange(len(of)) - piece_first[of]
+    pos = np.where(c < size[of], c, chunks[of] - 1 - c)
+    lo, hi = c * L[of] // chunks[of], (c + 1) * L[of] // chunks[of]
+    owner = flat[first[of] + pos]
+
+    linear = plan.linear
+    spans = np.fromiter(chain.from_iterable(map(attrgetter("seq", "start", "end"), chain.from_iterable(linear))),
+                        np.int64).reshape(-1, 3)
+    span_owner = np.repeat(np.arange(w), np.fromiter(map(len, linear), np.int64, w))
+    linear_tokens = np.bincount(span_owner, weights=spans[:, 2] - spans[:, 1], minlength=w)
+    # A layout without a remap (every baseline's) lists each rank's attention
+    # pieces in buffer order: placements in order, a rank's chunks in order.
+    # (uint16 ranks: numpy sorts them stably in linear time.)
+    held = hi > lo
+    kept = np.flatnonzero(held)
+    same = len(spans) == len(kept)
+    if same:
+        kept = kept[np.argsort(owner[kept].astype(np.uint16) if w <= 1 << 16 else owner[kept], kind="stable")]
+        same = all(np.array_equal(x, y) for x, y in ((span_owner, owner[kept]), (spans[:, 0], seq[of[kept]]),
+                                                     (spans[:, 1], lo[kept]), (spans[:, 2], hi[kept])))
+    remap = None
+    if not same:
+        # Pieces in token order: placements by sequence (each sequence has one), chunks in order.
+        by_seq = np.empty(n, np.int64)
+        by_seq[seq] = np.arange(n)
+        order = _slices(piece_first[by_seq], chunks[by_seq])
+        order = order[held[order]]
+        seq_start = np.cumsum(seq_len) - seq_len
+        remap = _moves(seq_start[seq[of[order]]] + lo[order], owner[order],
+                       seq_start[spans[:, 0]] + spans[:, 1], span_owner, int(seq_len.sum()), w)
+    return PlanArrays(local_rank=flat[first[local]], local_len=L[local].astype(np.float64), rings=rings,
+                      group_ranks=flat[_slices(first[group], size[group])], group_size=size[group],
+                      group_len=L[group], remap=remap, linear_tokens=linear_tokens)
+
+
+def _moves(a_lo: np.ndarray, a_owner: np.ndarray, b_lo: np.ndarray, b_owner: np.ndarray, total: int,
+           w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Tokens per (owner in a, owner in b) pair that differ, of two partitions of
+    ``[0, total)`` given by their pieces' starts (``a_lo`` ascending) and owners."""
+    b = np.argsort(b_lo, kind="stable")
+    b_lo, b_owner = b_lo[b], b_owner[b]
+    cuts = np.sort(np.concatenate([a_lo, b_lo]), kind="stable")     # two sorted runs: a linear merge
+    cuts = cuts[np.r_[True, cuts[1:] != cuts[:-1]]]
+    src = a_owner[np.searchsorted(a_lo, cuts, "right") - 1]
+    dst = b_owner[np.searchsorted(b_lo, cuts, "right") - 1]
+    moved = src != dst
+    if not moved.any():
+        return None
+    length = np.diff(np.r_[cuts, total])[moved]
+    pair, of = np.unique(src[moved] * w + dst[moved], return_inverse=True)
+    return pair // w, pair % w, np.bincount(of, weights=length).astype(np.int64)
