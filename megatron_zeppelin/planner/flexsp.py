@@ -232,9 +232,11 @@ def _first_fit(seqs: _SeqSizes, sizes: Sequence[int], world: int, cap: int, limi
         if j % PRUNE_EVERY == 0 and j:
             least_s, least_t = seqs.least_after[j // PRUNE_EVERY]
             open_ = [g for g in open_ if g[2] + least_s[g[0]] <= limit and g[3] + least_t[g[0]] <= cap]
-        g = next((g for g in open_ if fits[g[0]] and g[2] + seconds[g[0]] <= limit
-                  and g[3] + tokens[g[0]] <= cap), None)
-        if g is None:
+        for g in open_:     # a loop, not next() over a generator: ~10 % faster
+            k = g[0]
+            if fits[k] and g[2] + seconds[k] <= limit and g[3] + tokens[k] <= cap:
+                break
+        else:
             k = next((k for k, ok in enumerate(fits) if ok and seconds[k] <= limit), None)
             used += world if k is None else sizes[k]
             if k is None or used > world:

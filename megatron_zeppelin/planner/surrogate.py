@@ -393,9 +393,12 @@ class StepSurrogate:
     # ------------------------------------------------------------------ step
     def step_s(self, plan: Plan) -> float:
         """Modeled step of ``plan`` in seconds: the replay's ``step_s`` (sync tail included)."""
-        w = plan.world_size
-        routed = plan.routed and self.cost.routing
-        layout = plan_arrays(plan)
+        return self.layout_step_s(plan_arrays(plan), plan.world_size, plan.routed)
+
+    def layout_step_s(self, layout: PlanArrays, w: int, routed: bool) -> float:
+        """:meth:`step_s` of the plan of ``layout`` (``planner/plan_arrays.py``)
+        on ``w`` ranks whose ``Plan.routed`` is ``routed``."""
+        routed = routed and self.cost.routing
         msgs = layout.remap
         linear = self._linear_s(layout.linear_tokens)
         groups = UlyssesGroups(self, layout, w, self._n_ports(w)) if len(layout.group_len) else None

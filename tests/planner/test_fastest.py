@@ -36,11 +36,11 @@ def test_first_least_is_min_with_first_ties_and_skips_what_cannot_win():
 
 def test_the_decision_picks_the_exhaustive_pick_pricing_fewer_plans(monkeypatch):
     calls = []
-    step_s = StepSurrogate.step_s
+    layout_step_s = StepSurrogate.layout_step_s
 
-    def counted(self, plan):
-        calls.append(plan)
-        return step_s(self, plan)
+    def counted(self, layout, w, routed):      # a built plan's pricing and an unbuilt draft's
+        calls.append(layout)
+        return layout_step_s(self, layout, w, routed)
 
     cases = [latency_case(16, 5), matrix_case(resolve_lengths("synthetic-longtail"), "a800-4x200g", 8,
                                               "llama-7b", 128, True, False)]
@@ -49,13 +49,15 @@ def test_the_decision_picks_the_exhaustive_pick_pricing_fewer_plans(monkeypatch)
         plans = decision_candidates(case.lens, ctx)
         surrogate = StepSurrogate(ctx.cost)
         assert all(step_floor(ctx.cost, p) < surrogate.step_s(p) for p in plans)
-        # A baseline's layout gets the bound its plan gets, before the plan is built.
-        for draft, build in baseline_drafts(case.lens, ctx):
+        # A baseline's layout gets the bound and the step its plan gets, before the plan is built.
+        for draft, routed in baseline_drafts(case.lens, ctx):
+            plan = draft.candidate(routed)
             assert (layout_floor(ctx.cost, draft.seq_lens, draft.attention, draft.tokens_per_rank())
-                    == step_floor(ctx.cost, build()))
+                    == step_floor(ctx.cost, plan))
+            assert surrogate.layout_step_s(draft.arrays(), plan.world_size, routed) == surrogate.step_s(plan)
         exhaustive = min(plans, key=surrogate.step_s)
         with monkeypatch.context() as m:
-            m.setattr(StepSurrogate, "step_s", counted)
+            m.setattr(StepSurrogate, "layout_step_s", counted)
             calls.clear()
             pick = decide(case.lens, case.context())
         assert (pick.attention, pick.linear, pick.routed) == (exhaustive.attention, exhaustive.linear,
