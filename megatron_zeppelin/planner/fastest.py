@@ -53,9 +53,17 @@ class Floor:
 
     def __init__(self, step: Callable[[Plan], float]) -> None:
         self.cost = surrogate_cost(step)
+        #: Bounds by the layouts' identity (with a plan holding them): a plan
+        #: and its direct-crossings copy share their layouts and their bound.
+        self.known: dict[tuple[int, int], tuple[Plan, float]] = {}
 
     def of_plan(self, plan: Plan) -> float:
-        return -math.inf if self.cost is None else step_floor(self.cost, plan)
+        if self.cost is None:
+            return -math.inf
+        key = (id(plan.attention), id(plan.linear))
+        if key not in self.known:
+            self.known[key] = (plan, step_floor(self.cost, plan))
+        return self.known[key][1]
 
     def of_layout(self, seq_lens: Sequence[int], attention: Sequence[SeqPlacement],
                   linear_tokens: Callable[[], Sequence[int]]) -> float:
