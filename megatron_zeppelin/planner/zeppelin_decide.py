@@ -104,7 +104,7 @@ def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | N
         else:
             pick = functools.partial(fastest, plans, StepSurrogate(option.cost).step_s)
             candidates.append((min(floor.of_plan(p) for p in plans), priced(pick)))
-    candidates += [(floor.of_layout(d.seq_lens, d.attention, d.tokens_per_rank), drafted(d, routed))
+    candidates += [(floor.of_layout(d.arrays), drafted(d, routed))
                    for d, routed in baselines]
     return first_least(candidates)()
 

@@ -52,8 +52,8 @@ def test_the_decision_picks_the_exhaustive_pick_pricing_fewer_plans(monkeypatch)
         # A baseline's layout gets the bound and the step its plan gets, before the plan is built.
         for draft, routed in baseline_drafts(case.lens, ctx):
             plan = draft.candidate(routed)
-            assert (layout_floor(ctx.cost, draft.seq_lens, draft.attention, draft.tokens_per_rank())
-                    == step_floor(ctx.cost, plan))
+            assert (layout_floor(ctx.cost, draft.arrays(), draft.tokens_per_rank())
+                    == Floor(surrogate.step_s).of_layout(draft.arrays) == step_floor(ctx.cost, plan))
             assert surrogate.layout_step_s(draft.arrays(), plan.world_size, routed) == surrogate.step_s(plan)
         exhaustive = min(plans, key=surrogate.step_s)
         with monkeypatch.context() as m:
