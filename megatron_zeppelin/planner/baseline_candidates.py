@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, attention_tokens
+from megatron_zeppelin.plan import Plan, SeqPlacement, attention_tokens
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.flexsp import greedy_groups, group_placements, seq_time_fn, ulysses_sizes
 from megatron_zeppelin.planner.hybrid_cp import HybridCpPlanner, hybrid_cp_schedule
@@ -121,7 +121,8 @@ class Draft:
         """Whether routing changes any message of the plan: only rings route (an
         all-to-all and the remap it does not have run direct)."""
         g = self.topology.gpus_per_node
-        return any(p.mode is Mode.RING and len({r // g for r in p.ranks}) > 1 for p in self.attention)
+        nodes = [ranks // g for ranks, _ in self.arrays().rings.values()]
+        return any(bool((n.min(axis=1) != n.max(axis=1)).any()) for n in nodes)
 
 
 def _draft(strategy: str, ctx: PlanContext, lens: Sequence[int], attention: Sequence[SeqPlacement],

@@ -156,12 +156,16 @@ def ulysses_sizes(world_size: int, kv_heads: int) -> list[int]:
     return sizes
 
 
+@lru_cache(maxsize=16)
 def seq_time_fn(cost: CostModel) -> Callable[[int, int], float]:
     """``t(L, d)``: seconds of one sequence on an aligned Ulysses group of ``d`` ranks
-    (attention on ``heads/d``, all-to-alls, and ``1/d`` of the linear work)."""
+    (attention on ``heads/d``, all-to-alls, and ``1/d`` of the linear work).
+    One per cost model, its answers kept across batches: batches repeat
+    lengths, and computing ``t`` for every length and group size was half of
+    FlexSP's greedy in the per-batch decision."""
     link = lru_cache(maxsize=None)(lambda d: cost.alltoall_link(range(d)))     # one per group size
 
-    @lru_cache(maxsize=None)
+    @lru_cache(maxsize=1 << 17)
     def t(length: int, d: int) -> float:
         return cost.ulysses_cost([length], d, link(d), latency=False).total_s + cost.linear_s(length) / d
     return t

@@ -186,7 +186,7 @@ def _next_round(samples: list[tuple[int, int]], lens: Sequence[int], cap: int, w
         if needed < first_needed:
             check_balance = True
         if check_balance and buckets:
-            gap = top - (0.0 if world - used else min(g.load for g in groups))
+            gap = top - (0.0 if world - used else min(heap[0][0] for heap in by_size.values() if heap))
             if gap <= BALANCE_DELTA * top:
                 break
     leftovers = [s for b in buckets for s in b]

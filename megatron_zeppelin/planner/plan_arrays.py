@@ -53,8 +53,27 @@ def _slices(start: np.ndarray, size: np.ndarray) -> np.ndarray:
     return np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(start - (ends - size), size)
 
 
+#: The arrays of the last plans read, by their layouts' identity (each with a
+#: plan holding those layouts alive): the decision prices a plan and its
+#: direct-crossings copy (``dataclasses.replace``), which share both layouts,
+#: and a context's pick again under the run's model.
+_RECENT: dict[tuple[int, int], tuple[Plan, PlanArrays]] = {}
+_RECENT_MAX = 32
+#: The plan's fields the arrays are of (besides its world size).
+_READ = ("attention", "linear", "seq_lens")
+
+
 def plan_arrays(plan: Plan) -> PlanArrays:
-    return layout_arrays(plan.world_size, plan.seq_lens, plan.attention, plan.linear)
+    key = (id(plan.attention), id(plan.linear))
+    known = _RECENT.get(key)
+    if (known is not None and known[0].world_size == plan.world_size
+            and all(getattr(known[0], f) is getattr(plan, f) for f in _READ)):
+        return known[1]
+    arrays = layout_arrays(plan.world_size, plan.seq_lens, plan.attention, plan.linear)
+    if len(_RECENT) >= _RECENT_MAX:
+        _RECENT.pop(next(iter(_RECENT)), None)      # the oldest
+    _RECENT[key] = (plan, arrays)
+    return arrays
 
 
 def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement],
