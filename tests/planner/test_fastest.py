@@ -18,6 +18,7 @@ from megatron_zeppelin.planner.zeppelin_decide import candidate_contexts, decide
 from megatron_zeppelin.sampler.lengths import resolve_lengths
 from tests.planner.decision_picks import latency_case, matrix_case
 from tests.planner.test_containment import CLUSTERS, cost_of
+from tests.planner.test_zeppelin import long_tail_batches, make_ctx
 
 
 def test_first_least_is_min_with_first_ties_and_skips_what_cannot_win():
@@ -99,3 +100,25 @@ def test_the_floor_is_below_the_surrogate_on_random_batches():
             assert step_floor(cost, plan) <= surrogate.step_s(plan)
             checked += 1
     assert checked > 100
+
+
+def test_the_direct_context_reuses_only_passes_that_never_asked_across_nodes():
+    """The planner takes a direct-crossings context's passes from its routed
+    twin only when those never asked about a group across nodes: the plans are
+    those a fresh planner makes for it either way, on a latency batch whose
+    passes stay within nodes and on the A800 batch whose routed passes take
+    other inter-node groups than its direct ones
+    (``test_zeppelin.py: test_routing_no_longer_buys_inter_node_rings_the_replay_calls_slower``)."""
+    a800 = make_ctx(8, nics=4, cluster="a800-4x200g", model="llama-13b")
+    batches = [(latency_case(16, 1).lens, latency_case(16, 1).context()),
+               (long_tail_batches(7, int(0.95 * 16384 * 64), 3)[2], a800)]
+    reused = []
+    for lens, ctx in batches:
+        routed, _, direct, _ = candidate_contexts(ctx)
+        planner = ZeppelinPlanner()
+        planner.pass_plans(lens, routed)
+        reused.append(bool(planner._within_nodes[1]))
+        again = planner.pass_plans(lens, direct)
+        fresh = ZeppelinPlanner().pass_plans(lens, direct)
+        assert [(p.attention, p.linear) for p in again] == [(p.attention, p.linear) for p in fresh]
+    assert reused == [True, False]
