@@ -58,7 +58,7 @@ def _slices(start: np.ndarray, size: np.ndarray) -> np.ndarray:
 #: direct-crossings copy (``dataclasses.replace``), which share both layouts,
 #: and a context's pick again under the run's model.
 _RECENT: dict[tuple[int, int], tuple[Plan, PlanArrays]] = {}
-_RECENT_MAX = 32
+_RECENT_MAX = 8
 #: The plan's fields the arrays are of (besides its world size).
 _READ = ("attention", "linear", "seq_lens")
 
