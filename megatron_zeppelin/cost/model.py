@@ -33,6 +33,8 @@ TP_ALLREDUCES_PER_LAYER = 4
 #: All-to-alls per layer and step of Ulysses: Q,K,V in and O out forward, the
 #: same two backward (DeepSpeed-Ulysses, Jacobs et al. 2023, Sec. 3.1).
 ULYSSES_ALLTOALLS_PER_LAYER = 4
+#: Token counts ``CostModel.linear_s`` keeps (a few MB; a batch asks a few thousand).
+LINEAR_MEMO_SIZE = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,10 @@ class CostModel:
     (build with :func:`megatron_zeppelin.cost.tp.tp_view`, which also widens the
     cluster); ``linear_s`` then pays the TP collectives."""
     linear_memo: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
-    """``linear_s`` of every integer token count asked so far: planners and
-    their per-batch decision ask it thousands of times a batch, mostly for
-    counts they asked before (a copy made by ``replace`` starts empty)."""
+    """``linear_s`` of the integer token counts asked so far (at most
+    :data:`LINEAR_MEMO_SIZE`, then it starts over): planners and their
+    per-batch decision ask it thousands of times a batch, mostly for counts
+    they asked before (a copy made by ``replace`` starts empty)."""
 
     # ------------------------------------------------------------- compute
     def attn_efficiency(self, block: float) -> float:
@@ -92,9 +95,12 @@ class CostModel:
         """Forward+backward time of projections, MLP (MoE: with the router's all-to-all)
         and output layer for ``tokens``."""
         if type(tokens) is int:
-            known = self.linear_memo.get(tokens)
+            memo = self.linear_memo
+            known = memo.get(tokens)
             if known is None:
-                known = self.linear_memo[tokens] = self._linear_s(tokens)
+                if len(memo) >= LINEAR_MEMO_SIZE:
+                    memo.clear()
+                known = memo[tokens] = self._linear_s(tokens)
             return known
         return self._linear_s(tokens)
 
