@@ -70,8 +70,8 @@ def plan_arrays(plan: Plan) -> PlanArrays:
             and all(getattr(known[0], f) is getattr(plan, f) for f in _READ)):
         return known[1]
     arrays = layout_arrays(plan.world_size, plan.seq_lens, plan.attention, plan.linear)
-    if len(_RECENT) >= _RECENT_MAX:
-        _RECENT.pop(next(iter(_RECENT)), None)      # the oldest
+    for old in list(_RECENT)[:len(_RECENT) - _RECENT_MAX + 1]:     # the oldest (list(): one atomic copy,
+        _RECENT.pop(old, None)                                       # should a planning thread read too)
     _RECENT[key] = (plan, arrays)
     return arrays
 
