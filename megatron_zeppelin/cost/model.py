@@ -7,7 +7,7 @@ and model presets; the few algorithmic ratios below carry their source.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from megatron_zeppelin.cost.moe import ALLTOALLS_PER_LAYER, moe_alltoall_bytes, moe_alltoall_group
@@ -33,6 +33,8 @@ TP_ALLREDUCES_PER_LAYER = 4
 #: All-to-alls per layer and step of Ulysses: Q,K,V in and O out forward, the
 #: same two backward (DeepSpeed-Ulysses, Jacobs et al. 2023, Sec. 3.1).
 ULYSSES_ALLTOALLS_PER_LAYER = 4
+#: Token counts ``CostModel.linear_s`` keeps (a few MB; a batch asks a few thousand).
+LINEAR_MEMO_SIZE = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,11 @@ class CostModel:
     """GPUs per rank: each rank is a tensor-parallel group of this many GPUs
     (build with :func:`megatron_zeppelin.cost.tp.tp_view`, which also widens the
     cluster); ``linear_s`` then pays the TP collectives."""
+    linear_memo: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """``linear_s`` of the integer token counts asked so far (at most
+    :data:`LINEAR_MEMO_SIZE`, then it starts over): planners and their
+    per-batch decision ask it thousands of times a batch, mostly for counts
+    they asked before (a copy made by ``replace`` starts empty)."""
 
     # ------------------------------------------------------------- compute
     def attn_efficiency(self, block: float) -> float:
@@ -87,6 +94,17 @@ class CostModel:
     def linear_s(self, tokens: float) -> float:
         """Forward+backward time of projections, MLP (MoE: with the router's all-to-all)
         and output layer for ``tokens``."""
+        if type(tokens) is int:
+            memo = self.linear_memo
+            known = memo.get(tokens)
+            if known is None:
+                if len(memo) >= LINEAR_MEMO_SIZE:
+                    memo.clear()
+                known = memo[tokens] = self._linear_s(tokens)
+            return known
+        return self._linear_s(tokens)
+
+    def _linear_s(self, tokens: float) -> float:
         g = self.cluster.gpu
         flops = tokens * self.model.linear_flops_per_token * (1 + LINEAR_BWD_RATIO)
         return (flops / (g.peak_tflops * 1e12 * g.linear_efficiency) + self.tp_comm_s(tokens)

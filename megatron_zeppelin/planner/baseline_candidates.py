@@ -50,12 +50,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, attention_tokens
+from megatron_zeppelin.plan import Plan, SeqPlacement, attention_tokens
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.flexsp import greedy_groups, group_placements, seq_time_fn, ulysses_sizes
 from megatron_zeppelin.planner.hybrid_cp import HybridCpPlanner, hybrid_cp_schedule
 from megatron_zeppelin.planner.hybrid_cp import group_placements as cp_group_placements
 from megatron_zeppelin.planner.packing import check_lengths
+from megatron_zeppelin.planner.plan_arrays import PlanArrays, layout_arrays
 from megatron_zeppelin.planner.rounds import merge_rounds
 from megatron_zeppelin.planner.static_groups import StaticGroupPlanner
 from megatron_zeppelin.planner.te_cp import TeCpPlanner
@@ -90,11 +91,25 @@ class Draft:
     """Every rank's tokens, in both layouts (None: not counted yet)."""
     built: Plan | None = field(default=None, repr=False)
     """The Plan once :meth:`plan` built it."""
+    layout: PlanArrays | None = field(default=None, repr=False)
+    """Its plan's arrays once :meth:`arrays` read them."""
 
     def plan(self) -> Plan:
         if self.built is None:
             self.built = merge_rounds(self.strategy, self.topology, self.seq_lens, [self.attention], self.token_cap)
         return self.built
+
+    def candidate(self, routed: bool) -> Plan:
+        """Its plan as Zeppelin's, ``routed`` or direct: relabelled, the engine
+        runs it, and the replay times it, as Zeppelin's own."""
+        return dataclasses.replace(self.plan(), strategy=ZeppelinPlanner.name, routed=routed)
+
+    def arrays(self) -> PlanArrays:
+        """Its plan's :func:`~megatron_zeppelin.planner.plan_arrays.plan_arrays`,
+        read from the placements (the surrogate prices a draft without its plan)."""
+        if self.layout is None:
+            self.layout = layout_arrays(self.topology.world_size, self.seq_lens, self.attention, None)
+        return self.layout
 
     def tokens_per_rank(self) -> list[int]:
         """Every rank's tokens, in both layouts."""
@@ -106,7 +121,8 @@ class Draft:
         """Whether routing changes any message of the plan: only rings route (an
         all-to-all and the remap it does not have run direct)."""
         g = self.topology.gpus_per_node
-        return any(p.mode is Mode.RING and len({r // g for r in p.ranks}) > 1 for p in self.attention)
+        nodes = [ranks // g for ranks, _ in self.arrays().rings.values()]
+        return any(bool((n.min(axis=1) != n.max(axis=1)).any()) for n in nodes)
 
 
 def _draft(strategy: str, ctx: PlanContext, lens: Sequence[int], attention: Sequence[SeqPlacement],
@@ -194,13 +210,12 @@ def baseline_candidates(seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]
     :data:`MAX_SEQUENCES_ALL_SOURCES` sequences), each distinct layout once,
     direct and (see the module docstring) routed; none when the remap is
     forced on."""
-    return [build() for _, build in baseline_drafts(seq_lens, ctx)]
+    return [draft.candidate(routed) for draft, routed in baseline_drafts(seq_lens, ctx)]
 
 
-def baseline_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[tuple[Draft, Callable[[], Plan]]]:
+def baseline_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[tuple[Draft, bool]]:
     """:func:`baseline_candidates` before their plans are built: each candidate's
-    draft, and what builds its plan as Zeppelin's (the draft's plan relabelled,
-    routed or direct)."""
+    draft and whether it runs routed (:meth:`Draft.candidate` builds it)."""
     if ctx.remap_enabled and not ctx.remap_decided:
         return []
     layouts: list[Draft] = []
@@ -213,11 +228,9 @@ def baseline_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[tuple[Dra
                 layouts.append(draft)
     out = []
     for draft in layouts:
-        # Relabelled: the engine runs it, and the replay times it, as Zeppelin's own.
         if ctx.cost.routing and draft.crosses_nodes_in_a_ring():
-            out.append((draft, lambda d=draft: dataclasses.replace(d.plan(), strategy=ZeppelinPlanner.name)))
-        out.append((draft, lambda d=draft: dataclasses.replace(d.plan(), strategy=ZeppelinPlanner.name,
-                                                               routed=False)))
+            out.append((draft, True))
+        out.append((draft, False))
     return out
 
 

@@ -14,7 +14,8 @@ import math
 from typing import Callable, Sequence, TypeVar
 
 from megatron_zeppelin.cost import CostModel
-from megatron_zeppelin.plan import Plan, SeqPlacement
+from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.planner.plan_arrays import PlanArrays
 from megatron_zeppelin.planner.surrogate import StepSurrogate, layout_floor, step_floor
 
 T = TypeVar("T")
@@ -53,15 +54,25 @@ class Floor:
 
     def __init__(self, step: Callable[[Plan], float]) -> None:
         self.cost = surrogate_cost(step)
+        #: Bounds by the layouts' identity (with a plan holding them): a plan
+        #: and its direct-crossings copy share their layouts and their bound.
+        self.known: dict[tuple[int, int], tuple[Plan, float]] = {}
 
     def of_plan(self, plan: Plan) -> float:
-        return -math.inf if self.cost is None else step_floor(self.cost, plan)
+        if self.cost is None:
+            return -math.inf
+        key = (id(plan.attention), id(plan.linear))
+        if key not in self.known:
+            self.known[key] = (plan, step_floor(self.cost, plan))
+        return self.known[key][1]
 
-    def of_layout(self, seq_lens: Sequence[int], attention: Sequence[SeqPlacement],
-                  linear_tokens: Callable[[], Sequence[int]]) -> float:
-        """Of the plan of ``attention`` whose linear layout holds ``linear_tokens()``
-        per rank, before it is built."""
-        return -math.inf if self.cost is None else layout_floor(self.cost, seq_lens, attention, linear_tokens())
+    def of_layout(self, layout: Callable[[], PlanArrays]) -> float:
+        """Of the plan of ``layout()`` (its arrays, ``planner/plan_arrays.py``),
+        before it is built."""
+        if self.cost is None:
+            return -math.inf
+        arrays = layout()
+        return layout_floor(self.cost, arrays, arrays.linear_tokens)
 
 
 def fastest(plans: Sequence[Plan], step: Callable[[Plan], float]) -> Plan:

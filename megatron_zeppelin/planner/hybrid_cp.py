@@ -30,6 +30,7 @@ cap: the Plan carries no ``token_cap``.  Round boundaries are barriers:
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -147,13 +148,19 @@ def _next_round(samples: list[tuple[int, int]], lens: Sequence[int], cap: int, w
         lo = 0.0 if free() else min(g.load for g in groups)
         return hi, hi - lo
 
+    # The loop keeps its sums as it goes (a scan of every group per sub-sample
+    # cost most of the decision's hybrid CP candidate): ranks used, the groups
+    # of each size by (load, creation order) in a heap, the highest load (loads
+    # only grow here).
+    used, top = 0, 0.0
+    by_size: dict[int, list[tuple[float, int, CpGroup]]] = {}
     while buckets:
         pick = None
         for idx, bucket in enumerate(buckets):
             if not bucket:
                 continue
             needed = gpus_needed(bucket[0][1], cap)
-            if any(g.size == needed for g in groups) or free() >= needed:
+            if by_size.get(needed) or world - used >= needed:
                 pick = idx
                 break
         if pick is None:
@@ -161,21 +168,27 @@ def _next_round(samples: list[tuple[int, int]], lens: Sequence[int], cap: int, w
         seq, L = buckets[pick].popleft()
         needed = gpus_needed(L, cap)
         first_needed = needed if first_needed is None else first_needed
-        same = [g for g in groups if g.size == needed]
-        best = min(same, key=lambda g: g.load) if same else None
-        # A fresh group starts at load 0, so it wins whenever enough ranks are free.
-        if free() >= needed and (best is None or best.load > 0):
-            best = CpGroup(needed)
+        same = by_size.setdefault(needed, [])
+        # The least loaded group of the size (the first of them) takes it; a fresh
+        # group starts at load 0, so it wins whenever enough ranks are free.
+        if world - used >= needed and (not same or same[0][2].load > 0):
+            best, order = CpGroup(needed), len(groups)
             groups.append(best)
+            used += needed
+        else:
+            _, order, best = heapq.heappop(same)
         best.seqs.append(seq)
         best.load += _workload(L, cap)
+        heapq.heappush(same, (best.load, order, best))
+        top = max(top, best.load)
         while buckets and not buckets[0]:
             buckets.pop(0)
         if needed < first_needed:
             check_balance = True
-        hi, gap = slack()
-        if check_balance and buckets and gap <= BALANCE_DELTA * hi:
-            break
+        if check_balance and buckets:
+            gap = top - (0.0 if world - used else min(heap[0][0] for heap in by_size.values() if heap))
+            if gap <= BALANCE_DELTA * top:
+                break
     leftovers = [s for b in buckets for s in b]
 
     # trim_overload: drop the last sub-sample of the most loaded group while that helps.

@@ -15,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
+from typing import Sequence
 
 import numpy as np
 
-from megatron_zeppelin.plan import Mode, Plan
+from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, Span
 
 _MODE_CODE = {Mode.LOCAL: 0, Mode.RING: 1, Mode.ULYSSES: 2}
 
@@ -52,10 +53,37 @@ def _slices(start: np.ndarray, size: np.ndarray) -> np.ndarray:
     return np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(start - (ends - size), size)
 
 
+#: The arrays of the last plans read, by their layouts' identity (each with a
+#: plan holding those layouts alive): the decision prices a plan and its
+#: direct-crossings copy (``dataclasses.replace``), which share both layouts,
+#: and a context's pick again under the run's model.
+_RECENT: dict[tuple[int, int], tuple[Plan, PlanArrays]] = {}
+_RECENT_MAX = 8
+#: The plan's fields the arrays are of (besides its world size).
+_READ = ("attention", "linear", "seq_lens")
+
+
 def plan_arrays(plan: Plan) -> PlanArrays:
-    w, att = plan.world_size, plan.attention
+    key = (id(plan.attention), id(plan.linear))
+    known = _RECENT.get(key)
+    if (known is not None and known[0].world_size == plan.world_size
+            and all(getattr(known[0], f) is getattr(plan, f) for f in _READ)):
+        return known[1]
+    arrays = layout_arrays(plan.world_size, plan.seq_lens, plan.attention, plan.linear)
+    for old in list(_RECENT)[:len(_RECENT) - _RECENT_MAX + 1]:     # the oldest (list(): one atomic copy,
+        _RECENT.pop(old, None)                                       # should a planning thread read too)
+    _RECENT[key] = (plan, arrays)
+    return arrays
+
+
+def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement],
+                  linear: Sequence[Sequence[Span]] | None) -> PlanArrays:
+    """:func:`plan_arrays` of the plan of ``att`` whose linear layout is
+    ``linear``, or the attention layout itself (None: no remap), before that
+    plan is built (building a baseline's plan, every span and its validation,
+    cost more than pricing it)."""
     n = len(att)
-    seq_len = np.asarray(plan.seq_lens, np.int64)
+    seq_len = np.asarray(seq_lens, np.int64)
     seq = np.fromiter(map(attrgetter("seq"), att), np.int64, n)
     mode = np.fromiter(map(_MODE_CODE.__getitem__, map(attrgetter("mode"), att)), np.int8, n)
     ranks = list(map(attrgetter("ranks"), att))
@@ -64,14 +92,12 @@ def plan_arrays(plan: Plan) -> PlanArrays:
     first = np.cumsum(size) - size
     L = seq_len[seq]
 
-    local = np.flatnonzero(mode == 0)
     ring = np.flatnonzero(mode == 1)
     rings = {}
     sizes, at = np.unique(size[ring], return_index=True)
     for k in sizes[np.argsort(at)].tolist():
         of = ring[size[ring] == k]
         rings[k] = (flat[first[of][:, None] + np.arange(k)], L[of])
-    group = np.flatnonzero(mode == 2)
 
     # The attention layout as pieces (chunks): a ring of k cuts its sequence
     # into 2k chunks, position i holding chunks i and 2k - 1 - i; a Ulysses
@@ -84,7 +110,11 @@ def plan_arrays(plan: Plan) -> PlanArrays:
     lo, hi = c * L[of] // chunks[of], (c + 1) * L[of] // chunks[of]
     owner = flat[first[of] + pos]
 
-    linear = plan.linear
+    held = hi > lo
+    if linear is None:
+        kept = np.flatnonzero(held)
+        return _arrays(flat, first, size, mode, L, rings, None,
+                       np.bincount(owner[kept], weights=hi[kept] - lo[kept], minlength=w))
     spans = np.fromiter(chain.from_iterable(map(attrgetter("seq", "start", "end"), chain.from_iterable(linear))),
                         np.int64).reshape(-1, 3)
     span_owner = np.repeat(np.arange(w), np.fromiter(map(len, linear), np.int64, w))
@@ -92,7 +122,6 @@ def plan_arrays(plan: Plan) -> PlanArrays:
     # A layout without a remap (every baseline's) lists each rank's attention
     # pieces in buffer order: placements in order, a rank's chunks in order.
     # (uint16 ranks: numpy sorts them stably in linear time.)
-    held = hi > lo
     kept = np.flatnonzero(held)
     same = len(spans) == len(kept)
     if same:
@@ -109,6 +138,13 @@ def plan_arrays(plan: Plan) -> PlanArrays:
         seq_start = np.cumsum(seq_len) - seq_len
         remap = _moves(seq_start[seq[of[order]]] + lo[order], owner[order],
                        seq_start[spans[:, 0]] + spans[:, 1], span_owner, int(seq_len.sum()), w)
+    return _arrays(flat, first, size, mode, L, rings, remap, linear_tokens)
+
+
+def _arrays(flat: np.ndarray, first: np.ndarray, size: np.ndarray, mode: np.ndarray, L: np.ndarray,
+            rings: dict[int, tuple[np.ndarray, np.ndarray]], remap: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+            linear_tokens: np.ndarray) -> PlanArrays:
+    local, group = np.flatnonzero(mode == 0), np.flatnonzero(mode == 2)
     return PlanArrays(local_rank=flat[first[local]], local_len=L[local].astype(np.float64), rings=rings,
                       group_ranks=flat[_slices(first[group], size[group])], group_size=size[group],
                       group_len=L[group], remap=remap, linear_tokens=linear_tokens)

@@ -42,7 +42,7 @@ import numpy as np
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
 from megatron_zeppelin.cost.step_sync import forward_backward_split, grad_sync_s, optimizer_s, step_sync
 from megatron_zeppelin.plan import Mode, Plan, SeqPlacement
-from megatron_zeppelin.planner.plan_arrays import PlanArrays, plan_arrays
+from megatron_zeppelin.planner.plan_arrays import PlanArrays, layout_arrays, plan_arrays
 from megatron_zeppelin.planner.surrogate_ulysses import UlyssesGroups
 from megatron_zeppelin.schedule.routing import min_routed_bytes
 
@@ -393,9 +393,12 @@ class StepSurrogate:
     # ------------------------------------------------------------------ step
     def step_s(self, plan: Plan) -> float:
         """Modeled step of ``plan`` in seconds: the replay's ``step_s`` (sync tail included)."""
-        w = plan.world_size
-        routed = plan.routed and self.cost.routing
-        layout = plan_arrays(plan)
+        return self.layout_step_s(plan_arrays(plan), plan.world_size, plan.routed)
+
+    def layout_step_s(self, layout: PlanArrays, w: int, routed: bool) -> float:
+        """:meth:`step_s` of the plan of ``layout`` (``planner/plan_arrays.py``)
+        on ``w`` ranks whose ``Plan.routed`` is ``routed``."""
+        routed = routed and self.cost.routing
         msgs = layout.remap
         linear = self._linear_s(layout.linear_tokens)
         groups = UlyssesGroups(self, layout, w, self._n_ports(w)) if len(layout.group_len) else None
@@ -457,13 +460,13 @@ def surrogate_clock(cost: CostModel) -> Callable[[Plan], float]:
 
 def step_floor(cost: CostModel, plan: Plan) -> float:
     """A lower bound of ``StepSurrogate(cost).step_s(plan)`` (:func:`layout_floor`)."""
-    return layout_floor(cost, plan.seq_lens, plan.attention, plan.linear_tokens_per_rank())
+    return layout_floor(cost, layout_arrays(plan.world_size, plan.seq_lens, plan.attention, None),
+                        plan.linear_tokens_per_rank())
 
 
-def layout_floor(cost: CostModel, seq_lens: Sequence[int], attention: Sequence[SeqPlacement],
-                 linear_tokens: Sequence[int]) -> float:
-    """A lower bound of ``StepSurrogate(cost).step_s`` of the plan of
-    ``attention`` whose linear layout holds ``linear_tokens`` per rank, before
+def layout_floor(cost: CostModel, layout: PlanArrays, linear_tokens: Sequence[int] | np.ndarray) -> float:
+    """A lower bound of ``StepSurrogate(cost).step_s`` of the plan of ``layout``'s
+    attention layout whose linear layout holds ``linear_tokens`` per rank, before
     that plan is built, for searches that price plans in bound order
     (``planner/fastest.py``).  From compute alone: a rank leaves every segment
     no earlier than its work after entering it, so each layer adds at least its
@@ -473,27 +476,22 @@ def layout_floor(cost: CostModel, seq_lens: Sequence[int], attention: Sequence[S
     is at least its last buckets and the optimizer."""
     g, m = cost.cluster.gpu, cost.model
     per_pair = m.attn_flops_per_pair * (1 + ATTN_BWD_RATIO) / (g.peak_tflops * 1e12 * g.attn_efficiency)
-    half, local, ulysses = g.attn_half_block, Mode.LOCAL, Mode.ULYSSES
-    pairs = [0.0] * len(linear_tokens)      # causal pairs per rank, each times its block's slowdown
-    ring: dict[tuple[int, int], list[float]] = {}     # per position of a zigzag ring of (length, size): lengths repeat
-    for p in attention:
-        mode, L = p.mode, seq_lens[p.seq]
-        if mode is local:
-            pairs[p.ranks[0]] += L * (L + 1) // 2 * (1 + half / L)
-            continue
-        if mode is ulysses:
-            share = (L * (L + 1) // 2) // len(p.ranks) * (1 + half / L)
-            for r in p.ranks:
-                pairs[r] += share
-            continue
-        shares = ring.get((L, len(p.ranks)))
-        if shares is None:
-            shares = ring[L, len(p.ranks)] = [
-                sum((e * (e + 1) - s * (s + 1)) // 2 for s, e in ranges) * (1 + half / sum(e - s for s, e in ranges))
-                for ranges in p.shards]
-        for r, share in zip(p.ranks, shares):
-            pairs[r] += share
-    attn = np.asarray(pairs) * per_pair
+    half, w = g.attn_half_block, len(linear_tokens)
+    # Causal pairs per rank, each times its block's slowdown ``1 + half / block``.
+    L = layout.local_len.astype(np.int64)
+    pairs = np.zeros(w)     # (a bincount of no ranks is of ints)
+    pairs += np.bincount(layout.local_rank, weights=(L * (L + 1) // 2) * (1 + half / L), minlength=w)
+    L, d = layout.group_len, layout.group_size
+    share = (L * (L + 1) // 2) // d * (1 + half / L)
+    pairs += np.bincount(layout.group_ranks, weights=np.repeat(share, d), minlength=w)
+    for k, (ranks, L) in layout.rings.items():
+        # Position i of a zigzag ring holds chunks i and 2k - 1 - i of 2k.
+        b = np.arange(2 * k + 1) * L[:, None] // (2 * k)
+        i = np.arange(k)
+        s1, e1, s2, e2 = b[:, i], b[:, i + 1], b[:, 2 * k - 1 - i], b[:, 2 * k - i]
+        held = (e1 * (e1 + 1) - s1 * (s1 + 1)) // 2 + (e2 * (e2 + 1) - s2 * (s2 + 1)) // 2
+        pairs += np.bincount(ranks.ravel(), weights=(held * (1 + half / (e1 - s1 + e2 - s2))).ravel(), minlength=w)
+    attn = pairs * per_pair
     tokens, of = np.unique(np.asarray(linear_tokens, np.int64), return_inverse=True)
     lin = np.array([cost.linear_s(t) for t in tokens.tolist()])[of.reshape(-1)]
     fwd = (attn / (1 + ATTN_BWD_RATIO) + lin / (1 + LINEAR_BWD_RATIO)) / m.num_layers

@@ -82,11 +82,20 @@ def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | N
     step = ctx.step_model
     floor, own = Floor(step), surrogate_cost(step)
 
-    def priced(build: Callable[[], Plan]) -> Callable[[], tuple[float, Plan]]:
-        def price() -> tuple[float, Plan]:
+    # A candidate's result is what builds its plan: a baseline's is built only if it wins.
+    def priced(build: Callable[[], Plan]) -> Callable[[], tuple[float, Callable[[], Plan]]]:
+        def price() -> tuple[float, Callable[[], Plan]]:
             plan = build()
-            return step(plan), plan
+            return step(plan), lambda: plan
         return price
+
+    def drafted(draft: Draft, routed: bool) -> Callable[[], tuple[float, Callable[[], Plan]]]:
+        if own is None:
+            return priced(functools.partial(draft.candidate, routed))
+        # The surrogate prices the draft's placements, its plan unbuilt.
+        clock: StepSurrogate = step.__self__      # type: ignore[attr-defined]
+        return lambda: (clock.layout_step_s(draft.arrays(), draft.topology.world_size, routed),
+                        functools.partial(draft.candidate, routed))
 
     candidates: list = []
     for option, plans in contexts:
@@ -95,9 +104,9 @@ def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | N
         else:
             pick = functools.partial(fastest, plans, StepSurrogate(option.cost).step_s)
             candidates.append((min(floor.of_plan(p) for p in plans), priced(pick)))
-    candidates += [(floor.of_layout(d.seq_lens, d.attention, d.tokens_per_rank), priced(build))
-                   for d, build in baselines]
-    return first_least(candidates)
+    candidates += [(floor.of_layout(d.arrays), drafted(d, routed))
+                   for d, routed in baselines]
+    return first_least(candidates)()
 
 
 def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext,
@@ -107,11 +116,11 @@ def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext,
     Raises the first planning error when no candidate can be planned."""
     contexts, baselines = _candidate_plans(seq_lens, ctx, inner)
     return ([fastest(plans, StepSurrogate(option.cost).step_s) for option, plans in contexts]
-            + [build() for _, build in baselines])
+            + [draft.candidate(routed) for draft, routed in baselines])
 
 
 def _candidate_plans(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None
-                     ) -> tuple[list[tuple[PlanContext, list[Plan]]], list[tuple[Draft, Callable[[], Plan]]]]:
+                     ) -> tuple[list[tuple[PlanContext, list[Plan]]], list[tuple[Draft, bool]]]:
     """(each context Zeppelin could plan the batch under, with its passes' plans;
     the baselines' candidates, unbuilt: :func:`baseline_drafts`).  Raises the
     first planning error when there is none."""

@@ -124,3 +124,14 @@ def test_nic_contention_between_concurrent_rings():
     assert shared[0].bandwidth_GBps == pytest.approx(25 / 2)
     assert apart[0].bandwidth_GBps == pytest.approx(25)
     assert ring_links(a800, [((0, 1), 1e8)])[0] == a800.cluster.nvlink
+
+
+def test_linear_s_memo_answers_as_computed_and_stays_bounded(monkeypatch):
+    import megatron_zeppelin.cost.model as model
+    monkeypatch.setattr(model, "LINEAR_MEMO_SIZE", 4)
+    memoized = CostModel(load_cluster("h100-8x400g", nodes=4), load_model("llama-7b"), tp_size=2)
+    counts = [1, 4096, 7, 4096, 65536, 3, 1, 12345, 7]
+    got = [memoized.linear_s(n) for n in counts]
+    assert got == [memoized.linear_s(float(n)) for n in counts]     # floats are never memoized
+    assert len(memoized.linear_memo) <= 4
+    assert memoized.routed(False).linear_memo == {}                 # a copy starts empty

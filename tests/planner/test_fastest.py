@@ -10,6 +10,7 @@ import numpy as np
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.planner.base import PlanContext
+from megatron_zeppelin.planner import plan_arrays
 from megatron_zeppelin.planner.baseline_candidates import baseline_candidates, baseline_drafts
 from megatron_zeppelin.planner.fastest import Floor, first_least, surrogate_cost
 from megatron_zeppelin.planner.surrogate import StepSurrogate, layout_floor, step_floor, surrogate_clock
@@ -18,6 +19,7 @@ from megatron_zeppelin.planner.zeppelin_decide import candidate_contexts, decide
 from megatron_zeppelin.sampler.lengths import resolve_lengths
 from tests.planner.decision_picks import latency_case, matrix_case
 from tests.planner.test_containment import CLUSTERS, cost_of
+from tests.planner.test_zeppelin import long_tail_batches, make_ctx
 
 
 def test_first_least_is_min_with_first_ties_and_skips_what_cannot_win():
@@ -36,11 +38,11 @@ def test_first_least_is_min_with_first_ties_and_skips_what_cannot_win():
 
 def test_the_decision_picks_the_exhaustive_pick_pricing_fewer_plans(monkeypatch):
     calls = []
-    step_s = StepSurrogate.step_s
+    layout_step_s = StepSurrogate.layout_step_s
 
-    def counted(self, plan):
-        calls.append(plan)
-        return step_s(self, plan)
+    def counted(self, layout, w, routed):      # a built plan's pricing and an unbuilt draft's
+        calls.append(layout)
+        return layout_step_s(self, layout, w, routed)
 
     cases = [latency_case(16, 5), matrix_case(resolve_lengths("synthetic-longtail"), "a800-4x200g", 8,
                                               "llama-7b", 128, True, False)]
@@ -49,13 +51,15 @@ def test_the_decision_picks_the_exhaustive_pick_pricing_fewer_plans(monkeypatch)
         plans = decision_candidates(case.lens, ctx)
         surrogate = StepSurrogate(ctx.cost)
         assert all(step_floor(ctx.cost, p) < surrogate.step_s(p) for p in plans)
-        # A baseline's layout gets the bound its plan gets, before the plan is built.
-        for draft, build in baseline_drafts(case.lens, ctx):
-            assert (layout_floor(ctx.cost, draft.seq_lens, draft.attention, draft.tokens_per_rank())
-                    == step_floor(ctx.cost, build()))
+        # A baseline's layout gets the bound and the step its plan gets, before the plan is built.
+        for draft, routed in baseline_drafts(case.lens, ctx):
+            plan = draft.candidate(routed)
+            assert (layout_floor(ctx.cost, draft.arrays(), draft.tokens_per_rank())
+                    == Floor(surrogate.step_s).of_layout(draft.arrays) == step_floor(ctx.cost, plan))
+            assert surrogate.layout_step_s(draft.arrays(), plan.world_size, routed) == surrogate.step_s(plan)
         exhaustive = min(plans, key=surrogate.step_s)
         with monkeypatch.context() as m:
-            m.setattr(StepSurrogate, "step_s", counted)
+            m.setattr(StepSurrogate, "layout_step_s", counted)
             calls.clear()
             pick = decide(case.lens, case.context())
         assert (pick.attention, pick.linear, pick.routed) == (exhaustive.attention, exhaustive.linear,
@@ -63,6 +67,7 @@ def test_the_decision_picks_the_exhaustive_pick_pricing_fewer_plans(monkeypatch)
         # min() over the candidates priced every pass of every context, then every candidate.
         every = sum(len(ZeppelinPlanner().pass_plans(case.lens, o)) for o in candidate_contexts(ctx))
         assert 0 < len(calls) < every + len(baseline_candidates(case.lens, ctx))
+        assert len(plan_arrays._RECENT) <= plan_arrays._RECENT_MAX     # the arrays kept stay few
 
 
 def test_the_surrogate_clock_has_a_floor_and_other_step_models_none():
@@ -97,3 +102,25 @@ def test_the_floor_is_below_the_surrogate_on_random_batches():
             assert step_floor(cost, plan) <= surrogate.step_s(plan)
             checked += 1
     assert checked > 100
+
+
+def test_the_direct_context_reuses_only_passes_that_never_asked_across_nodes():
+    """The planner takes a direct-crossings context's passes from its routed
+    twin only when those never asked about a group across nodes: the plans are
+    those a fresh planner makes for it either way, on a latency batch whose
+    passes stay within nodes and on the A800 batch whose routed passes take
+    other inter-node groups than its direct ones
+    (``test_zeppelin.py: test_routing_no_longer_buys_inter_node_rings_the_replay_calls_slower``)."""
+    a800 = make_ctx(8, nics=4, cluster="a800-4x200g", model="llama-13b")
+    batches = [(latency_case(16, 1).lens, latency_case(16, 1).context()),
+               (long_tail_batches(7, int(0.95 * 16384 * 64), 3)[2], a800)]
+    reused = []
+    for lens, ctx in batches:
+        routed, _, direct, _ = candidate_contexts(ctx)
+        planner = ZeppelinPlanner()
+        planner.pass_plans(lens, routed)
+        reused.append(bool(planner._within_nodes[1]))
+        again = planner.pass_plans(lens, direct)
+        fresh = ZeppelinPlanner().pass_plans(lens, direct)
+        assert [(p.attention, p.linear) for p in again] == [(p.attention, p.linear) for p in fresh]
+    assert reused == [True, False]

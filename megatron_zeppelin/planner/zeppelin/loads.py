@@ -37,10 +37,13 @@ class _TierTimes:
         # All-to-alls get no routing gain across nodes (every GPU's NIC share is busy).
         self.a2a_inter = cost.alltoall_link([0, gpus_per_node]) if nodes > 1 else None
         self._memo: dict[tuple[int, int, bool], tuple[float, float]] = {}
+        #: Whether any group across nodes was asked about (only those answers depend on routing).
+        self.crossed = False
 
     def ulysses(self, length: int, d: int, inter: bool) -> float:
         """Per-rank seconds of a Ulysses group of ``d`` (nothing overlaps its all-to-alls)."""
         key = (length, -d, inter)
+        self.crossed |= inter
         hit = self._memo.get(key)
         if hit is None:
             hit = (self.cost.ulysses_cost([length], d, self.a2a_inter if inter else self.intra).total_s, 0.0)
@@ -49,6 +52,7 @@ class _TierTimes:
 
     def get(self, length: int, k: int, inter: bool) -> tuple[float, float]:
         key = (length, k, inter)
+        self.crossed |= inter and k > 1
         hit = self._memo.get(key)
         if hit is None:
             if k == 1:
