@@ -35,7 +35,6 @@ latency and the timeline charges it once per group.
 from __future__ import annotations
 
 import logging
-import math
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
@@ -48,6 +47,7 @@ from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, placement
 from megatron_zeppelin.planner.base import PlanContext
+from megatron_zeppelin.planner.greedy_fit import bisect_first_fit
 from megatron_zeppelin.planner.packing import check_lengths
 from megatron_zeppelin.planner.rounds import RoundsPlan, build_rounds
 
@@ -184,104 +184,35 @@ def _fits(length: int, shortest: int, d: int, cap: int) -> bool:
     return -(-length // d) <= cap and (d == 1 or shortest >= 2 * d)
 
 
-@dataclass(frozen=True)
-class _SeqSizes:
-    """Per sequence (longest first) and group size what :func:`_first_fit`
-    asks, computed once for every limit :func:`greedy_groups` tries."""
-
-    order: list[int]
-    """Sequence indices, longest first (ties: lower index)."""
-    fits: list[list[bool]]
-    """``fits[j][k]``: sequence ``order[j]`` fits a group of ``sizes[k]`` (:func:`_fits`)."""
-    seconds: list[list[float]]
-    """``seconds[j][k]``: its time there, ``t(L, sizes[k])`` (unused where it does not fit)."""
-    tokens: list[list[int]]
-    """``tokens[j][k]``: its tokens per GPU there, ``ceil(L / sizes[k])``."""
-    least_after: list[tuple[list[float], list[float]]]
-    """Every ``PRUNE_EVERY`` sequences ``j``: per size the least seconds and the
-    least tokens of the sequences from ``j`` on that fit it (inf: none)."""
-
-
-#: :func:`_first_fit` drops the groups that no later sequence fits every this many sequences.
-PRUNE_EVERY = 32
-
-
-def _seq_sizes(lengths: Sequence[int], shortest: Sequence[int], sizes: Sequence[int], cap: int,
-               t: Callable[[int, int], float]) -> _SeqSizes:
-    order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)   # stable: ties by index
-    fits = [[_fits(lengths[i], shortest[i], d, cap) for d in sizes] for i in order]
-    seconds = [[t(lengths[i], d) if ok else 0.0 for d, ok in zip(sizes, f)] for i, f in zip(order, fits)]
-    tokens = [[-(-lengths[i] // d) for d in sizes] for i in order]
-    # Per size, each sequence's seconds and tokens where it fits (inf where not)...
-    col_s = [[x[k] if f[k] else math.inf for x, f in zip(seconds, fits)] for k in range(len(sizes))]
-    col_t = [[x[k] if f[k] else math.inf for x, f in zip(tokens, fits)] for k in range(len(sizes))]
-    least_s, least_t = [math.inf] * len(sizes), [math.inf] * len(sizes)
-    least_after = []
-    for j in reversed(range(0, len(order), PRUNE_EVERY)):     # ... least from each block's first on
-        least_s = [min(a, *c[j:j + PRUNE_EVERY]) for a, c in zip(least_s, col_s)]
-        least_t = [min(a, *c[j:j + PRUNE_EVERY]) for a, c in zip(least_t, col_t)]
-        least_after.append((least_s, least_t))
-    return _SeqSizes(order, fits, seconds, tokens, least_after[::-1])
-
-
-def _first_fit(seqs: _SeqSizes, sizes: Sequence[int], world: int, cap: int, limit: float) -> list[Group] | None:
-    """Groups with time <= ``limit``, or None.  Longest first, each sequence joins
-    the first open group (any size it fits) with time and memory left, else opens
-    a group of the smallest size that runs it within ``limit`` (least
-    communication, fewest GPUs)."""
-    groups: list[list] = []  # [size index, members, seconds, tokens per GPU]
-    open_ = groups           # those some later sequence may still fit (the first fit is among them)
-    used = 0
-    for j, (i, fits, seconds, tokens) in enumerate(zip(seqs.order, seqs.fits, seqs.seconds, seqs.tokens)):
-        if j % PRUNE_EVERY == 0 and j:
-            least_s, least_t = seqs.least_after[j // PRUNE_EVERY]
-            open_ = [g for g in open_ if g[2] + least_s[g[0]] <= limit and g[3] + least_t[g[0]] <= cap]
-        for g in open_:     # a loop, not next() over a generator: ~10 % faster
-            k = g[0]
-            if fits[k] and g[2] + seconds[k] <= limit and g[3] + tokens[k] <= cap:
-                break
-        else:
-            k = next((k for k, ok in enumerate(fits) if ok and seconds[k] <= limit), None)
-            used += world if k is None else sizes[k]
-            if k is None or used > world:
-                return None
-            g = [k, [], 0.0, 0]
-            groups.append(g)
-            if open_ is not groups:
-                open_.append(g)
-        g[1].append(i)
-        g[2] += seconds[g[0]]
-        g[3] += tokens[g[0]]
-    return [(sizes[g[0]], g[1]) for g in groups]
-
-
 def greedy_groups(lengths: Sequence[int], shortest: Sequence[int], sizes: Sequence[int], world: int,
                   cap: int, t: Callable[[int, int], float], steps: int = 12) -> list[Group] | None:
-    """Heterogeneous greedy: bisect the makespan limit of :func:`_first_fit` between
-    the slowest sequence's best time and the first limit that fits.  The MILP's
-    start, and the plan when the MILP finds nothing."""
-    seqs = _seq_sizes(lengths, shortest, sizes, cap, t)
-    best_alone = [min((s for s, ok in zip(seconds, fits) if ok), default=None)
-                  for seconds, fits in zip(seqs.seconds, seqs.fits)]
-    if None in best_alone:
+    """Heterogeneous greedy: bisect the makespan limit of a first fit (longest
+    first, each sequence into the first open group it fits, else a new group of
+    the smallest size that runs it within the limit) between the slowest
+    sequence's best time and the first limit that fits
+    (:func:`~megatron_zeppelin.planner.greedy_fit.bisect_first_fit`).  The
+    MILP's start, and the plan when the MILP finds nothing."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-lens, kind="stable")    # longest first, ties by index
+    d = np.asarray(sizes, dtype=np.int64)
+    by_len = lens[order]
+    tokens = -(-by_len[:, None] // d[None, :])
+    fits = (tokens <= cap) & ((d == 1) | (np.asarray(shortest, dtype=np.int64)[order][:, None] >= 2 * d))
+    # t once per distinct length and size any sequence of that length may fit
+    # (shortest <= length): batches repeat lengths.
+    distinct, row = np.unique(by_len, return_inverse=True)
+    table = np.zeros((len(distinct), len(d)))
+    for u, L in enumerate(distinct.tolist()):
+        for k, dk in enumerate(sizes):
+            if -(-L // dk) <= cap and (dk == 1 or L >= 2 * dk):
+                table[u, k] = t(L, dk)
+    n_groups, group_size, group_of = bisect_first_fit(fits, table[row], tokens, d, world, cap, steps)
+    if n_groups < 0:
         return None
-    lo = hi = max(best_alone, default=0.0)
-    best = None
-    for _ in range(40):
-        best = _first_fit(seqs, sizes, world, cap, hi)
-        if best is not None:
-            break
-        hi *= 2
-    if best is None:
-        return None
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        got = _first_fit(seqs, sizes, world, cap, mid)
-        if got is None:
-            lo = mid
-        else:
-            best, hi = got, mid
-    return best
+    members: list[list[int]] = [[] for _ in range(n_groups)]
+    for i, g in zip(order.tolist(), group_of.tolist()):
+        members[g].append(i)
+    return [(sizes[k], m) for k, m in zip(group_size.tolist(), members)]
 
 
 @dataclass(frozen=True)

@@ -361,3 +361,33 @@ def test_flexsp_milp_is_no_worse_than_its_greedy_start():
     span_greedy = max(sum(t(lens[i], d) for i in m) for d, m in greedy)
     span_milp = max(sum(t(buckets[k].boundary, d) * c for k, c in counts.items()) for d, counts in milp)
     assert span_milp <= span_greedy * 1.011    # optimal within the 1 % MIP gap
+
+
+def test_flexsp_greedy_bisects_to_the_tightest_first_fit():
+    """40 equal sequences (past a pruning block) of 10 s each on 4 one-GPU groups:
+    the limit doubles from 10 s to 160 s, then bisects down to 100 s, where the
+    first fit makes 4 groups of 10 in index order (ties: lower index first)."""
+    groups = greedy_groups([10] * 40, [10] * 40, [1], 4, 1000, lambda L, d: float(L))
+    assert groups == [(1, list(range(k, k + 10))) for k in range(0, 40, 10)]
+    # Memory: the 100-token sequence needs 2 GPUs at a cap of 60 (50 s); the
+    # other two then share 2 GPUs (30 + 25 s) rather than 60 s alone on one.
+    assert greedy_groups([100, 60, 50], [100, 60, 50], [1, 2], 4, 60, lambda L, d: L / d) == \
+        [(2, [0]), (2, [1, 2])]
+    assert greedy_groups([100], [100], [1, 2], 1, 60, lambda L, d: L / d) is None   # needs 2 GPUs of 1
+
+
+def test_flexsp_greedy_groups_hold_the_batch():
+    """Every sequence in exactly one group, within the world, the cap, Ulysses'
+    2d-token minimum and the group's time limit, longest first in each group."""
+    cap, world = 32768, 16
+    ctx = make_ctx(2, 8, cap)
+    t = seq_time_fn(ctx.cost)
+    lens = [random.Random(i).randint(1, 4000) for i in range(200)]
+    groups = greedy_groups(lens, lens, ulysses_sizes(world, 32), world, cap, t)
+    assert groups is not None
+    assert sorted(i for _, m in groups for i in m) == list(range(len(lens)))
+    assert sum(d for d, _ in groups) <= world
+    for d, m in groups:
+        assert sum(-(-lens[i] // d) for i in m) <= cap
+        assert d == 1 or min(lens[i] for i in m) >= 2 * d
+        assert [lens[i] for i in m] == sorted((lens[i] for i in m), reverse=True)
