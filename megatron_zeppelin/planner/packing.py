@@ -4,23 +4,50 @@ Sequences are placed longest first (ties: lower index first), each onto the
 least-loaded bin (ties: lower bin) whose ranks all stay under the per-rank token
 cap -- the LPT rule that DP packing and TE CP replicas use to balance work.  A
 bin is a group of ``width`` ranks that shares every sequence placed on it; how a
-sequence's tokens spread over those ranks is the caller's ``shares`` function
-(one rank for DP packing, zigzag chunks for a CP group).
+sequence's tokens spread over those ranks is the caller's :class:`Shares` (one
+rank for DP packing, zigzag chunks for a CP group).  The placement loop is
+compiled (:func:`~megatron_zeppelin.planner.packing_fit.place_in_order`).
 """
 
 from __future__ import annotations
 
-import heapq
 from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, SeqPlacement, placement
 from megatron_zeppelin.plan.shards import chunk_bounds
+from megatron_zeppelin.planner.packing_fit import place_in_order
 
-#: ``shares(length, rank_loads) -> tokens per rank of the bin`` (same order).
-Shares = Callable[[int, Sequence[int]], Sequence[int]]
+
+@dataclass(frozen=True)
+class Shares:
+    """How a sequence's tokens spread over the ``k`` ranks of a bin: the whole
+    sequence on the bin's least-loaded rank (ties: first rank) where ``k`` is
+    1, the sequence has fewer than ``2k`` tokens (a Plan cannot express the
+    padding TE and Megatron add to reach ``2k``) or there is no ``split``;
+    else ``split(length, k)`` tokens per rank over the whole bin."""
+
+    split: Callable[[int, int], tuple[int, ...]] | None
+    """Tokens per rank of a sequence split over a whole bin."""
+
+    def spread(self, length: int, k: int) -> tuple[int, ...] | None:
+        """Tokens per rank of a split sequence, or None: on one rank."""
+        if self.split is None or k == 1 or length < 2 * k:
+            return None
+        return self.split(length, k)
+
+    def __call__(self, length: int, loads: Sequence[int]) -> Sequence[int]:
+        """Tokens per rank of the sequence on a bin whose ranks hold ``loads``."""
+        spread = self.spread(length, len(loads))
+        if spread is not None:
+            return spread
+        share = [0] * len(loads)
+        share[min(range(len(loads)), key=lambda i: (loads[i], i))] = length
+        return share
 
 
 @dataclass
@@ -37,13 +64,36 @@ class Bins:
     """``loads[b][i]``: tokens on rank ``i`` of bin ``b``."""
     items: list[list[tuple[int, tuple[int, ...]]]] = field(init=False)
     """``items[b]``: ``(seq, tokens per rank)`` in placement order."""
-    by_tokens: list[tuple[int, int]] = field(init=False)
-    """Heap of ``(tokens, b)``: the bins in the order a sequence tries them."""
 
     def __post_init__(self) -> None:
         self.loads = [[0] * self.width for _ in range(self.num_bins)]
         self.items = [[] for _ in range(self.num_bins)]
-        self.by_tokens = [(0, b) for b in range(self.num_bins)]
+
+
+def _longest_first(seq_lens: Sequence[int]) -> np.ndarray:
+    """Sequence indices, longest first (ties: lower index)."""
+    return np.argsort(-np.asarray(seq_lens, dtype=np.int64), kind="stable")
+
+
+def _place(bins: Bins, seqs: np.ndarray, seq_lens: Sequence[int], shares: Shares,
+           stop_at_miss: bool) -> tuple[np.ndarray, int]:
+    """Place ``seqs`` in order, each on the bin with the fewest tokens (ties: lower
+    bin) where it fits.  Returns every sequence's bin (-1: none) and how many
+    were tried (:func:`~megatron_zeppelin.planner.packing_fit.place_in_order`)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)[seqs]
+    k = bins.width
+    distinct, row = np.unique(lens, return_inverse=True)     # batches repeat lengths
+    spreads = [shares.spread(L, k) for L in distinct.tolist()]
+    one_rank = np.array([s is None for s in spreads], dtype=np.bool_)[row]
+    none = (0,) * k
+    split = np.array([none if s is None else s for s in spreads], dtype=np.int64).reshape(len(spreads), k)[row]
+    loads = np.array(bins.loads, dtype=np.int64).reshape(bins.num_bins, k)
+    bin_of, tokens, tried = place_in_order(lens, one_rank, split, loads, bins.cap, stop_at_miss)
+    bins.loads = loads.tolist()
+    for seq, b, share in zip(seqs[:tried].tolist(), bin_of[:tried].tolist(), tokens[:tried].tolist()):
+        if b >= 0:
+            bins.items[b].append((seq, tuple(share)))
+    return bin_of, tried
 
 
 def pack_longest_first(seq_lens: Sequence[int], bins: Bins, shares: Shares, *, strategy: str,
@@ -51,16 +101,16 @@ def pack_longest_first(seq_lens: Sequence[int], bins: Bins, shares: Shares, *, s
     """Place every sequence on the bin with the fewest tokens where it fits.
 
     Raises :class:`InfeasibleError` naming the first sequence that fits nowhere."""
-    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__, reverse=True)   # stable: ties by index
-    for seq in order:
-        L = seq_lens[seq]
-        if not _place(bins, seq, L, shares):
-            free = max((bins.cap - max(ld) for ld in bins.loads), default=0)
-            raise InfeasibleError(
-                f"{strategy}: sequence {seq} (length {L}) does not fit on any {what}: the emptiest "
-                f"one has room for {free} more tokens per GPU under the cap of {bins.cap} "
-                f"({sum(seq_lens)} tokens on {bins.num_bins * bins.width} GPUs); raise "
-                f"--tokens-per-gpu or use a strategy that splits sequences")
+    order = _longest_first(seq_lens)
+    bin_of, tried = _place(bins, order, seq_lens, shares, stop_at_miss=True)
+    if tried and bin_of[tried - 1] < 0:
+        seq = int(order[tried - 1])
+        free = max((bins.cap - max(ld) for ld in bins.loads), default=0)
+        raise InfeasibleError(
+            f"{strategy}: sequence {seq} (length {seq_lens[seq]}) does not fit on any {what}: the emptiest "
+            f"one has room for {free} more tokens per GPU under the cap of {bins.cap} "
+            f"({sum(seq_lens)} tokens on {bins.num_bins * bins.width} GPUs); raise "
+            f"--tokens-per-gpu or use a strategy that splits sequences")
     return bins
 
 
@@ -71,72 +121,20 @@ def pack_in_rounds(seq_lens: Sequence[int], make_bins: Callable[[], Bins], share
     that fit no bin wait for the next round, as gradient accumulation would run
     them.  Returns the bins of every round (items hold batch-wide sequence
     indices).  A sequence that fits no empty bin raises."""
-    remaining = list(range(len(seq_lens)))
+    remaining = _longest_first(seq_lens)
     rounds = []
-    while remaining:
-        bins, placed, deferred = make_bins(), [], []
-        for seq in sorted(remaining, key=seq_lens.__getitem__, reverse=True):   # stable: ties by index
-            if _place(bins, seq, seq_lens[seq], shares):
-                placed.append(seq)
-            else:
-                deferred.append(seq)
-        if not placed:
-            seq = deferred[0]
+    while len(remaining):
+        bins = make_bins()
+        bin_of, _ = _place(bins, remaining, seq_lens, shares, stop_at_miss=False)
+        if (bin_of < 0).all():
+            seq = int(remaining[0])
             raise InfeasibleError(
                 f"{strategy}: sequence {seq} (length {seq_lens[seq]}) does not fit on an empty {what} "
                 f"under the cap of {bins.cap} tokens per GPU; raise --tokens-per-gpu or use a "
                 "larger group")
         rounds.append(bins)
-        remaining = sorted(deferred)
+        remaining = remaining[bin_of < 0]     # still longest first
     return rounds
-
-
-def _place(bins: Bins, seq: int, length: int, shares: Shares) -> bool:
-    """Put ``seq`` on the bin with the fewest tokens (ties: lower bin) where it
-    fits; False if none.  Bins leave the heap in that order until one fits, and
-    those that did not go back: a sequence costs ``log`` of the bins, not a sort
-    of them (1,024 bins, 16,384 sequences)."""
-    tried = []
-    placed = False
-    while bins.by_tokens:
-        tokens, b = heapq.heappop(bins.by_tokens)
-        share = tuple(shares(length, bins.loads[b]))
-        if all(load + s <= bins.cap for load, s in zip(bins.loads[b], share)):
-            bins.loads[b] = [load + s for load, s in zip(bins.loads[b], share)]
-            bins.items[b].append((seq, share))
-            tried.append((tokens + sum(share), b))
-            placed = True
-            break
-        tried.append((tokens, b))
-    for entry in tried:
-        heapq.heappush(bins.by_tokens, entry)
-    return placed
-
-
-def one_rank(length: int, loads: Sequence[int]) -> list[int]:
-    """Whole sequence on the least-loaded rank of the bin (ties: first rank)."""
-    share = [0] * len(loads)
-    share[min(range(len(loads)), key=lambda i: (loads[i], i))] = length
-    return share
-
-
-def zigzag_or_one_rank(length: int, loads: Sequence[int]) -> Sequence[int]:
-    """Zigzag shares over the whole bin (a CP ring); a sequence too short for ``2k``
-    chunks stays on one rank, because a Plan cannot express the padding TE and
-    Megatron add to reach ``2k`` tokens."""
-    k = len(loads)
-    if k == 1 or length < 2 * k:
-        return one_rank(length, loads)
-    return _zigzag_tokens(length, k)
-
-
-def contiguous_or_one_rank(length: int, loads: Sequence[int]) -> Sequence[int]:
-    """Contiguous Ulysses shares over the whole bin; a sequence too short for
-    ``2k`` tokens stays on one rank (as in :func:`zigzag_or_one_rank`)."""
-    k = len(loads)
-    if k == 1 or length < 2 * k:
-        return one_rank(length, loads)
-    return _contiguous_tokens(length, k)
 
 
 # Cached: a batch repeats lengths, and a sequence's shares are asked of every bin it tries.
@@ -153,6 +151,14 @@ def _contiguous_tokens(length: int, k: int) -> tuple[int, ...]:
     """Tokens per rank of :func:`~megatron_zeppelin.plan.shards.contiguous_shards`."""
     b = chunk_bounds(length, k)
     return tuple(b[i + 1] - b[i] for i in range(k))
+
+
+#: The whole sequence on the bin's least-loaded rank (ties: first rank).
+one_rank = Shares(None)
+#: Zigzag shares over the whole bin (a CP ring), else one rank.
+zigzag_or_one_rank = Shares(_zigzag_tokens)
+#: Contiguous Ulysses shares over the whole bin, else one rank.
+contiguous_or_one_rank = Shares(_contiguous_tokens)
 
 
 def placements(bins: Bins, seq_lens: Sequence[int], mode: Mode,

@@ -26,48 +26,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from megatron_zeppelin.pair_heap import pop as _pop, push as _push
+
 READY, DONE, ENTER = 0, 1, 2
-
-
-@njit(cache=True)
-def _push(heap_t, heap_c, n, t, c):
-    """Push event (``t``, ``c``) onto the heap of ``n`` events; returns its new size."""
-    i = n
-    while i > 0:
-        parent = (i - 1) >> 1
-        pt, pc = heap_t[parent], heap_c[parent]
-        if t < pt or (t == pt and c < pc):
-            heap_t[i], heap_c[i] = pt, pc
-            i = parent
-        else:
-            break
-    heap_t[i], heap_c[i] = t, c
-    return n + 1
-
-
-@njit(cache=True)
-def _pop(heap_t, heap_c, n):
-    """The first event's (time, order) and the heap's new size."""
-    t0, c0 = heap_t[0], heap_c[0]
-    n -= 1
-    if n > 0:
-        t, c = heap_t[n], heap_c[n]
-        i = 0
-        while True:
-            child = 2 * i + 1
-            if child >= n:
-                break
-            other = child + 1
-            if other < n and (heap_t[other] < heap_t[child]
-                              or (heap_t[other] == heap_t[child] and heap_c[other] < heap_c[child])):
-                child = other
-            if heap_t[child] < t or (heap_t[child] == t and heap_c[child] < c):
-                heap_t[i], heap_c[i] = heap_t[child], heap_c[child]
-                i = child
-            else:
-                break
-        heap_t[i], heap_c[i] = t, c
-    return t0, c0, n
 
 
 @njit(cache=True)

@@ -1,0 +1,52 @@
+"""A min-heap of ``(key, order)`` pairs in two arrays, compiled with numba.
+
+The replay's event queue (``sim/event_loop.py``: time, push order) and the
+packing's bins (``planner/packing_fit.py``: tokens, bin) both pop the least
+pair first; the orders are unique, so the pop sequence does not depend on the
+heap's layout.  Comparisons only: no arithmetic on the keys.
+"""
+
+from __future__ import annotations
+
+from numba import njit
+
+
+@njit(cache=True)
+def push(heap_t, heap_c, n, t, c):
+    """Push (``t``, ``c``) onto the heap of ``n`` entries; returns its new size."""
+    i = n
+    while i > 0:
+        parent = (i - 1) >> 1
+        pt, pc = heap_t[parent], heap_c[parent]
+        if t < pt or (t == pt and c < pc):
+            heap_t[i], heap_c[i] = pt, pc
+            i = parent
+        else:
+            break
+    heap_t[i], heap_c[i] = t, c
+    return n + 1
+
+
+@njit(cache=True)
+def pop(heap_t, heap_c, n):
+    """The least (``t``, ``c``) and the heap's new size."""
+    t0, c0 = heap_t[0], heap_c[0]
+    n -= 1
+    if n > 0:
+        t, c = heap_t[n], heap_c[n]
+        i = 0
+        while True:
+            child = 2 * i + 1
+            if child >= n:
+                break
+            other = child + 1
+            if other < n and (heap_t[other] < heap_t[child]
+                              or (heap_t[other] == heap_t[child] and heap_c[other] < heap_c[child])):
+                child = other
+            if heap_t[child] < t or (heap_t[child] == t and heap_c[child] < c):
+                heap_t[i], heap_c[i] = heap_t[child], heap_c[child]
+                i = child
+            else:
+                break
+        heap_t[i], heap_c[i] = t, c
+    return t0, c0, n
