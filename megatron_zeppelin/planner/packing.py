@@ -19,7 +19,6 @@ import numpy as np
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, SeqPlacement, placement
-from megatron_zeppelin.plan.shards import chunk_bounds
 from megatron_zeppelin.planner.packing_fit import place_in_order
 
 
@@ -29,25 +28,32 @@ class Shares:
     sequence on the bin's least-loaded rank (ties: first rank) where ``k`` is
     1, the sequence has fewer than ``2k`` tokens (a Plan cannot express the
     padding TE and Megatron add to reach ``2k``) or there is no ``split``;
-    else ``split(length, k)`` tokens per rank over the whole bin."""
+    else ``split`` tokens per rank over the whole bin."""
 
-    split: Callable[[int, int], tuple[int, ...]] | None
-    """Tokens per rank of a sequence split over a whole bin."""
+    split: Callable[[np.ndarray, int], np.ndarray] | None
+    """``split(lengths, k)``: tokens per rank (a row per length) of sequences split over a whole bin."""
 
-    def spread(self, length: int, k: int) -> tuple[int, ...] | None:
-        """Tokens per rank of a split sequence, or None: on one rank."""
-        if self.split is None or k == 1 or length < 2 * k:
-            return None
-        return self.split(length, k)
+    def rows(self, lengths: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per sequence of ``lengths``: whether it goes on one rank, and its
+        tokens per rank where it does not."""
+        if self.split is None or k == 1:
+            return np.ones(len(lengths), dtype=np.bool_), np.zeros((len(lengths), k), dtype=np.int64)
+        return lengths < 2 * k, self.split(lengths, k)
 
     def __call__(self, length: int, loads: Sequence[int]) -> Sequence[int]:
         """Tokens per rank of the sequence on a bin whose ranks hold ``loads``."""
-        spread = self.spread(length, len(loads))
-        if spread is not None:
-            return spread
-        share = [0] * len(loads)
-        share[min(range(len(loads)), key=lambda i: (loads[i], i))] = length
+        k = len(loads)
+        if self.split is not None and k > 1 and length >= 2 * k:
+            return _split_one(self.split, length, k)
+        share = [0] * k
+        share[min(range(k), key=lambda i: (loads[i], i))] = length
         return share
+
+
+# Cached: a batch repeats lengths, and a sequence's shares are asked of every bin it tries.
+@lru_cache(maxsize=1 << 16)
+def _split_one(split: Callable[[np.ndarray, int], np.ndarray], length: int, k: int) -> tuple[int, ...]:
+    return tuple(split(np.array([length], dtype=np.int64), k)[0].tolist())
 
 
 @dataclass
@@ -81,14 +87,10 @@ def _place(bins: Bins, seqs: np.ndarray, seq_lens: Sequence[int], shares: Shares
     bin) where it fits.  Returns every sequence's bin (-1: none) and how many
     were tried (:func:`~megatron_zeppelin.planner.packing_fit.place_in_order`)."""
     lens = np.asarray(seq_lens, dtype=np.int64)[seqs]
-    k = bins.width
     distinct, row = np.unique(lens, return_inverse=True)     # batches repeat lengths
-    spreads = [shares.spread(L, k) for L in distinct.tolist()]
-    one_rank = np.array([s is None for s in spreads], dtype=np.bool_)[row]
-    none = (0,) * k
-    split = np.array([none if s is None else s for s in spreads], dtype=np.int64).reshape(len(spreads), k)[row]
-    loads = np.array(bins.loads, dtype=np.int64).reshape(bins.num_bins, k)
-    bin_of, tokens, tried = place_in_order(lens, one_rank, split, loads, bins.cap, stop_at_miss)
+    one_rank, split = shares.rows(distinct, bins.width)
+    loads = np.array(bins.loads, dtype=np.int64).reshape(bins.num_bins, bins.width)
+    bin_of, tokens, tried = place_in_order(lens, one_rank[row], split[row], loads, bins.cap, stop_at_miss)
     bins.loads = loads.tolist()
     for seq, b, share in zip(seqs[:tried].tolist(), bin_of[:tried].tolist(), tokens[:tried].tolist()):
         if b >= 0:
@@ -137,20 +139,17 @@ def pack_in_rounds(seq_lens: Sequence[int], make_bins: Callable[[], Bins], share
     return rounds
 
 
-# Cached: a batch repeats lengths, and a sequence's shares are asked of every bin it tries.
-@lru_cache(maxsize=1 << 16)
-def _zigzag_tokens(length: int, k: int) -> tuple[int, ...]:
+def _zigzag_tokens(lengths: np.ndarray, k: int) -> np.ndarray:
     """Tokens per rank of :func:`~megatron_zeppelin.plan.shards.zigzag_shards`:
-    rank ``i`` holds chunks ``i`` and ``2k-1-i``."""
-    b = chunk_bounds(length, 2 * k)
-    return tuple(b[i + 1] - b[i] + b[2 * k - i] - b[2 * k - 1 - i] for i in range(k))
+    rank ``i`` holds chunks ``i`` and ``2k-1-i`` of
+    :func:`~megatron_zeppelin.plan.shards.chunk_bounds` (``j * L // 2k``)."""
+    chunks = np.diff(np.arange(2 * k + 1) * lengths[:, None] // (2 * k), axis=1)
+    return chunks[:, :k] + chunks[:, :k - 1:-1]
 
 
-@lru_cache(maxsize=1 << 16)
-def _contiguous_tokens(length: int, k: int) -> tuple[int, ...]:
+def _contiguous_tokens(lengths: np.ndarray, k: int) -> np.ndarray:
     """Tokens per rank of :func:`~megatron_zeppelin.plan.shards.contiguous_shards`."""
-    b = chunk_bounds(length, k)
-    return tuple(b[i + 1] - b[i] for i in range(k))
+    return np.diff(np.arange(k + 1) * lengths[:, None] // k, axis=1)
 
 
 #: The whole sequence on the bin's least-loaded rank (ties: first rank).

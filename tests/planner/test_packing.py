@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.planner.packing import Bins, one_rank, pack_in_rounds, pack_longest_first, zigzag_or_one_rank
+from megatron_zeppelin.plan.shards import contiguous_shards, zigzag_shards
+from megatron_zeppelin.planner.packing import (Bins, contiguous_or_one_rank, one_rank, pack_in_rounds, pack_longest_first,
+                                               zigzag_or_one_rank)
 
 
 def test_each_sequence_goes_to_the_bin_with_fewest_tokens_and_its_least_loaded_rank():
@@ -31,3 +34,17 @@ def test_a_bin_that_cannot_hold_the_sequence_is_skipped_and_kept_for_later():
     rounds = pack_in_rounds([8, 3, 6, 2], lambda: Bins(2, 2, 5), zigzag_or_one_rank, strategy="s", what="group")
     assert [b.items for b in rounds] == [[[(0, (4, 4))], [(2, (3, 3)), (3, (2, 0))]],
                                          [[(1, (3, 0))], []]]
+
+
+def test_split_shares_are_the_plans_shards():
+    """The packing's vectorized tokens per rank equal those of the shards a Plan holds."""
+    lengths = np.arange(1, 200)
+    for k in (2, 3, 4, 8):
+        zigzag = zigzag_or_one_rank.rows(lengths, k)[1]
+        contiguous = contiguous_or_one_rank.rows(lengths, k)[1]
+        for L, z, c in zip(lengths.tolist(), zigzag.tolist(), contiguous.tolist()):
+            assert z == [a[1] - a[0] + b[1] - b[0] for a, b in zigzag_shards(L, k)]
+            assert c == [b - a for ((a, b),) in contiguous_shards(L, k)]
+            one = [L] + [0] * (k - 1)
+            assert list(zigzag_or_one_rank(L, [0] * k)) == (z if L >= 2 * k else one)
+            assert list(contiguous_or_one_rank(L, [0] * k)) == (c if L >= 2 * k else one)
