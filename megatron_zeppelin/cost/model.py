@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+import numpy as np
+
 from megatron_zeppelin.cost.moe import ALLTOALLS_PER_LAYER, moe_alltoall_bytes, moe_alltoall_group
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan.shards import causal_pairs
@@ -35,6 +37,9 @@ TP_ALLREDUCES_PER_LAYER = 4
 ULYSSES_ALLTOALLS_PER_LAYER = 4
 #: Token counts ``CostModel.linear_s`` keeps (a few MB; a batch asks a few thousand).
 LINEAR_MEMO_SIZE = 1 << 16
+
+
+_ARRAY = np.ndarray     # what attn_s answers elementwise (a class check: attn_s is on the replay's hot path)
 
 
 @dataclass(frozen=True)
@@ -79,13 +84,20 @@ class CostModel:
         g = self.cluster.gpu
         return g.attn_efficiency * block / (block + g.attn_half_block)
 
-    def attn_s(self, pairs: float, block: float) -> float:
+    def attn_s(self, pairs: float | np.ndarray, block: float | np.ndarray) -> float | np.ndarray:
         """Forward+backward attention time of ``pairs`` causal query-key pairs
-        computed in query blocks of ``block`` tokens."""
-        if pairs <= 0:
+        computed in query blocks of ``block`` tokens.  Either may be a numpy
+        array: elementwise, the same float operations in the same order, so
+        every element equals the scalar answer bit for bit."""
+        vector = pairs.__class__ is _ARRAY or block.__class__ is _ARRAY
+        if vector:
+            live = np.asarray(pairs) > 0
+            block = np.where(live, block, 1)    # no pairs, no time: nor a division by an empty block
+        elif pairs <= 0:
             return 0.0
         flops = pairs * self.model.attn_flops_per_pair * (1 + ATTN_BWD_RATIO)
-        return flops / (self.cluster.gpu.peak_tflops * 1e12 * self.attn_efficiency(block))
+        seconds = flops / (self.cluster.gpu.peak_tflops * 1e12 * self.attn_efficiency(block))
+        return np.where(live, seconds, 0.0) if vector else seconds
 
     def local_attn_s(self, length: int) -> float:
         """Attention of one whole causal sequence on one GPU."""
@@ -268,10 +280,26 @@ class CostModel:
         if d <= 1:
             return RingCost(compute, 0.0, compute)
         sent = sum(self.ulysses_bytes_per_rank(L, d) for L in lengths) * (d - 1) / d
-        comm = 2 * m.num_layers * sent / (link.bandwidth_GBps * 1e9)
+        comm = self._ulysses_comm_s(sent, link)
         if latency:
             comm += ULYSSES_ALLTOALLS_PER_LAYER * m.num_layers * (d - 1) * link.latency_us * 1e-6
         return RingCost(compute, comm, compute + comm)
+
+    def ulysses_alone_s(self, lengths: np.ndarray, group_size: int, link: LinkSpec) -> np.ndarray:
+        """``ulysses_cost([L], group_size, link, latency=False).total_s`` of every
+        ``L`` in ``lengths`` at once (each sequence alone on the group; FlexSP's
+        per-sequence time), equal to it bit for bit: the same functions of the
+        terms (``attn_s``, ``ulysses_bytes_per_rank``), given arrays."""
+        d, lens = group_size, np.asarray(lengths, dtype=np.int64)
+        compute = self.attn_s(causal_pairs(0, lens) / d, lens)
+        if d <= 1:
+            return compute
+        return compute + self._ulysses_comm_s(self.ulysses_bytes_per_rank(lens, d) * (d - 1) / d, link)
+
+    def _ulysses_comm_s(self, sent: float | np.ndarray, link: LinkSpec) -> float | np.ndarray:
+        """The all-to-alls' transfer time of ``sent`` bytes per rank and direction,
+        forward and backward in every layer, latency left out."""
+        return 2 * self.model.num_layers * sent / (link.bandwidth_GBps * 1e9)
 
     # ---------------------------------------------------------------- remap
     def remap_s(self, intra_bytes: float, inter_bytes: float, messages: int = 1) -> float:

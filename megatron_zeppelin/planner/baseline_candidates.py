@@ -176,7 +176,7 @@ def flexsp_greedy_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draf
     lens = check_lengths(seq_lens)
     cap, topo = ctx.tokens_per_gpu, ctx.topology
     sizes = ulysses_sizes(topo.world_size, ctx.local_heads[1])
-    groups = greedy_groups(lens, lens, sizes, topo.world_size, cap, seq_time_fn(ctx.cost))
+    groups = greedy_groups(lens, lens, sizes, topo.world_size, cap, seq_time_fn(ctx.cost).column)
     if groups is None:
         return []
     # Shortest first in each group, as FlexSP's MILP assigns them (buckets in

@@ -156,19 +156,37 @@ def ulysses_sizes(world_size: int, kv_heads: int) -> list[int]:
     return sizes
 
 
-@lru_cache(maxsize=16)
-def seq_time_fn(cost: CostModel) -> Callable[[int, int], float]:
+class SeqTime:
     """``t(L, d)``: seconds of one sequence on an aligned Ulysses group of ``d`` ranks
-    (attention on ``heads/d``, all-to-alls, and ``1/d`` of the linear work).
-    One per cost model, its answers kept across batches: batches repeat
-    lengths, and computing ``t`` for every length and group size was half of
-    FlexSP's greedy in the per-batch decision."""
-    link = lru_cache(maxsize=None)(lambda d: cost.alltoall_link(range(d)))     # one per group size
+    (attention on ``heads/d``, all-to-alls, and ``1/d`` of the linear work) under
+    one cost model.  :meth:`column` answers for many lengths at once (FlexSP's
+    greedy asks it for every distinct length of a batch and every group size:
+    one Python call each was most of its time in the per-batch decision); a
+    single ``t(L, d)`` is that column's one element, its answers kept across
+    batches."""
 
-    @lru_cache(maxsize=1 << 17)
-    def t(length: int, d: int) -> float:
-        return cost.ulysses_cost([length], d, link(d), latency=False).total_s + cost.linear_s(length) / d
-    return t
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self._link = lru_cache(maxsize=None)(lambda d: cost.alltoall_link(range(d)))   # one per group size
+        self._one = lru_cache(maxsize=1 << 17)(self._scalar)
+
+    def column(self, lengths: np.ndarray, d: int) -> np.ndarray:
+        """``t(L, d)`` of every ``L`` in ``lengths`` (integers)."""
+        lens = np.asarray(lengths, dtype=np.int64)
+        linear = np.array([self.cost.linear_s(L) for L in lens.tolist()], dtype=np.float64)
+        return self.cost.ulysses_alone_s(lens, d, self._link(d)) + linear / d
+
+    def __call__(self, length: int, d: int) -> float:
+        return self._one(length, d)
+
+    def _scalar(self, length: int, d: int) -> float:
+        return float(self.column(np.array([length]), d)[0])
+
+
+@lru_cache(maxsize=16)
+def seq_time_fn(cost: CostModel) -> SeqTime:
+    """The :class:`SeqTime` of ``cost``, one per cost model (batches repeat lengths)."""
+    return SeqTime(cost)
 
 
 def _min_size(length: int, cap: int, sizes: Sequence[int]) -> int | None:
@@ -185,13 +203,14 @@ def _fits(length: int, shortest: int, d: int, cap: int) -> bool:
 
 
 def greedy_groups(lengths: Sequence[int], shortest: Sequence[int], sizes: Sequence[int], world: int,
-                  cap: int, t: Callable[[int, int], float], steps: int = 12) -> list[Group] | None:
+                  cap: int, t: Callable[[np.ndarray, int], np.ndarray], steps: int = 12) -> list[Group] | None:
     """Heterogeneous greedy: bisect the makespan limit of a first fit (longest
     first, each sequence into the first open group it fits, else a new group of
     the smallest size that runs it within the limit) between the slowest
     sequence's best time and the first limit that fits
     (:func:`~megatron_zeppelin.planner.greedy_fit.bisect_first_fit`).  The
-    MILP's start, and the plan when the MILP finds nothing."""
+    MILP's start, and the plan when the MILP finds nothing.  ``t(lengths, d)``
+    answers for an array of lengths at once (:meth:`SeqTime.column`)."""
     lens = np.asarray(lengths, dtype=np.int64)
     order = np.argsort(-lens, kind="stable")    # longest first, ties by index
     d = np.asarray(sizes, dtype=np.int64)
@@ -202,10 +221,10 @@ def greedy_groups(lengths: Sequence[int], shortest: Sequence[int], sizes: Sequen
     # (shortest <= length): batches repeat lengths.
     distinct, row = np.unique(by_len, return_inverse=True)
     table = np.zeros((len(distinct), len(d)))
-    for u, L in enumerate(distinct.tolist()):
-        for k, dk in enumerate(sizes):
-            if -(-L // dk) <= cap and (dk == 1 or L >= 2 * dk):
-                table[u, k] = t(L, dk)
+    for k, dk in enumerate(sizes):
+        may_fit = (-(-distinct // dk) <= cap) & ((dk == 1) | (distinct >= 2 * dk))
+        if may_fit.any():
+            table[may_fit, k] = t(distinct[may_fit], dk)
     n_groups, group_size, group_of = bisect_first_fit(fits, table[row], tokens, d, world, cap, steps)
     if n_groups < 0:
         return None
@@ -400,11 +419,11 @@ class FlexSpPlanner:
         buckets = bucket_lengths(sub, world * cap)
         # Start: the greedy on the MILP's own data (boundaries, bucket minima).
         padded = [(k, b.boundary, b.shortest) for k, b in enumerate(buckets) for _ in b.seqs]
-        hint = greedy_groups([p[1] for p in padded], [p[2] for p in padded], sizes, world, cap, t)
+        hint = greedy_groups([p[1] for p in padded], [p[2] for p in padded], sizes, world, cap, t.column)
         start = None if hint is None else [(d, dict(Counter(padded[i][0] for i in items)))
                                            for d, items in hint]
         groups = solve_milp(buckets, sizes, world, cap, t, ctx.time_limit_s, start)
-        greedy = greedy_groups(sub, sub, sizes, world, cap, t)
+        greedy = greedy_groups(sub, sub, sizes, world, cap, t.column)
         members = None if groups is None else _assign(groups, buckets, sub, t)
         if members is None:
             logger.debug("flexsp: no MILP solution in %.1f s; using the greedy grouping",

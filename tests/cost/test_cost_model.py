@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
@@ -135,3 +136,35 @@ def test_linear_s_memo_answers_as_computed_and_stays_bounded(monkeypatch):
     assert got == [memoized.linear_s(float(n)) for n in counts]     # floats are never memoized
     assert len(memoized.linear_memo) <= 4
     assert memoized.routed(False).linear_memo == {}                 # a copy starts empty
+
+
+def _ulysses_reference(cost: CostModel, lengths: list[int], d: int, link) -> tuple[float, float]:
+    """(compute, latency-free transfer) of ``ulysses_cost`` as Python floats, one
+    sequence at a time (the formula before it answered for arrays)."""
+    compute = sum(cost.attn_s(causal_pairs(0, L) / d, L) for L in lengths)
+    if d <= 1:
+        return compute, 0.0
+    sent = sum(cost.ulysses_bytes_per_rank(L, d) for L in lengths) * (d - 1) / d
+    return compute, 2 * cost.model.num_layers * sent / (link.bandwidth_GBps * 1e9)
+
+
+@pytest.mark.parametrize("cluster,model", [("h100-8x400g", "llama-7b"), ("a800-4x200g", "llama-moe-8x7b"),
+                                           ("h200-8x400g", "gpt-13b")])
+def test_ulysses_costs_for_arrays_equal_the_scalar_formula_bit_for_bit(cluster, model):
+    """``ulysses_alone_s`` (all lengths at once) and ``ulysses_cost`` (packed) equal
+    the one-sequence-at-a-time float formula exactly, on many lengths and sizes."""
+    c = CostModel(load_cluster(cluster, nodes=4), load_model(model))
+    rng = np.random.default_rng(0)
+    lengths = sorted({1, 2, 3, 767, 768, 769, 1 << 20, 1 << 24}
+                     | set(rng.integers(1, 600_000, 3000).tolist()))
+    for d in (1, 2, 3, 4, 6, 8, 16, 32):
+        link = c.alltoall_link(range(d))
+        alone = c.ulysses_alone_s(np.array(lengths), d, link).tolist()
+        for L, got in zip(lengths, alone):
+            compute, transfer = _ulysses_reference(c, [L], d, link)
+            assert got == compute + transfer == c.ulysses_cost([L], d, link, latency=False).total_s
+        packed = c.ulysses_cost(lengths[:200], d, link)
+        compute, transfer = _ulysses_reference(c, lengths[:200], d, link)
+        assert packed.compute_s == compute
+        assert c.ulysses_cost(lengths[:200], d, link, latency=False).transfer_s == transfer
+    assert c.ulysses_cost([], 4, c.cluster.nvlink, latency=False).total_s == 0

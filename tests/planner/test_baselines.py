@@ -14,16 +14,18 @@ import types
 from collections import deque
 from typing import Callable, List, Optional, Tuple
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.cost.tp import tp_view
 from megatron_zeppelin.errors import ConfigError, InfeasibleError
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Mode
 from megatron_zeppelin.planner.base import PlanContext, get_planner
-from megatron_zeppelin.planner.flexsp import (bucket_lengths, greedy_groups, seq_time_fn, solve_milp,
+from megatron_zeppelin.planner.flexsp import (SeqTime, bucket_lengths, greedy_groups, seq_time_fn, solve_milp,
                                               ulysses_sizes)
 from megatron_zeppelin.planner.hybrid_cp import gpus_needed, hybrid_cp_rounds
 from megatron_zeppelin.planner.te_cp import te_cp_size
@@ -353,7 +355,7 @@ def test_flexsp_milp_is_no_worse_than_its_greedy_start():
     lens = [14000, 9000, 5000, 3000, 2000, 1000, 900, 500, 400, 300, 200, 100]
     buckets = bucket_lengths(lens, 8 * cap, min_buckets=len(lens))    # one bucket per length
     sizes = ulysses_sizes(8, 32)
-    greedy = greedy_groups(lens, lens, sizes, 8, cap, t)
+    greedy = greedy_groups(lens, lens, sizes, 8, cap, t.column)
     milp = solve_milp(buckets, sizes, 8, cap, t, 5.0)
     assert greedy is not None and milp is not None
     assert sum(d for d, _ in milp) <= 8
@@ -363,11 +365,26 @@ def test_flexsp_milp_is_no_worse_than_its_greedy_start():
     assert span_milp <= span_greedy * 1.011    # optimal within the 1 % MIP gap
 
 
+def test_flexsp_seq_time_column_equals_one_sequence_at_a_time():
+    """FlexSP's ``t`` for a whole array of lengths equals, bit for bit, the
+    per-sequence formula (Ulysses alone on the group plus ``1/d`` of the linear
+    work), with and without tensor parallelism."""
+    lens = sorted({1, 2, 5, 4095, 4096, 4097} | set(random.Random(3).sample(range(1, 400_000), 2000)))
+    base = make_ctx(4, 8, 1 << 20).cost
+    for cost in (base, tp_view(base, 2)):
+        t = SeqTime(cost)
+        for d in (1, 2, 4, 8, 16):
+            link = cost.alltoall_link(range(d))
+            want = [cost.ulysses_cost([L], d, link, latency=False).total_s + cost.linear_s(L) / d for L in lens]
+            assert t.column(np.array(lens), d).tolist() == want
+            assert [t(L, d) for L in lens[:50]] == want[:50]
+
+
 def test_flexsp_greedy_bisects_to_the_tightest_first_fit():
     """40 equal sequences (past a pruning block) of 10 s each on 4 one-GPU groups:
     the limit doubles from 10 s to 160 s, then bisects down to 100 s, where the
     first fit makes 4 groups of 10 in index order (ties: lower index first)."""
-    groups = greedy_groups([10] * 40, [10] * 40, [1], 4, 1000, lambda L, d: float(L))
+    groups = greedy_groups([10] * 40, [10] * 40, [1], 4, 1000, lambda L, d: L * 1.0)
     assert groups == [(1, list(range(k, k + 10))) for k in range(0, 40, 10)]
     # Memory: the 100-token sequence needs 2 GPUs at a cap of 60 (50 s); the
     # other two then share 2 GPUs (30 + 25 s) rather than 60 s alone on one.
@@ -383,7 +400,7 @@ def test_flexsp_greedy_groups_hold_the_batch():
     ctx = make_ctx(2, 8, cap)
     t = seq_time_fn(ctx.cost)
     lens = [random.Random(i).randint(1, 4000) for i in range(200)]
-    groups = greedy_groups(lens, lens, ulysses_sizes(world, 32), world, cap, t)
+    groups = greedy_groups(lens, lens, ulysses_sizes(world, 32), world, cap, t.column)
     assert groups is not None
     assert sorted(i for _, m in groups for i in m) == list(range(len(lens)))
     assert sum(d for d, _ in groups) <= world
