@@ -7,6 +7,8 @@ offsets in the sequence's own coordinates.
 
 from __future__ import annotations
 
+import numpy as np
+
 Range = tuple[int, int]
 
 
@@ -31,6 +33,27 @@ def contiguous_shards(length: int, group_size: int) -> list[tuple[Range]]:
     the whole sequence per head, so placement does not affect balance)."""
     b = chunk_bounds(length, group_size)
     return [((b[i], b[i + 1]),) for i in range(group_size)]
+
+
+def chunk_sizes(lengths: int | np.ndarray, chunks: int) -> np.ndarray:
+    """Sizes of :func:`chunk_bounds`' chunks: one row per length of ``lengths``
+    (a single length: one row, 1-D), for planners that count tokens of many
+    sequences at once."""
+    bounds = np.arange(chunks + 1, dtype=np.int64) * np.asarray(lengths, dtype=np.int64)[..., None] // chunks
+    return np.diff(bounds, axis=-1)
+
+
+def zigzag_shard_tokens(lengths: int | np.ndarray, ring_size: int) -> np.ndarray:
+    """Tokens each rank of :func:`zigzag_shards` holds (rank ``i``: chunks ``i``
+    and ``2k-1-i``), per length as :func:`chunk_sizes`."""
+    k = ring_size
+    sizes = chunk_sizes(lengths, 2 * k)
+    return sizes[..., :k] + sizes[..., ::-1][..., :k]
+
+
+def contiguous_shard_tokens(lengths: int | np.ndarray, group_size: int) -> np.ndarray:
+    """Tokens each rank of :func:`contiguous_shards` holds, per length as :func:`chunk_sizes`."""
+    return chunk_sizes(lengths, group_size)
 
 
 def causal_pairs(start: int, end: int) -> int:

@@ -19,6 +19,7 @@ import numpy as np
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, SeqPlacement, placement
+from megatron_zeppelin.plan.shards import contiguous_shard_tokens, zigzag_shard_tokens
 from megatron_zeppelin.planner.packing_fit import place_in_order
 
 
@@ -139,25 +140,12 @@ def pack_in_rounds(seq_lens: Sequence[int], make_bins: Callable[[], Bins], share
     return rounds
 
 
-def _zigzag_tokens(lengths: np.ndarray, k: int) -> np.ndarray:
-    """Tokens per rank of :func:`~megatron_zeppelin.plan.shards.zigzag_shards`:
-    rank ``i`` holds chunks ``i`` and ``2k-1-i`` of
-    :func:`~megatron_zeppelin.plan.shards.chunk_bounds` (``j * L // 2k``)."""
-    chunks = np.diff(np.arange(2 * k + 1) * lengths[:, None] // (2 * k), axis=1)
-    return chunks[:, :k] + chunks[:, :k - 1:-1]
-
-
-def _contiguous_tokens(lengths: np.ndarray, k: int) -> np.ndarray:
-    """Tokens per rank of :func:`~megatron_zeppelin.plan.shards.contiguous_shards`."""
-    return np.diff(np.arange(k + 1) * lengths[:, None] // k, axis=1)
-
-
 #: The whole sequence on the bin's least-loaded rank (ties: first rank).
 one_rank = Shares(None)
 #: Zigzag shares over the whole bin (a CP ring), else one rank.
-zigzag_or_one_rank = Shares(_zigzag_tokens)
+zigzag_or_one_rank = Shares(zigzag_shard_tokens)
 #: Contiguous Ulysses shares over the whole bin, else one rank.
-contiguous_or_one_rank = Shares(_contiguous_tokens)
+contiguous_or_one_rank = Shares(contiguous_shard_tokens)
 
 
 def placements(bins: Bins, seq_lens: Sequence[int], mode: Mode,

@@ -41,7 +41,8 @@ import numpy as np
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
 from megatron_zeppelin.cost.step_sync import forward_backward_split, grad_sync_s, optimizer_s, step_sync
-from megatron_zeppelin.plan import Mode, Plan, SeqPlacement
+from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.plan.shards import chunk_sizes
 from megatron_zeppelin.planner.plan_arrays import PlanArrays, layout_arrays, plan_arrays
 from megatron_zeppelin.planner.surrogate_ulysses import UlyssesGroups
 from megatron_zeppelin.schedule.routing import min_routed_bytes
@@ -228,7 +229,7 @@ class StepSurrogate:
         share = self.attn_share[backward]
         n = len(L)
         # Zigzag chunk rows: position i holds chunks i and 2k-1-i.
-        sizes = np.diff((np.arange(2 * k + 1)[None, :] * L[:, None]) // (2 * k), axis=1)
+        sizes = chunk_sizes(L, 2 * k)
         a, b = sizes[:, :k].astype(np.float64), sizes[:, ::-1][:, :k].astype(np.float64)
         # Step t's kernel on position p: the K/V of owner p - t, whose chunks all
         # come before p's (p >= t) or after p's first chunk (p < t, owner p - t + k).

@@ -24,7 +24,7 @@ from typing import Sequence
 from megatron_zeppelin.plan import Mode, Plan, placement
 from megatron_zeppelin.plan.shards import contiguous_shards
 from megatron_zeppelin.planner.base import same_layout_linear
-from megatron_zeppelin.planner.zeppelin import zigzag_shard_tokens
+from megatron_zeppelin.plan.shards import zigzag_shard_tokens
 
 
 class Undecided(Exception):

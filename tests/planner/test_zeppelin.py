@@ -17,7 +17,8 @@ from megatron_zeppelin.planner.base import PlanContext, get_planner, same_layout
 from megatron_zeppelin.planner.zeppelin import planner as zeppelin, search
 from megatron_zeppelin.planner.surrogate import StepSurrogate, surrogate_clock
 from megatron_zeppelin.planner.zeppelin_decide import DecidingZeppelinPlanner
-from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner, min_ring_size, zigzag_shard_tokens
+from megatron_zeppelin.plan.shards import zigzag_shard_tokens
+from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner, min_ring_size
 from megatron_zeppelin.sim.timeline import step_shape, step_timeline
 from megatron_zeppelin.topology import Topology, load_cluster
 from tests.planner.placement_oracle import as_plan, find_placement

@@ -21,7 +21,7 @@ pass.  docs/planner.md explains the choices.
 """
 from __future__ import annotations
 
-from megatron_zeppelin.planner.zeppelin.loads import min_ring_size, zigzag_shard_tokens
+from megatron_zeppelin.planner.zeppelin.loads import min_ring_size
 from megatron_zeppelin.planner.zeppelin.planner import ZeppelinPlanner, check_feasible
 
-__all__ = ["ZeppelinPlanner", "check_feasible", "min_ring_size", "zigzag_shard_tokens"]
+__all__ = ["ZeppelinPlanner", "check_feasible", "min_ring_size"]

@@ -28,7 +28,8 @@ import math
 
 import numpy as np
 
-from megatron_zeppelin.planner.zeppelin.loads import _Assign, min_ring_size, zigzag_shard_tokens
+from megatron_zeppelin.plan.shards import zigzag_shard_tokens
+from megatron_zeppelin.planner.zeppelin.loads import _Assign, min_ring_size
 
 #: Placements tried by one search before it gives up (each is O(world size):
 #: about 60 us at 32 ranks, so a batch without a placement costs well under a

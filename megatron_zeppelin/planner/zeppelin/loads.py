@@ -7,13 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_zeppelin.cost import CostModel
-
-def zigzag_shard_tokens(length: int, ring_size: int) -> np.ndarray:
-    """Tokens each rank of a zigzag ring holds (rank ``i``: chunks ``i`` and
-    ``2k-1-i``), the boundaries of :func:`megatron_zeppelin.plan.zigzag_shards`."""
-    k = ring_size
-    sizes = np.diff((np.arange(2 * k + 1, dtype=np.int64) * length) // (2 * k))
-    return sizes[:k] + sizes[::-1][:k]
+from megatron_zeppelin.plan.shards import zigzag_shard_tokens
 
 
 def min_ring_size(length: int, token_cap: int) -> int:

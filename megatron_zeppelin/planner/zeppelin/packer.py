@@ -8,7 +8,8 @@ import numpy as np
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.planner.zeppelin.loads import _Assign, _Loads, _TierTimes, min_ring_size, zigzag_shard_tokens
+from megatron_zeppelin.plan.shards import zigzag_shard_tokens
+from megatron_zeppelin.planner.zeppelin.loads import _Assign, _Loads, _TierTimes, min_ring_size
 from megatron_zeppelin.planner.zeppelin.search import _first_fit, _lower, _Ranked
 from megatron_zeppelin.planner.zeppelin.settings import _Pass
 
