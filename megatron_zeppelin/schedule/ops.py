@@ -9,17 +9,23 @@ its buffer posted in advance.
 Ops are stored in one global order that is a topological order of the
 dependencies.  Two rules run it, in the engine and in the simulator alike:
 
-* a communication lane posts its sends strictly in that order, each once its
-  data is there (receives are posted ahead);
+* a rank's transfers travel on one communication lane per link class
+  (:func:`lane_of`: inside a node, or through a NIC); a lane posts them a
+  *wave* at a time (:meth:`Schedule.waves`), all of the rank's transfers of a
+  wave on that lane (sends and receives) in one batch, once every send of the
+  batch has its data; the batch is done when all its transfers are, and only
+  then do its received bytes count as landed and does the lane post its next
+  batch (NCCL runs a batch as one grouped kernel on the lane's stream);
 * a compute lane, whenever it is free, runs the *first op in its order whose
   dependencies are done* -- so local sequences, which depend on nothing inside
   a layer, fill every gap in which ring or Ulysses work waits for a transfer.
 
-That makes any schedule deadlock-free on any transport: the first unfinished op
-of the global order has all its dependencies done, heads every send lane it is
-on and is ready on its compute lane, so it always runs -- also on NCCL, where a
-pair's transfers must be posted in the same order on both ends, and a stream
-runs its kernels in posting order.
+That makes any schedule deadlock-free on any transport: every rank sees the
+same waves, and a transfer of wave ``w`` depends only on transfers of earlier
+waves; so once every batch of the waves before ``w`` is done, every rank can
+post its batches of wave ``w`` (their data is there, or computed from what is),
+and they complete -- also on NCCL, where a pair's transfers must be posted in
+the same order on both ends, and a stream runs its kernels in posting order.
 """
 
 from __future__ import annotations
@@ -129,7 +135,7 @@ class Schedule:
         self._columns: dict[str, list] = {}
         self._dep_arrays: tuple[np.ndarray, np.ndarray] | None = None
         self._lanes: dict[int, RankOps] = {}
-        self._waves: tuple[int, ...] = ()
+        self._waves: list[int] = []
         self._batches: dict[int, dict[str, list[list[Op]]]] = {}
         _validate(self)
 
@@ -189,18 +195,29 @@ class Schedule:
                 self._lanes[r] = RankOps(tuple(compute[r]), tuple(comm[r]))
         return self._lanes[rank]
 
-    def wave(self, op_id: int) -> int:
-        """The transfer wave of a comm op: 0 when no transfer precedes it, else one
-        more than the latest transfer it depends on (through compute ops too).
-        Transfers of one wave never depend on each other, so a lane posts each
-        wave as one batch, and every rank sees the same waves."""
+    def waves(self) -> list[int]:
+        """Every op's transfer wave, in op order (computed once, from the columns):
+        a transfer's is 0 when no transfer precedes it, else one more than the
+        latest transfer it depends on (through compute ops too); a compute op's
+        is that of the latest transfer it depends on (-1: none).  Transfers of
+        one wave never depend on each other, so a lane posts each wave as one
+        batch, and every rank sees the same waves."""
         if not self._waves:
             level: list[int] = []
-            for op in self.ops:
-                before = max((level[d] for d in op.deps), default=-1)
-                level.append(before + 1 if op.kind == COMM else before)
-            self._waves = tuple(level)
-        return self._waves[op_id]
+            for deps, kind in zip(self._deps, self.column("kind")):
+                if not deps:
+                    before = -1
+                elif len(deps) == 1:
+                    before = level[deps[0]]
+                else:
+                    before = max(map(level.__getitem__, deps))
+                level.append(before + 1 if kind == COMM else before)
+            self._waves = level
+        return self._waves
+
+    def wave(self, op_id: int) -> int:
+        """The transfer wave of op ``op_id`` (:meth:`waves`)."""
+        return self.waves()[op_id]
 
     def wave_batches(self, rank: int) -> dict[str, list[list[Op]]]:
         """``rank``'s transfers by lane (:func:`lane_of`), each lane's as its waves in
