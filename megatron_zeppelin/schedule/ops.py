@@ -196,12 +196,15 @@ class Schedule:
         return self._lanes[rank]
 
     def waves(self) -> list[int]:
-        """Every op's transfer wave, in op order (computed once, from the columns):
-        a transfer's is 0 when no transfer precedes it, else one more than the
-        latest transfer it depends on (through compute ops too); a compute op's
-        is that of the latest transfer it depends on (-1: none).  Transfers of
-        one wave never depend on each other, so a lane posts each wave as one
-        batch, and every rank sees the same waves."""
+        """Every op's wave, in op order (computed once, from the columns): a
+        transfer's is one more than the latest wave it depends on (0: none), a
+        compute op's two more (1: none).  Transfers of one wave never depend on
+        each other, so a lane posts each wave as one batch, and every rank sees
+        the same waves.  A compute op counts two so that a transfer waiting for
+        one goes a wave after the transfers that leave beside that compute: in a
+        backward ring the next K/V is posted before the dK/dV that waits for
+        the step's kernel, not in its batch (where it would wait for the kernel
+        too, and the ring would lose its overlap)."""
         if not self._waves:
             level: list[int] = []
             for deps, kind in zip(self._deps, self.column("kind")):
@@ -211,7 +214,7 @@ class Schedule:
                     before = level[deps[0]]
                 else:
                     before = max(map(level.__getitem__, deps))
-                level.append(before + 1 if kind == COMM else before)
+                level.append(before + 1 if kind == COMM else before + 2)
             self._waves = level
         return self._waves
 

@@ -41,9 +41,11 @@ def _timed(build):
 
 
 def test_a_batch_is_posted_once_all_its_sends_have_their_data():
-    """Two sends of one wave on one lane: the ready one waits for the other's compute."""
-    t = _timed(lambda add: (add("work", rank=0, pairs=1 << 26),
-                            add("ready", rank=0, peer=1, mib=1),
+    """Two sends of one wave on one lane: the one whose kernel is short waits for the
+    other's long kernel."""
+    t = _timed(lambda add: (add("quick", rank=0, pairs=1),
+                            add("work", rank=0, pairs=1 << 26),
+                            add("ready", ["quick"], rank=0, peer=1, mib=1),
                             add("late", ["work"], rank=0, peer=1, mib=1)))
     assert t["ready"].start_s == t["work"].end_s > 0
     assert t["late"].start_s == t["ready"].end_s           # one NVLink port: one after the other
