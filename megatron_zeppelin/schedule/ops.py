@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import MISSING, dataclass, replace
 from itertools import chain
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -119,9 +119,13 @@ class Schedule:
     64-GPU step has 10^4-10^5 ops, most of which it would never look at."""
 
     def __init__(self, world_size: int, ops: Sequence[Op] = (), messages: dict[int, tuple] | None = None, *,
-                 rows: tuple[list[dict[str, Any]], list[tuple[int, ...]]] | None = None) -> None:
+                 rows: tuple[list[dict[str, Any]], list[tuple[int, ...]]] | None = None,
+                 calls: Sequence[int] | None = None) -> None:
         self.world_size = world_size
         """Ranks the schedule spans."""
+        self.calls: list[int] | None = None if calls is None else list(calls)
+        """A whole step's schedule: each op's engine call (segment), in op order;
+        None: the schedule is one call."""
         self.messages: dict[int, tuple] = {} if messages is None else messages
         """Message id -> what the engine binds it to (e.g. ``("kv", job, step, src_pos)``);
         a transfer op's ``key`` starts with its message id."""
@@ -218,6 +222,26 @@ class Schedule:
             self._waves = level
         return self._waves
 
+    def calls_apart(self) -> list[tuple["Schedule", list[int]]]:
+        """A whole step's schedule (:attr:`calls` set) as one schedule per engine
+        call, in call order, each with the ids its ops have here.  Dependencies
+        on earlier calls are dropped: they say that both ends of a transfer have
+        finished their previous call, which is how the engine enters a call."""
+        ids_of: dict[int, list[int]] = {}
+        for i, call in enumerate(self.calls or [0] * len(self)):
+            ids_of.setdefault(call, []).append(i)
+        out = []
+        for call in sorted(ids_of):
+            ids = ids_of[call]
+            new_id = {old: j for j, old in enumerate(ids)}
+            deps = [tuple(new_id[d] for d in self._deps[i] if d in new_id) for i in ids]
+            if self._fields is not None:
+                fields = [self._fields[i] for i in ids]
+            else:
+                fields = [{f: getattr(self._ops[i], f) for f in _ROW_FIELDS} for i in ids]
+            out.append((Schedule(self.world_size, messages=self.messages, rows=(fields, deps)), ids))
+        return out
+
     def wave(self, op_id: int) -> int:
         """The transfer wave of op ``op_id`` (:meth:`waves`)."""
         return self.waves()[op_id]
@@ -240,6 +264,8 @@ class Schedule:
 
 
 _OP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Op) if f.default is not MISSING}
+#: An op's fields besides its id and dependencies (a builder's row).
+_ROW_FIELDS = tuple(f.name for f in dataclasses.fields(Op) if f.name not in ("id", "deps"))
 
 
 def _validate(schedule: Schedule) -> None:
@@ -309,7 +335,9 @@ class ScheduleBuilder:
         """Handles in built order: by sort key, ties in insertion order (a stable sort)."""
         return sorted(range(len(self.orders)), key=self.orders.__getitem__)
 
-    def build(self) -> Schedule:
+    def build(self, call: Callable[[tuple], int] | None = None) -> Schedule:
+        """The schedule; ``call``, for a whole step's ops: an op's engine call
+        from its sort key (:attr:`Schedule.calls`)."""
         index = self.sorted_handles()
         new_id = [0] * len(index)
         for i, h in enumerate(index):
@@ -321,5 +349,6 @@ class ScheduleBuilder:
                 deps.append((new_id[ds[0]],))
             else:
                 deps.append(tuple(sorted({new_id[d] for d in ds})))
+        calls = None if call is None else [call(self.orders[h]) for h in index]
         return Schedule(self.world_size, messages=dict(self.messages),
-                        rows=([self._fields[h] for h in index], deps))
+                        rows=([self._fields[h] for h in index], deps), calls=calls)

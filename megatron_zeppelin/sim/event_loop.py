@@ -302,7 +302,7 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
             t, c, n_events = _pop(heap_t, heap_c, n_events)
         kind, k, what = ev_kind[c], ev_inst[c], ev_what[c]
         start_rank = -1                  # a rank whose compute lane may start its next op
-        at = other = -1                  # LANDED: the end whose dependants it releases, the other end
+        at = -1                          # LANDED: the end whose dependants it releases
         cands, lo, hi = users_idx, 0, 0  # ops of instance ``k`` that may have become ready
         if kind == ENTER:
             r = what
@@ -382,7 +382,6 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
             sb = seg_base[chain_seg[k]]
             op, side = what >> 1, what & 1
             at = op_peer[sb + op] if side else op_rank[sb + op]
-            other = op_rank[sb + op] if side else op_peer[sb + op]
             lo, hi = users_ptr[sb + op], users_ptr[sb + op + 1]
         else:                                    # DONE: its dependants may be ready
             sb = seg_base[chain_seg[k]]
@@ -392,12 +391,8 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
             for x in range(lo, hi):
                 op = cands[x]
                 g = b + op
-                # A dependant waits for the end it runs on; a transfer, for its
-                # sender's end, or its receiver's (a step schedule's entry into
-                # the receiver's next call) when the sender is not an end.
-                if kind == LANDED and op_rank[sb + op] != at and not (
-                        op_comm[sb + op] and op_peer[sb + op] == at and op_rank[sb + op] != other):
-                    continue
+                if kind == LANDED and op_rank[sb + op] != at:
+                    continue                     # a dependant waits for the end it runs on
                 if kind != ENTER:
                     waiting[g] -= 1
                 if released[g] or waiting[g] != 0 or entered[k, op_rank[sb + op]] < 0:

@@ -254,8 +254,18 @@ def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool =
 
 
 def replay_schedule(schedule: Schedule, cost: CostModel) -> ChainReplay:
-    """Replay one schedule (every op's timing recorded)."""
-    return replay_chain([CompiledSegment(schedule, cost)], schedule.world_size, record=True)
+    """Replay one schedule (every op's timing recorded, by its id in ``schedule``).
+    A whole step's schedule (``Schedule.calls``) replays as the chain of its
+    engine calls, as the engine runs them: each call's waves on their own."""
+    if schedule.calls is None:
+        return replay_chain([CompiledSegment(schedule, cost)], schedule.world_size, record=True)
+    calls = schedule.calls_apart()
+    chain = replay_chain([CompiledSegment(part, cost) for part, _ in calls], schedule.world_size, record=True)
+    timings: list[OpTiming] = [OpTiming(0.0, 0.0)] * len(schedule)
+    for (_, ids), timed in zip(calls, chain.timings):
+        for i, t in zip(ids, timed):
+            timings[i] = t
+    return ChainReplay(chain.finish_s, chain.busy_s, chain.inside_s, [timings])
 
 
 @dataclass

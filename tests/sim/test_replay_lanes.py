@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.schedule.ops import COMM, COMPUTE, ScheduleBuilder
@@ -79,3 +81,31 @@ def test_a_lane_posts_its_next_batch_after_the_previous_is_done():
                             add("first", rank=3, peer=2, mib=1),
                             add("second", ["first"], rank=2, peer=1, mib=1)))
     assert t["first"].end_s < t["long"].end_s == t["second"].start_s
+
+
+def test_a_whole_step_schedule_replays_as_the_chain_of_its_engine_calls():
+    """A step's schedule in one piece (what traces hold) replays call by call, each
+    call's waves on their own as the engine posts them: the same finish as the
+    chain of segments ``sim --plan`` replays.  (As one schedule its waves would
+    run on across calls and a later call's transfers wait for the receiver's
+    previous call: it would not even finish.)  The 8-GPU golden Zeppelin plan:
+    rings, Ulysses groups, local work and remap, 2 layers."""
+    import json
+    from pathlib import Path
+
+    from megatron_zeppelin.plan import Plan
+    from megatron_zeppelin.schedule.step import StepShape, remap_messages, step_schedule
+    from megatron_zeppelin.sim.replay import replay_step
+    from megatron_zeppelin.sim.timeline import step_parts, step_shape, transport_of
+
+    golden = Path(__file__).parent / "golden"
+    case = json.loads((golden / "replay_steps.json").read_text())["cases"][0]
+    cost = CostModel(load_cluster(golden / "clusters" / f"{case['cluster']}.yaml", nodes=case["nodes"]),
+                     load_model(case["model"]), routing=case["routing"])
+    plan = Plan.from_dict(case["plan"])
+    layers, remap = 2, bool(remap_messages(plan))
+    shape = StepShape(layers, step_shape(cost, remap).attn, cost.model.hidden_size, remap=remap)
+    whole = step_schedule(plan, shape, transport_of(cost)).schedule
+    assert remap and len(set(whole.calls)) == 2 * layers * 4
+    chain = replay_step(step_parts(plan, cost), layers, cost, plan.world_size, exact=True)
+    assert replay_schedule(whole, cost).finish_s == pytest.approx(chain.finish_s, rel=1e-12)
