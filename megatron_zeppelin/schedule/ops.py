@@ -9,17 +9,23 @@ its buffer posted in advance.
 Ops are stored in one global order that is a topological order of the
 dependencies.  Two rules run it, in the engine and in the simulator alike:
 
-* a communication lane posts its sends strictly in that order, each once its
-  data is there (receives are posted ahead);
+* a rank's transfers travel on one communication lane per link class
+  (:func:`lane_of`: inside a node, or through a NIC); a lane posts them a
+  *wave* at a time (:meth:`Schedule.waves`), all of the rank's transfers of a
+  wave on that lane (sends and receives) in one batch, once every send of the
+  batch has its data; the batch is done when all its transfers are, and only
+  then do its received bytes count as landed and does the lane post its next
+  batch (NCCL runs a batch as one grouped kernel on the lane's stream);
 * a compute lane, whenever it is free, runs the *first op in its order whose
   dependencies are done* -- so local sequences, which depend on nothing inside
   a layer, fill every gap in which ring or Ulysses work waits for a transfer.
 
-That makes any schedule deadlock-free on any transport: the first unfinished op
-of the global order has all its dependencies done, heads every send lane it is
-on and is ready on its compute lane, so it always runs -- also on NCCL, where a
-pair's transfers must be posted in the same order on both ends, and a stream
-runs its kernels in posting order.
+That makes any schedule deadlock-free on any transport: every rank sees the
+same waves, and a transfer of wave ``w`` depends only on transfers of earlier
+waves; so once every batch of the waves before ``w`` is done, every rank can
+post its batches of wave ``w`` (their data is there, or computed from what is),
+and they complete -- also on NCCL, where a pair's transfers must be posted in
+the same order on both ends, and a stream runs its kernels in posting order.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import MISSING, dataclass, replace
 from itertools import chain
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -113,9 +119,13 @@ class Schedule:
     64-GPU step has 10^4-10^5 ops, most of which it would never look at."""
 
     def __init__(self, world_size: int, ops: Sequence[Op] = (), messages: dict[int, tuple] | None = None, *,
-                 rows: tuple[list[dict[str, Any]], list[tuple[int, ...]]] | None = None) -> None:
+                 rows: tuple[list[dict[str, Any]], list[tuple[int, ...]]] | None = None,
+                 calls: Sequence[int] | None = None) -> None:
         self.world_size = world_size
         """Ranks the schedule spans."""
+        self.calls: list[int] | None = None if calls is None else list(calls)
+        """A whole step's schedule: each op's engine call (segment), in op order;
+        None: the schedule is one call."""
         self.messages: dict[int, tuple] = {} if messages is None else messages
         """Message id -> what the engine binds it to (e.g. ``("kv", job, step, src_pos)``);
         a transfer op's ``key`` starts with its message id."""
@@ -129,7 +139,7 @@ class Schedule:
         self._columns: dict[str, list] = {}
         self._dep_arrays: tuple[np.ndarray, np.ndarray] | None = None
         self._lanes: dict[int, RankOps] = {}
-        self._waves: tuple[int, ...] = ()
+        self._waves: list[int] = []
         self._batches: dict[int, dict[str, list[list[Op]]]] = {}
         _validate(self)
 
@@ -189,18 +199,52 @@ class Schedule:
                 self._lanes[r] = RankOps(tuple(compute[r]), tuple(comm[r]))
         return self._lanes[rank]
 
-    def wave(self, op_id: int) -> int:
-        """The transfer wave of a comm op: 0 when no transfer precedes it, else one
-        more than the latest transfer it depends on (through compute ops too).
-        Transfers of one wave never depend on each other, so a lane posts each
-        wave as one batch, and every rank sees the same waves."""
+    def waves(self) -> list[int]:
+        """Every op's wave, in op order (computed once, from the columns): a
+        transfer's is one more than the latest wave it depends on (0: none), a
+        compute op's two more (1: none).  Transfers of one wave never depend on
+        each other, so a lane posts each wave as one batch, and every rank sees
+        the same waves.  A compute op counts two so that a transfer waiting for
+        one goes a wave after the transfers that leave beside that compute: in a
+        backward ring the next K/V is posted before the dK/dV that waits for
+        the step's kernel, not in its batch (where it would wait for the kernel
+        too, and the ring would lose its overlap)."""
         if not self._waves:
             level: list[int] = []
-            for op in self.ops:
-                before = max((level[d] for d in op.deps), default=-1)
-                level.append(before + 1 if op.kind == COMM else before)
-            self._waves = tuple(level)
-        return self._waves[op_id]
+            for deps, kind in zip(self._deps, self.column("kind")):
+                if not deps:
+                    before = -1
+                elif len(deps) == 1:
+                    before = level[deps[0]]
+                else:
+                    before = max(map(level.__getitem__, deps))
+                level.append(before + 1 if kind == COMM else before + 2)
+            self._waves = level
+        return self._waves
+
+    def calls_apart(self) -> list[tuple["Schedule", list[int]]]:
+        """A whole step's schedule (:attr:`calls` set) as one schedule per engine
+        call, in call order, each with the ids its ops have here.  Dependencies
+        on earlier calls are dropped: they say that both ends of a transfer have
+        finished their previous call, which is how the engine enters a call."""
+        ids_of: dict[int, list[int]] = {}
+        for i, call in enumerate(self.calls or [0] * len(self)):
+            ids_of.setdefault(call, []).append(i)
+        out = []
+        for call in sorted(ids_of):
+            ids = ids_of[call]
+            new_id = {old: j for j, old in enumerate(ids)}
+            deps = [tuple(new_id[d] for d in self._deps[i] if d in new_id) for i in ids]
+            if self._fields is not None:
+                fields = [self._fields[i] for i in ids]
+            else:
+                fields = [{f: getattr(self._ops[i], f) for f in _ROW_FIELDS} for i in ids]
+            out.append((Schedule(self.world_size, messages=self.messages, rows=(fields, deps)), ids))
+        return out
+
+    def wave(self, op_id: int) -> int:
+        """The transfer wave of op ``op_id`` (:meth:`waves`)."""
+        return self.waves()[op_id]
 
     def wave_batches(self, rank: int) -> dict[str, list[list[Op]]]:
         """``rank``'s transfers by lane (:func:`lane_of`), each lane's as its waves in
@@ -220,6 +264,8 @@ class Schedule:
 
 
 _OP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Op) if f.default is not MISSING}
+#: An op's fields besides its id and dependencies (a builder's row).
+_ROW_FIELDS = tuple(f.name for f in dataclasses.fields(Op) if f.name not in ("id", "deps"))
 
 
 def _validate(schedule: Schedule) -> None:
@@ -289,7 +335,9 @@ class ScheduleBuilder:
         """Handles in built order: by sort key, ties in insertion order (a stable sort)."""
         return sorted(range(len(self.orders)), key=self.orders.__getitem__)
 
-    def build(self) -> Schedule:
+    def build(self, call: Callable[[tuple], int] | None = None) -> Schedule:
+        """The schedule; ``call``, for a whole step's ops: an op's engine call
+        from its sort key (:attr:`Schedule.calls`)."""
         index = self.sorted_handles()
         new_id = [0] * len(index)
         for i, h in enumerate(index):
@@ -301,5 +349,6 @@ class ScheduleBuilder:
                 deps.append((new_id[ds[0]],))
             else:
                 deps.append(tuple(sorted({new_id[d] for d in ds})))
+        calls = None if call is None else [call(self.orders[h]) for h in index]
         return Schedule(self.world_size, messages=dict(self.messages),
-                        rows=([self._fields[h] for h in index], deps))
+                        rows=([self._fields[h] for h in index], deps), calls=calls)

@@ -104,14 +104,8 @@ def step_schedule(plan: Plan, shape: StepShape, transport: Transport) -> StepSch
                 # gradient goes linear -> attention, like the forward to_attn.
                 entry = add_switch(b, prefix, messages, transport, row_numel, isz, backward, entry,
                                    reverse=(part == "to_attn") != backward)
-    schedule = b.build()
+    schedule = b.build(call=lambda key: key[1])         # the segment number of its prefix
     offsets: dict[tuple, int] = {}
-    seg_of = _segment_index(b)
-    for op_id, seg in enumerate(seg_of):
+    for op_id, seg in enumerate(schedule.calls):
         offsets.setdefault(order[seg], op_id)
     return StepSchedule(schedule, offsets)
-
-
-def _segment_index(b: ScheduleBuilder) -> list[int]:
-    """Segment number of every op in built order (the second element of its prefix)."""
-    return [b.orders[h][1] for h in b.sorted_handles()]

@@ -7,8 +7,10 @@ on its rank's ``compute`` lane; a transfer is one event on the sender's ``send``
 lane and one on the receiver's ``recv`` lane, both spanning post to landing.
 ``args`` carry the op: ``op`` (id), ``kind``, ``tier``, ``bytes``, ``deps`` and
 whatever else the replay needs to re-time it (pairs, block, tokens, lengths,
-nic, peer, backward).  :func:`read_trace` turns a file back into the schedule
-it was cut from; it refuses, with one line, anything it cannot replay.
+nic, peer, backward, and ``call``: the engine call of a step's op, whose
+transfer waves the replay takes; traces without it replay as one call).
+:func:`read_trace` turns a file back into the schedule it was cut from; it
+refuses, with one line, anything it cannot replay.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def trace_events(schedule: Schedule, times_us: Mapping[int, tuple[float, float]]
         start, end = times_us[op.id]
         args: dict[str, Any] = {"op": op.id, "kind": op.kind, "tier": op.tier, "bytes": op.nbytes,
                                 "deps": list(op.deps), "backward": op.backward}
+        if schedule.calls is not None:
+            args["call"] = schedule.calls[op.id]
         if op.kind == COMM:
             args.update(src=op.rank, peer=op.peer, nic=op.nic)
             lanes = [(op.rank, "send"), (op.peer, "recv")]
@@ -111,8 +115,10 @@ def read_trace(path: str | Path) -> tuple[Schedule, dict[str, Any], dict[int, tu
         if fields[oid]["kind"] == COMM and sides[oid] != {"send", "recv"}:
             what = "a receive with no send" if "send" not in sides[oid] else "a send with no receive"
             raise ConfigError(f"trace {name!r}: op {oid} ({fields[oid]['name']}) is {what}")
+    calls = [fields[oid].pop("call") for oid in ids]
     try:
-        schedule = Schedule(world, tuple(Op(**fields[oid]) for oid in ids))
+        schedule = Schedule(world, tuple(Op(**fields[oid]) for oid in ids),
+                            calls=None if None in calls else calls)
     except ScheduleError as exc:
         raise ConfigError(f"trace {name!r}: {exc}") from None
     return schedule, meta, times
@@ -124,7 +130,8 @@ def _op_fields(ev: Mapping[str, Any]) -> dict[str, Any]:
     if kind not in (COMPUTE, COMM) or tier not in TIERS:
         raise ValueError(f"kind {kind!r} / tier {tier!r}")
     out = {"id": int(a["op"]), "kind": kind, "tier": tier, "name": str(ev["name"]),
-           "deps": tuple(int(d) for d in a["deps"]), "nbytes": int(a["bytes"]), "backward": bool(a["backward"])}
+           "deps": tuple(int(d) for d in a["deps"]), "nbytes": int(a["bytes"]), "backward": bool(a["backward"]),
+           "call": None if a.get("call") is None else int(a["call"])}
     if kind == COMM:
         out.update(rank=int(a["src"]), peer=int(a["peer"]), nic=None if a.get("nic") is None else int(a["nic"]))
     else:

@@ -11,9 +11,10 @@ in the order they name it, so a replay is a pure function of its inputs, bit
 for bit.
 
 Events are ordered by (time, push order), a total order, so any correct
-queue pops them in the same sequence.  Only an op's end lies ahead of the
-event that schedules it; an op becoming ready and a rank entering a segment
-happen at the instant that causes them.  So ends go to a heap, and the others
+queue pops them in the same sequence.  Only an op's end (a compute op's, a
+transfer's) lies ahead of the event that schedules it; an op becoming ready, a
+batch being posted, a transfer landing with the rest of its batch and a rank
+entering a segment happen at the instant that causes them.  So ends go to a heap, and the others
 to a FIFO of the current instant, which holds the latest orders at that time:
 the next event is the first of the two by (time, order).  An op that ends frees
 its rank's compute lane at the same instant, right after its dependants are
@@ -28,7 +29,7 @@ from numba import njit
 
 from megatron_zeppelin.pair_heap import pop as _pop, push as _push
 
-READY, DONE, ENTER = 0, 1, 2
+READY, DONE, ENTER, POST, MOVED, LANDED = 0, 1, 2, 3, 4, 5
 
 
 @njit(cache=True)
@@ -127,17 +128,43 @@ def _book(starts, ends, head, count, a, b, t, dur):
 
 
 @njit(cache=True)
+def _soon(now, tail, ev_kind, ev_inst, ev_what, counter, kind, k, what):
+    """Queue event (``kind``, instance ``k``, ``what``) at the current instant;
+    returns the FIFO's new tail and the event counter."""
+    counter += 1
+    ev_kind[counter], ev_inst[counter], ev_what[counter] = kind, k, what
+    now[tail] = counter
+    return tail + 1, counter
+
+
+@njit(cache=True)
+def _one_done(remaining, left, k, r, t, now, tail, ev_kind, ev_inst, ev_what, counter):
+    """One more op of rank ``r`` in instance ``k`` is done; the last one lets the
+    rank enter the next instance now.  Returns the FIFO's tail and the counter."""
+    remaining[k, r] -= 1
+    if remaining[k, r] == 0:
+        left[k, r] = t
+        return _soon(now, tail, ev_kind, ev_inst, ev_what, counter, ENTER, k + 1, r)
+    return tail, counter
+
+
+@njit(cache=True)
 def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps,
-              users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, sends_ptr, sends_idx,
-              onr_ptr, onr_idx, n_tiers, n_ports):
+              users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx,
+              op_lane, op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports):
     """Replay the chain ``chain_seg`` (segment ids) from time 0.
 
     Static data, per distinct segment ``s`` (op ``i`` of it at ``seg_base[s] + i``):
     ``op_*`` per op, ``users_*`` the ops depending on each op (CSR, segment-local
     ids), ``port_out``/``port_in`` a transfer's ports, ``lane_pos`` a compute
-    op's place in its lane; per ``s * world + r``: ``sends_*`` rank ``r``'s send
-    lane and ``onr_*`` every op on its lanes, its compute lane first (CSR,
-    segment-local ids).
+    op's place in its lane; per ``s * world + r``: ``onr_*`` every op on rank
+    ``r``'s lanes, its compute lane first (CSR, segment-local ids).  Batches
+    (ids global over the distinct segments, segment ``s``'s from ``bat_base[s]``):
+    ``op_lane`` a transfer's lane, ``op_bsend``/``op_brecv`` its batch at its
+    sender and at its receiver, ``bat_*`` each batch's transfers (CSR,
+    segment-local op ids) and how many of them its rank sends, and per
+    ``(s * world + r) * 2 + lane`` the rank's batches on that lane in order
+    (``rl_ptr``, a range of batch ids).
 
     Returns (finish per rank, busy seconds [rank, tier], first-use order of
     each busy entry, entered [instance, rank], left [instance, rank],
@@ -145,11 +172,13 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
     unfinished per [instance, rank], whether each instance was entered)."""
     n_inst = len(chain_seg)
     inst_base = np.zeros(n_inst + 1, np.int64)
+    inst_bat = np.zeros(n_inst + 1, np.int64)     # each instance's first batch
     compute_cap = np.zeros(world, np.int64)     # compute ops per rank over the chain
     port_cap = np.zeros(n_ports, np.int64)      # transfers per port over the chain
     for k in range(n_inst):
         s = chain_seg[k]
         inst_base[k + 1] = inst_base[k] + seg_base[s + 1] - seg_base[s]
+        inst_bat[k + 1] = inst_bat[k] + bat_base[s + 1] - bat_base[s]
         for i in range(seg_base[s], seg_base[s + 1]):
             if op_comm[i]:
                 port_cap[port_out[i]] += 1
@@ -157,16 +186,25 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
             else:
                 compute_cap[op_rank[i]] += 1
     total = inst_base[n_inst]
+    total_bat = inst_bat[n_inst]
 
     waiting = np.empty(total, np.int64)
     for k in range(n_inst):
         sb = seg_base[chain_seg[k]]
         for i in range(inst_base[k + 1] - inst_base[k]):
             waiting[inst_base[k] + i] = op_ndeps[sb + i]
-    data_ready = np.zeros(total, np.bool_)
     released = np.zeros(total, np.bool_)
+    posted_ends = np.zeros(total, np.int64)     # a transfer's ends whose batch is posted (0, 1, 2)
     op_start = np.zeros(total)
     op_end = np.zeros(total)
+    # Per instance batch: sends whose data is not there yet, transfers not yet moved.
+    need = np.empty(total_bat, np.int64)
+    moving = np.empty(total_bat, np.int64)
+    for k in range(n_inst):
+        bb = bat_base[chain_seg[k]]
+        for b in range(inst_bat[k + 1] - inst_bat[k]):
+            need[inst_bat[k] + b] = bat_need[bb + b]
+            moving[inst_bat[k] + b] = bat_ptr[bb + b + 1] - bat_ptr[bb + b]
     entered = np.full((n_inst, world), -1.0)
     left = np.zeros((n_inst, world))
     remaining = np.empty((n_inst, world), np.int64)
@@ -175,18 +213,17 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
             j = chain_seg[k] * world + r
             remaining[k, r] = onr_ptr[j + 1] - onr_ptr[j]
     created = np.zeros(n_inst, np.bool_)
-    next_send = np.zeros((n_inst, world), np.int64)
+    # Per rank and lane: the instance batch it posts next (or posted, until it is
+    # done), and the end of its batches in the instance it is in.
+    cursor = np.full((world, 2), -1, np.int64)
+    cursor_end = np.full((world, 2), -1, np.int64)
 
     compute_free = np.zeros(world)
     compute_busy = np.zeros(world, np.bool_)
-    last_post = np.zeros(world)
     finish = np.zeros(world)
     busy = np.zeros((world, n_tiers))
     busy_order = np.full((world, n_tiers), -1, np.int64)
     n_busy = 0
-    send_queue = np.empty((world, n_inst), np.int64)     # segments with unposted sends, in order
-    sq_head = np.zeros(world, np.int64)
-    sq_tail = np.zeros(world, np.int64)
     # Per rank, a heap of ready compute ops keyed by instance x lane width + lane position.
     lane_heap = np.empty(max(compute_cap.sum(), 1), np.int64)
     lane_base = np.zeros(world, np.int64)
@@ -201,8 +238,10 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
     busy_ends = np.empty(max(port_cap.sum(), 1))
 
     # Events: the heap holds (time, order); what an event is lives at its order.
-    # Each op is ready once and done once, each (instance, rank) entered once.
-    cap = 2 * total + (n_inst + 1) * world + 1
+    # Each op is ready once and done once (a transfer: moved once, done on each
+    # end once), each instance batch is posted once, each (instance, rank)
+    # entered once.
+    cap = 4 * total + total_bat + (n_inst + 1) * world + 1
     heap_t = np.empty(cap)
     heap_c = np.empty(cap, np.int64)
     ev_kind = np.empty(cap + 1, np.int64)
@@ -213,10 +252,7 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
     now_head = now_tail = 0
     counter = 0
     for r in range(world):           # every rank enters segment 0 at time 0, rank by rank
-        counter += 1
-        ev_kind[counter], ev_inst[counter], ev_what[counter] = ENTER, 0, r
-        now[now_tail] = counter
-        now_tail += 1
+        now_tail, counter = _soon(now, now_tail, ev_kind, ev_inst, ev_what, counter, ENTER, 0, r)
     t = 0.0
 
     while n_events or now_head < now_tail:
@@ -227,6 +263,7 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
             t, c, n_events = _pop(heap_t, heap_c, n_events)
         kind, k, what = ev_kind[c], ev_inst[c], ev_what[c]
         start_rank = -1                  # a rank whose compute lane may start its next op
+        at = -1                          # LANDED: the end whose dependants it releases
         cands, lo, hi = users_idx, 0, 0  # ops of instance ``k`` that may have become ready
         if kind == ENTER:
             r = what
@@ -235,10 +272,15 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
                 entered[k, r] = t
                 j = chain_seg[k] * world + r
                 if onr_ptr[j + 1] > onr_ptr[j]:
-                    if sends_ptr[j + 1] > sends_ptr[j]:
-                        send_queue[r, sq_tail[r]] = k
-                        sq_tail[r] += 1
-                    cands, lo, hi = onr_idx, onr_ptr[j], onr_ptr[j + 1]    # a transfer needs both ends in
+                    for lane in range(2):          # its lanes start on their first batch
+                        jl = 2 * j + lane
+                        if rl_ptr[jl + 1] > rl_ptr[jl]:
+                            b = inst_bat[k] + rl_ptr[jl] - bat_base[chain_seg[k]]
+                            cursor[r, lane] = b
+                            cursor_end[r, lane] = b + rl_ptr[jl + 1] - rl_ptr[jl]
+                            if need[b] == 0:
+                                now_tail, counter = _soon(now, now_tail, ev_kind, ev_inst, ev_what, counter, POST, k, b)
+                    cands, lo, hi = onr_idx, onr_ptr[j], onr_ptr[j + 1]
                     break
                 left[k, r] = t                    # nothing of ours here: pass straight through
                 k += 1
@@ -250,33 +292,59 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
             if not op_comm[sb + what]:
                 lane_n[r] = _key_push(lane_heap, lane_base[r], lane_n[r], k * lane_width + lane_pos[sb + what])
                 start_rank = r
-            else:
-                data_ready[inst_base[k] + what] = True
-                # post this rank's sends that are due, in lane order across segments
-                while sq_head[r] < sq_tail[r]:
-                    kq = send_queue[r, sq_head[r]]
-                    jq = chain_seg[kq] * world + r
-                    sbq, bq = seg_base[chain_seg[kq]], inst_base[kq]
-                    lane_hi = sends_ptr[jq + 1]
-                    while (sends_ptr[jq] + next_send[kq, r] < lane_hi
-                           and data_ready[bq + sends_idx[sends_ptr[jq] + next_send[kq, r]]]):
-                        op = sends_idx[sends_ptr[jq] + next_send[kq, r]]
-                        next_send[kq, r] += 1
-                        post = max(t, last_post[r])
-                        last_post[r] = post
-                        dur = op_sec[sbq + op]
-                        start = _book(busy_starts, busy_ends, port_head, port_count, port_out[sbq + op],
-                                      port_in[sbq + op], post, dur)
-                        end = start + dur
-                        op_start[bq + op] = start
-                        op_end[bq + op] = end
-                        counter += 1
-                        ev_kind[counter], ev_inst[counter], ev_what[counter] = DONE, kq, op
-                        n_events = _push(heap_t, heap_c, n_events, end, counter)
-                    if sends_ptr[jq] + next_send[kq, r] < lane_hi:
-                        break
-                    sq_head[r] += 1
-        else:                                                    # DONE: its dependants may be ready
+            else:                                # its data is there: one send fewer for its batch
+                b = inst_bat[k] + op_bsend[sb + what] - bat_base[chain_seg[k]]
+                need[b] -= 1
+                if need[b] == 0 and cursor[r, op_lane[sb + what]] == b:
+                    now_tail, counter = _soon(now, now_tail, ev_kind, ev_inst, ev_what, counter, POST, k, b)
+        elif kind == POST:
+            # A batch is posted: each of its transfers whose other end is posted
+            # too takes the earliest window of both its ports from now on.
+            sb, bb = seg_base[chain_seg[k]], bat_base[chain_seg[k]]
+            b = what - inst_bat[k] + bb
+            for x in range(bat_ptr[b], bat_ptr[b + 1]):
+                op = bat_idx[x]
+                g = inst_base[k] + op
+                posted_ends[g] += 1
+                if posted_ends[g] < 2:
+                    continue
+                dur = op_sec[sb + op]
+                start = _book(busy_starts, busy_ends, port_head, port_count, port_out[sb + op],
+                              port_in[sb + op], t, dur)
+                op_start[g] = start
+                op_end[g] = start + dur
+                counter += 1
+                ev_kind[counter], ev_inst[counter], ev_what[counter] = MOVED, k, op
+                n_events = _push(heap_t, heap_c, n_events, start + dur, counter)
+        elif kind == MOVED:
+            # A transfer is over; a batch whose transfers are all over is done on
+            # its rank: what it received lands, and the lane posts its next batch.
+            sb, bb = seg_base[chain_seg[k]], bat_base[chain_seg[k]]
+            lane = op_lane[sb + what]
+            for side in range(2):
+                r = op_peer[sb + what] if side else op_rank[sb + what]
+                b = inst_bat[k] + (op_brecv[sb + what] if side else op_bsend[sb + what]) - bb
+                moving[b] -= 1
+                if moving[b]:
+                    continue
+                for x in range(bat_ptr[b - inst_bat[k] + bb], bat_ptr[b - inst_bat[k] + bb + 1]):
+                    op = bat_idx[x]
+                    end = 2 * op + (op_peer[sb + op] == r)          # the end it is done on
+                    now_tail, counter = _soon(now, now_tail, ev_kind, ev_inst, ev_what, counter, LANDED, k, end)
+                    now_tail, counter = _one_done(remaining, left, k, r, t, now, now_tail, ev_kind, ev_inst,
+                                                  ev_what, counter)
+                cursor[r, lane] += 1
+                b = cursor[r, lane]
+                if b < cursor_end[r, lane] and need[b] == 0:
+                    now_tail, counter = _soon(now, now_tail, ev_kind, ev_inst, ev_what, counter, POST, k, b)
+        elif kind == LANDED:
+            # A transfer is done on one end (its batch there is done): the ops
+            # of that end depending on it may be ready.
+            sb = seg_base[chain_seg[k]]
+            op, side = what >> 1, what & 1
+            at = op_peer[sb + op] if side else op_rank[sb + op]
+            lo, hi = users_ptr[sb + op], users_ptr[sb + op + 1]
+        else:                                    # DONE: its dependants may be ready
             sb = seg_base[chain_seg[k]]
             lo, hi = users_ptr[sb + what], users_ptr[sb + what + 1]
         if hi > lo:
@@ -284,31 +352,21 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
             for x in range(lo, hi):
                 op = cands[x]
                 g = b + op
-                if kind == DONE:
+                if kind == LANDED and op_rank[sb + op] != at:
+                    continue                     # a dependant waits for the end it runs on
+                if kind != ENTER:
                     waiting[g] -= 1
-                if (released[g] or waiting[g] != 0 or entered[k, op_rank[sb + op]] < 0
-                        or (op_comm[sb + op] and entered[k, op_peer[sb + op]] < 0)):
+                if released[g] or waiting[g] != 0 or entered[k, op_rank[sb + op]] < 0:
                     continue
                 released[g] = True               # ready now (an op's dependencies end by now)
-                counter += 1
-                ev_kind[counter], ev_inst[counter], ev_what[counter] = READY, k, op
-                now[now_tail] = counter
-                now_tail += 1
-        if kind == DONE:
+                now_tail, counter = _soon(now, now_tail, ev_kind, ev_inst, ev_what, counter, READY, k, op)
+        if kind == DONE:                                         # its compute lane is free again
             sb = seg_base[chain_seg[k]]
-            comm = op_comm[sb + what]
-            for side in range(2 if comm else 1):
-                r = op_peer[sb + what] if side else op_rank[sb + what]
-                remaining[k, r] -= 1
-                if remaining[k, r] == 0:
-                    left[k, r] = t
-                    counter += 1
-                    ev_kind[counter], ev_inst[counter], ev_what[counter] = ENTER, k + 1, r
-                    now[now_tail] = counter
-                    now_tail += 1
-            if not comm:                                         # its compute lane is free again
-                start_rank = op_rank[sb + what]
-                compute_busy[start_rank] = False
+            r = op_rank[sb + what]
+            now_tail, counter = _one_done(remaining, left, k, r, t, now, now_tail, ev_kind, ev_inst, ev_what,
+                                          counter)
+            start_rank = r
+            compute_busy[r] = False
         r = start_rank
         if r < 0 or compute_busy[r] or lane_n[r] == 0:
             continue

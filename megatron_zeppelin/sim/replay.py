@@ -7,8 +7,15 @@ The replay executes the ops of ``schedule/`` with the engine's lane rules
   dependencies are done; attention ops last ``CostModel.attn_s`` of their pairs
   at their query-block efficiency, linear ops ``CostModel.linear_s`` of their
   tokens, per layer and pass;
-* send lane (one per rank): transfers posted strictly in lane order, each once
-  its data is there;
+* communication lanes (two per rank, one per link class: NVLink inside a
+  node, a NIC across nodes): each posts the rank's transfers a wave at a time
+  (``Schedule.waves``), a wave's sends and receives as one batch, once every
+  send of the batch has its data; a transfer starts once the batches of both
+  its ends are posted; a batch is done when all its transfers are, and only
+  then does what it received count as landed (what a compute op or a
+  forwarding hop waits for) and does its lane post the next batch -- as NCCL
+  runs the engine's batches (``comm/lanes.py``: one grouped kernel per batch
+  on the lane's stream, one completion for all of it);
 * links: every transfer holds its sender's egress port and its receiver's
   ingress port -- the GPU's NVLink inside a node, the NIC it leaves through and
   the NIC it enters across nodes -- for ``latency + bytes / bandwidth``; a port
@@ -125,12 +132,38 @@ class CompiledSegment:
         order = np.argsort(crank, kind="stable")
         first = _offsets(crank, world)
         self.lane_pos[compute[order]] = np.arange(len(compute)) - np.repeat(first[:-1], np.diff(first))
-        # Send lanes: the transfers a rank sends, in op order.
-        srank = self.rank[comm]
-        self.sends_idx = comm[np.argsort(srank, kind="stable")]
-        self.sends_ptr = _offsets(srank, world)
+        # Communication lanes, as the engine runs them (``comm/lanes.py``): per
+        # rank, one lane per link class (0: intra-node, 1: through a NIC), each
+        # a sequence of batches -- the rank's transfers (sent or received) of
+        # one wave, posted together and done together.  Batches are numbered
+        # by (rank, lane, wave), so a (rank, lane)'s batches are consecutive.
+        link = (named >= 0).astype(np.int64)           # ``schedule.ops.lane_of``: a NIC named
+        wave = np.asarray(schedule.waves(), np.int64)[comm]
+        side_rank = np.concatenate([src, dst])
+        side_lane = np.concatenate([link, link])
+        side_wave = np.concatenate([wave, wave])
+        side_op = np.concatenate([comm, comm])
+        side_sends = np.concatenate([np.ones(len(comm), np.int64), np.zeros(len(comm), np.int64)])
+        order = np.lexsort((side_op, side_wave, side_lane, side_rank))
+        key = np.stack([side_rank, side_lane, side_wave])[:, order]
+        first = np.ones(len(order), np.bool_)
+        first[1:] = (key[:, 1:] != key[:, :-1]).any(axis=0)
+        batch_of = np.cumsum(first) - 1                     # each sorted side's batch
+        self.n_batches = nb = int(first.sum())
+        self.bat_idx = side_op[order]
+        self.bat_ptr = np.concatenate([np.flatnonzero(first), [len(order)]]).astype(np.int64)
+        self.bat_need = np.bincount(batch_of, weights=side_sends[order], minlength=nb).astype(np.int64)
+        self.rl_ptr = _offsets(key[0, first] * 2 + key[1, first], 2 * world)
+        side_batch = np.empty(len(order), np.int64)
+        side_batch[order] = batch_of
+        self.op_lane = np.zeros(n, np.int64)
+        self.op_lane[comm] = link
+        self.op_bsend = np.full(n, -1, np.int64)
+        self.op_brecv = np.full(n, -1, np.int64)
+        self.op_bsend[comm] = side_batch[:len(comm)]
+        self.op_brecv[comm] = side_batch[len(comm):]
         # Every op on a rank's lanes: its compute lane, then its transfers (sent or received).
-        who = np.concatenate([crank, srank, self.peer[comm]])
+        who = np.concatenate([crank, src, dst])
         lane = np.concatenate([np.zeros(len(compute), np.int64), np.ones(2 * len(comm), np.int64)])
         what = np.concatenate([compute, comm, comm])
         order = np.lexsort((what, lane, who))
@@ -178,20 +211,33 @@ def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool =
     def joined(field: str) -> np.ndarray:
         return np.concatenate([getattr(seg, field) for seg in segs])
 
-    def csr(ptr: str, idx: str) -> tuple[np.ndarray, np.ndarray]:
+    def csr(ptr: str, size) -> np.ndarray:
+        """Segments' CSR offsets joined: each shifted by the ``size`` of the ones before."""
         ptrs, shift = [np.zeros(1, np.int64)], 0
         for seg in segs:
             ptrs.append(getattr(seg, ptr)[1:] + shift)
-            shift += len(getattr(seg, idx))
-        return np.concatenate(ptrs), joined(idx)
+            shift += size(seg)
+        return np.concatenate(ptrs)
 
-    users_ptr, users_idx = csr("users_ptr", "users_idx")
-    sends_ptr, sends_idx = csr("sends_ptr", "sends_idx")
-    onr_ptr, onr_idx = csr("onr_ptr", "onr_idx")
+    def rows(idx: str) -> tuple[np.ndarray, np.ndarray]:
+        return csr(f"{idx[:-4]}_ptr", lambda seg: len(getattr(seg, idx))), joined(idx)
+
+    # Batch ids made global over the distinct segments (``bat_base[s]`` is segment s's first).
+    bat_base = np.concatenate([[0], np.cumsum([seg.n_batches for seg in segs])]).astype(np.int64)
+
+    def batch_ids(field: str) -> np.ndarray:
+        return np.concatenate([np.where(getattr(seg, field) >= 0, getattr(seg, field) + bat_base[s], -1)
+                               for s, seg in enumerate(segs)])
+
+    users_ptr, users_idx = rows("users_idx")
+    onr_ptr, onr_idx = rows("onr_idx")
+    bat_ptr, bat_idx = rows("bat_idx")
+    rl_ptr = csr("rl_ptr", lambda seg: seg.n_batches)
     finish, busy, order, entered, left, start, end, base, remaining, created = run_chain(
         world, chain_seg, seg_base, joined("is_comm"), joined("rank"), joined("peer"), joined("tier"),
         joined("seconds"), joined("ndeps"), users_ptr, users_idx, joined("port_out"), joined("port_in"),
-        joined("lane_pos"), max(seg.lane_width for seg in segs), sends_ptr, sends_idx, onr_ptr, onr_idx,
+        joined("lane_pos"), max(seg.lane_width for seg in segs), onr_ptr, onr_idx, joined("op_lane"),
+        batch_ids("op_bsend"), batch_ids("op_brecv"), bat_base, bat_ptr, bat_idx, joined("bat_need"), rl_ptr,
         len(TIERS), max(max(seg.n_ports for seg in segs), 1))
     stuck = [(k, r) for k, r in zip(*np.nonzero(remaining > 0)) if created[k]]
     if stuck or not created.all():
@@ -208,8 +254,18 @@ def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool =
 
 
 def replay_schedule(schedule: Schedule, cost: CostModel) -> ChainReplay:
-    """Replay one schedule (every op's timing recorded)."""
-    return replay_chain([CompiledSegment(schedule, cost)], schedule.world_size, record=True)
+    """Replay one schedule (every op's timing recorded, by its id in ``schedule``).
+    A whole step's schedule (``Schedule.calls``) replays as the chain of its
+    engine calls, as the engine runs them: each call's waves on their own."""
+    if schedule.calls is None:
+        return replay_chain([CompiledSegment(schedule, cost)], schedule.world_size, record=True)
+    calls = schedule.calls_apart()
+    chain = replay_chain([CompiledSegment(part, cost) for part, _ in calls], schedule.world_size, record=True)
+    timings: list[OpTiming] = [OpTiming(0.0, 0.0)] * len(schedule)
+    for (_, ids), timed in zip(calls, chain.timings):
+        for i, t in zip(ids, timed):
+            timings[i] = t
+    return ChainReplay(chain.finish_s, chain.busy_s, chain.inside_s, [timings])
 
 
 @dataclass

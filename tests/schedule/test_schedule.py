@@ -75,6 +75,30 @@ def test_ring_messages_travel_in_the_dtypes_they_are_sent_in():
         assert srcs == (set() if step == 0 else {plan.attention[0].ranks[(pos - 1) % 4]})
 
 
+@pytest.mark.parametrize("routed", [False, True])
+def test_a_backward_ring_posts_its_next_kv_before_the_dkv_that_waits_for_the_kernel(routed):
+    """A lane posts a wave as one batch, all of it once every send has its data:
+    the K/V a step forwards must not share a wave with the dK/dV that waits for
+    that step's kernel, or it would leave only after the kernel (no overlap)."""
+    topo = Topology(nodes=2, gpus_per_node=4, nics_per_node=4)
+    from megatron_zeppelin.plan import Mode, placement
+    from tests.attention.helpers import make_plan
+    plan = make_plan(8, 4, [80], [placement(0, 80, Mode.RING, [0, 1, 4, 5])])
+    sched = attention_schedule(plan, SHAPE, Transport(topo, 0 if routed else math.inf), True)
+    waves, ops = sched.waves(), sched.ops
+    first_leg = {sched.messages[op.key[0]]: op for op in reversed(ops) if op.is_comm}   # the sender's own
+    checked = 0
+    for (kind, _, step, pos), op in first_leg.items():
+        # The dK/dV a position sends at step s waits for its kernel of step s - 1, which
+        # needs what the K/V it forwards at step s - 1 needs: that K/V goes in an earlier wave.
+        kv = first_leg.get(("kv", 0, step - 1, pos))
+        if kind == "dkv" and kv is not None:
+            assert any(ops[d].kind == COMPUTE for d in op.deps)
+            assert waves[kv.id] < waves[op.id]
+            checked += 1
+    assert checked == 4 * 3                          # dK/dV steps 1..3 of 4 positions
+
+
 def test_routed_message_becomes_dispatch_nic_combine_hops():
     topo = Topology(nodes=2, gpus_per_node=4, nics_per_node=4)
     from megatron_zeppelin.plan import Mode, placement

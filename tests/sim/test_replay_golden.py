@@ -1,12 +1,15 @@
-"""The compiled replay (``sim/event_loop.py``) against step times recorded from
-the interpreted event loop it replaced (``golden/replay_steps.json``, recorded
-at the commit it names): every plan -- Zeppelin with routing and remap on and
-off, a TP view, TE CP, Ulysses, hybrid CP, FlexSP and packed DP, on H100 and
-A800 clusters of 8 to 32 GPUs -- replays bit for bit as before: the step, every
-rank's finish, every (rank, tier) busy sum in its order, every part's time,
-an exact 3-layer replay, and one schedule's op timings.  The cluster constants
-are the ones the goldens were recorded with (``golden/clusters/``, pinned copies
-of the presets), so retuning ``configs/clusters/`` leaves the goldens alone."""
+"""The compiled replay (``sim/event_loop.py``) against recorded step times
+(``golden/replay_steps.json``, recorded at the commit it names): every plan --
+Zeppelin with routing and remap on and off, a TP view, TE CP, Ulysses, hybrid
+CP, FlexSP and packed DP, on H100 and A800 clusters of 8 to 32 GPUs -- replays
+bit for bit as recorded: the step, every rank's finish, every (rank, tier)
+busy sum in its order, every part's time, an exact 3-layer replay, and one
+schedule's op timings.  The 15 plans that move bytes were re-recorded when the
+replay took the engine's two communication lanes and wave batches (before:
+one send lane per rank, from the interpreted loop at fe1c6b5); packed DP's,
+which moves none, is the original recording.  The cluster constants are the
+ones the goldens were recorded with (``golden/clusters/``, pinned copies of the
+presets), so retuning ``configs/clusters/`` leaves the goldens alone."""
 
 from __future__ import annotations
 
