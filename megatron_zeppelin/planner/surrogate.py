@@ -8,15 +8,18 @@ numpy over its rings, groups and ranks, what the replay executes:
 * per rank and pass the compute lane's work: local sequences, every ring
   step's kernel (zigzag chunk rows, ``CostModel.attn_s`` at the step's block
   length) and Ulysses shares, the linear work (``CostModel.linear_s``);
-* a ring as its chain of steps: step ``s``'s kernel on position ``j`` waits for
-  the K/V that travelled ``s`` links (backward: K/V and the dK/dV one step
-  behind share the sender's port), each link priced on the port it uses
-  (NVLink, the sender's NIC, or the routing layer's dispatch / NIC / combine
-  legs), slowed by the other traffic of the segment on the same ports (a port
-  serves one transfer at a time);
-* Ulysses groups as all-to-all in, kernel, all-to-all out
-  (``planner/surrogate_ulysses.py``), and layout switches as all-to-alls: a
-  rank leaves once its busiest port drained;
+* a ring as the engine's lanes run it: per rank a lane per link class posting
+  a wave of transfers at a time as one batch, done with its slowest transfer;
+  the K/V of step ``s`` reaches position ``j`` once position ``j - 1`` had it and
+  their link carried it -- one wave direct, three routed (``schedule/routing.py``:
+  dispatch, NIC, combine, every position crossing at once) -- each wave as long
+  as the busiest port of its legs in the family of rings sharing ranks, and a
+  step no shorter than the family's busiest port that step; backward, a K/V
+  batch also carries the dK/dV of its wave, which waits for its kernel;
+* Ulysses groups as the engine posts them (``planner/surrogate_ulysses.py``): a
+  rank's inputs of all its groups as one batch, its kernels, then its outputs
+  as one later batch; layout switches as all-to-alls: a rank leaves once its
+  busiest port drained;
 * the segments chained per rank as the replay chains them (a rank enters a
   segment when its part of the previous one is done; a ring or group starts
   once all its ranks entered), for ``m`` and ``m - 1`` layers extrapolated as
@@ -47,10 +50,19 @@ from megatron_zeppelin.planner.plan_arrays import PlanArrays, layout_arrays, pla
 from megatron_zeppelin.planner.surrogate_ulysses import UlyssesGroups
 from megatron_zeppelin.schedule.routing import min_routed_bytes
 
-#: The ring step at whose transfers' level of the schedule's order a Ulysses
-#: group's outputs are sent (``schedule/attention.py``: all-to-all in at step 0,
-#: kernel at 1, all-to-all out at 2).
-ULYSSES_OUT_STEP = 2
+#: The wave of a Ulysses group's outputs (``Schedule.waves``: all-to-all in at
+#: wave 0, the kernel two more, the outputs one after it).
+ULYSSES_OUT_WAVE = 3
+#: A backward ring's K/V for step ``t`` travels (wave ``t - 1``) beside the dK/dV
+#: of step ``t - 2``, which waits for kernel ``t - BACKWARD_LAG`` (``Schedule.waves``:
+#: a kernel counts two waves, so the dK/dV that waits for kernel ``s - 1`` goes at
+#: wave ``s + 1``) -- for direct rings, whose positions share their waves; a routed
+#: crossing shifts the waves downstream of it, so ``_rings`` matches the waves and
+#: looks for the dK/dV within ``2 * BACKWARD_LAG`` steps back.
+BACKWARD_LAG = 3
+#: A message leg's hop (``schedule/routing.py``): a direct transfer, or a routed
+#: piece's dispatch, NIC crossing or combine -- each a wave of its own.
+DIRECT, DISPATCH, NIC, COMBINE = 0, 1, 2, 3
 #: Layers the replay runs before it extrapolates (``sim/replay.py: REPLAYED_LAYERS``;
 #: planning never imports the simulator).
 REPLAYED_LAYERS = 4
@@ -81,19 +93,8 @@ class _RingBatch:
     """(rings, position, step) kernel seconds."""
     k: int
     legs: list = field(default_factory=list)
-    """(ring, step, port, seconds held) arrays of every message leg."""
-    via: np.ndarray = None
-    """(rings, step) seconds of one NIC piece summed over the routed messages."""
-    fill: np.ndarray = None
-    """(rings, step) the largest routed pipeline fill."""
-
-    def __post_init__(self) -> None:
-        shape = (len(self.ranks), self.k + 1)
-        self.via, self.fill = np.zeros(shape), np.zeros(shape)
-
-
-def _pad(v: np.ndarray, width: int) -> np.ndarray:
-    return np.pad(v, ((0, 0), (0, width - v.shape[1])))
+    """(ring, link, step, port, seconds held, hop) arrays of every message leg
+    (link ``j``: position ``j`` to ``j + 1``)."""
 
 
 def _components(group_of_slot: np.ndarray, rank_of_slot: np.ndarray, groups: int, w: int) -> np.ndarray:
@@ -147,6 +148,7 @@ class StepSurrogate:
         self.nvl_lat, self.nvl_bw = c.nvlink.latency_us * 1e-6, c.nvlink.bandwidth_GBps * 1e9
         self.nic_lat, self.nic_bw = c.nic.latency_us * 1e-6, c.nic.bandwidth_GBps * 1e9
         self.threshold = min_routed_bytes(cost) if cost.routing else math.inf
+        self.on_nic = [np.flatnonzero(self.affinity == j) for j in range(self.nics)]
         self.linear_memo: dict[float, float] = {}
 
     # ----------------------------------------------------------------- links
@@ -167,41 +169,45 @@ class StepSurrogate:
         return inside, out, inn
 
     def _transfers(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, w: int,
-                   routed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Messages from ``src`` to ``dst``: (seconds of each alone; when it is
-        routed, the seconds of one piece's NIC leg and what its pipeline adds to
-        its busiest port's seconds (else 0); its legs as message index, port,
-        seconds the leg holds the port).  Routed messages
-        (across nodes, at least the break-even) go in ``P`` pieces: dispatched over
-        the sender's NVLink one after another, each over NIC ``j``, combined into
-        the receiver; proxies and peers forward them (spread over the node's GPUs)."""
+                   routed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The legs of the messages from ``src`` to ``dst``, as ``schedule/routing.py``
+        cuts them: (message index, port, seconds the leg holds the port, hop:
+        :data:`DIRECT`, :data:`DISPATCH`, :data:`NIC` or :data:`COMBINE`).  A direct
+        message holds its sender's egress and its receiver's ingress port.  A
+        routed one (across nodes, at least the break-even) goes in ``P`` pieces,
+        piece ``j`` dispatched over NVLink to the sender's proxy on NIC ``j`` (none
+        when the sender sits on it), through NIC ``j`` to the proxy's twin on the
+        receiver's node, and combined into the receiver (none when the twin is
+        the receiver): three waves, each a hop of the engine's lanes."""
         inside, out, inn = self._ports(src, dst, w)
-        nvl = self.nvl_lat + nbytes / self.nvl_bw
-        nic = self.nic_lat + nbytes / self.nic_bw
-        seconds = np.where(inside, nvl, nic)
+        seconds = np.where(inside, self.nvl_lat + nbytes / self.nvl_bw, self.nic_lat + nbytes / self.nic_bw)
         ids = np.arange(len(src))
         route = ~inside & (nbytes >= self.threshold) if routed and self.nics > 1 else np.zeros(len(src), bool)
         direct = ~route
-        legs = [(ids[direct], out[direct], seconds[direct]), (ids[direct], inn[direct], seconds[direct])]
+        hop = np.full(int(direct.sum()), DIRECT)
+        legs = [(ids[direct], out[direct], seconds[direct], hop), (ids[direct], inn[direct], seconds[direct], hop)]
         if route.any():
             P, g = self.nics, self.gpn
-            piece = nbytes[route] / P
-            d = self.nvl_lat + piece / self.nvl_bw
-            n = self.nic_lat + piece / self.nic_bw
-            seconds[route] = P * d + n
             i, s, t = ids[route], src[route], dst[route]
-            legs += [(i, 2 * s, (P - 1) * d), (i, 2 * t + 1, (P - 1) * d)]
+            d = self.nvl_lat + nbytes[route] / P / self.nvl_bw
+            n = self.nic_lat + nbytes[route] / P / self.nic_bw
+            base = s - s % g
+            twin = base + t % g
+            every = np.ones(len(i), bool)
             for j in range(P):
-                legs += [(i, 2 * w + 2 * ((s // g) * P + j), n), (i, 2 * w + 2 * ((t // g) * P + j) + 1, n)]
-            spread = d * (P - 1) / g
-            for local in range(g):
-                legs += [(i, 2 * ((s // g) * g + local) + 1, spread), (i, 2 * ((t // g) * g + local), spread)]
-        msg, port, sec = (np.concatenate(x) for x in zip(*legs))
-        piece_s, fill = np.zeros(len(src)), np.zeros(len(src))
-        if route.any():
-            piece_s[route] = n
-            fill[route] = seconds[route] - np.maximum((P - 1) * d, n)
-        return seconds, piece_s, fill, msg, port, sec
+                on_nic = self.on_nic[j]
+                # the sender, else the receiver's twin, else a GPU of the NIC rotated by message
+                proxy = np.where(self.affinity[s % g] == j, s,
+                                 np.where(self.affinity[t % g] == j, twin, base + on_nic[(s + t) % len(on_nic)]))
+                peer = t - t % g + proxy % g
+                for on, a, b, sec, kind in ((proxy != s, 2 * s, 2 * proxy + 1, d, DISPATCH),
+                                            (every, 2 * w + 2 * ((s // g) * P + j),
+                                             2 * w + 2 * ((t // g) * P + j) + 1, n, NIC),
+                                            (peer != t, 2 * peer, 2 * t + 1, d, COMBINE)):
+                    kinds = np.full(int(on.sum()), kind)
+                    legs += [(i[on], a[on], sec[on], kinds), (i[on], b[on], sec[on], kinds)]
+        msg, port, sec, hops = (np.concatenate(x) for x in zip(*legs))
+        return msg, port, sec, hops
 
     # ----------------------------------------------------------- attention
     def _attention(self, w: int, layout: PlanArrays, groups: UlyssesGroups | None, backward: bool,
@@ -212,14 +218,20 @@ class StepSurrogate:
         L = layout.local_len
         if len(L):
             np.add.at(work, layout.local_rank, self._attn_s(L * (L + 1) / 2, L) * share)
-        # A rank posts its Ulysses outputs in its send lane's order, before its
-        # rings' transfers of step ULYSSES_OUT_STEP + 1 on: those wait for its
-        # Ulysses kernels (``gate``).
-        gate = np.zeros(w)
-        pending = [groups.price(backward, work, load, gate)] if groups is not None else []
-        pending += [self._rings([self._ring_batch(k, ranks, lens, backward, routed, w)
-                                 for k, (ranks, lens) in layout.rings.items()],
-                                backward, work, load, w, gate)] if layout.rings else []
+        # A rank's ring transfers share its lanes with its Ulysses all-to-alls:
+        # per rank when its Ulysses inputs landed, when its outputs left, and
+        # its Ulysses kernels' seconds (``gate``; 0 without Ulysses).
+        gate = np.zeros((3, w))
+        batches = [self._ring_batch(k, ranks, lens, backward, routed, w) for k, (ranks, lens) in layout.rings.items()]
+        pending = []
+        if groups is not None:
+            # The compute lane runs a rank's ring kernels of steps 0 and 1 before
+            # its Ulysses kernels (the schedule's order).
+            first = np.zeros(w)
+            for bt in batches:
+                first += np.bincount(bt.ranks.ravel(), bt.comp[:, :, :2].sum(axis=2).ravel(), w)
+            pending.append(groups.price(backward, work, load, gate, first))
+        pending += [self._rings(batches, backward, work, load, w, gate)] if batches else []
         chains = [finish(load) for finish in pending]
         return _Segment(work, chains)
 
@@ -260,7 +272,6 @@ class StepSurrogate:
             # bytes are whole numbers: summed per tuple in any order they are exact
             shard = np.stack([np.bincount(of, weights=shard[:, j], minlength=len(tuples)) for j in range(k)], axis=1)
             extra = count - 1
-        routed_cells, routed_pieces = [], []
 
         def send(steps: np.ndarray, owners: np.ndarray, itemsize: int) -> None:
             nbytes = 2 * shard[:, owners] * self.kv_numel * itemsize         # (ring or tuple, link, step)
@@ -268,15 +279,12 @@ class StepSurrogate:
             shape = nbytes.shape
             src = np.broadcast_to(senders[:, :, None], shape).ravel()
             dst = np.broadcast_to(np.roll(senders, -1, axis=1)[:, :, None], shape).ravel()
-            sec, piece, piece_fill, msg, port, held = self._transfers(src, dst, nbytes.ravel(), w, routed)
-            ring, _, col = np.unravel_index(msg, shape)
+            msg, port, held, hop = self._transfers(src, dst, nbytes.ravel(), w, routed)
+            ring, link, col = np.unravel_index(msg, shape)
             if inside:
                 held = held + extra[ring] * self.nvl_lat
                 ring = first[ring]
-            batch.legs.append((ring, steps[col], port, held))
-            if not inside:
-                routed_cells.append(np.broadcast_to((np.arange(n) * (k + 1))[:, None, None] + steps, shape).ravel())
-                routed_pieces.append((piece, piece_fill))
+            batch.legs.append((ring, link, steps[col], port, held, hop))
 
         pos = np.arange(k)
         kv_steps = np.arange(k - 1)
@@ -284,26 +292,22 @@ class StepSurrogate:
         if backward:
             dkv_steps = np.arange(1, k + 1)
             send(dkv_steps, (pos[:, None] - dkv_steps[None, :] + 1) % k, self.acc)
-        if routed_cells:
-            cell = np.concatenate(routed_cells)
-            piece, piece_fill = (np.concatenate(x) for x in zip(*routed_pieces))
-            batch.via = np.bincount(cell, weights=piece, minlength=n * (k + 1)).reshape(n, k + 1)
-            np.maximum.at(batch.fill.reshape(-1), cell, piece_fill)
         return batch
 
     def _rings(self, batches: list["_RingBatch"], backward: bool, work: np.ndarray, load: np.ndarray, w: int,
                gate: np.ndarray):
-        """Every ring of the segment.  Rings that share a rank advance step by
-        step together (a rank's send lane posts step ``s`` of every ring before
-        step ``s + 1`` of any), so each connected family of rings is one chain:
-        step ``s``'s kernel on a rank waits for the transfers of step ``s - 1``,
-        which last as long as the family's busiest port needs for that step,
-        or the family's routed crossings one after another (a routed piece is
-        forwarded by GPUs whose send lanes post in message order: the next
-        crossing's sender combines a piece of the previous one before it posts
-        its own), plus one routed pipeline's fill.  Adds kernels to ``work`` and
-        messages to ``load``; returns the function of the segment's port loads
-        that yields each ring rank's seconds from the family's start to its exit."""
+        """Every ring of the segment, as the engine's lanes run it: step ``s``'s
+        transfers of a rank are batches of its lanes (one wave for a direct
+        link, three for a routed one: dispatch, NIC, combine), and the K/V a
+        position forwards at step ``s`` is what it received at step ``s - 1``.
+        So the data of step ``s`` reaches a position once the position before
+        had it and their link carried it, each wave lasting as long as the
+        busiest port of its legs in the family (rings sharing ranks share
+        lanes and ports), and no sooner than a step after the previous one at
+        the family's busiest port.  A rank's kernel of step ``s`` waits for that
+        data.  Adds kernels to ``work`` and messages to ``load``; returns the
+        function of the segment's port loads that yields each ring rank's
+        seconds from the family's start to its exit."""
         S = max(bt.k for bt in batches) + 1
         ranks = [bt.ranks for bt in batches]
         base = np.cumsum([0] + [len(r) for r in ranks])
@@ -314,47 +318,56 @@ class StepSurrogate:
         fam_of_rank = np.full(w, -1)
         fam_of_rank[rank_of_slot] = family[ring_of_slot]
         F = int(family.max()) + 1
-        per_step = np.zeros((F, S))
-        fill = np.zeros((F, S))
-        leg_fam, leg_key, leg_port, leg_held = [], [], [], []
         n_ports = len(load)
-        # Per (rank, step) kernel seconds, per (family, step) routed NIC pieces:
-        # summed ring after ring (bincount adds in order, as a loop would).
+        # Per (rank, step) kernel seconds: summed ring after ring (bincount adds
+        # in order, as a loop would).
         lane = np.bincount(np.concatenate([(bt.ranks[:, :, None] * S + np.arange(bt.k)).ravel() for bt in batches]),
                            np.concatenate([bt.comp.ravel() for bt in batches]), w * S).reshape(w, S)
-        cells = [((family[base[i]:base[i + 1]] * S)[:, None] + np.arange(S)).ravel() for i in range(len(batches))]
-        via = np.bincount(np.concatenate(cells), np.concatenate([_pad(bt.via, S).ravel() for bt in batches]),
-                          F * S).reshape(F, S)
-        for i, bt in enumerate(batches):
-            fam = family[base[i]:base[i + 1]]
-            np.maximum.at(fill.reshape(-1), cells[i], _pad(bt.fill, S).ravel())
-            for ring, step, port, held in bt.legs:
-                leg_fam.append(fam[ring])
-                leg_key.append((fam[ring] * S + step) * n_ports + port)
-                leg_port.append(port)
-                leg_held.append(held)
         work += lane.sum(axis=1)
-        if leg_key:
-            key, port, held, lfam = (np.concatenate(x) for x in (leg_key, leg_port, leg_held, leg_fam))
+        # A rank's compute lane runs its Ulysses kernels (once their inputs
+        # landed) beside its ring kernels, in the schedule's order: at step 1.
+        if S > 1:
+            lane[:, 1] += gate[2]
+        legs = [(ring, link, step, port, held, hop, family[base[i] + ring])
+                for i, bt in enumerate(batches) for ring, link, step, port, held, hop in bt.legs]
+        # the legs of batch i: leg_at[i] .. leg_at[i + 1]
+        leg_at = np.cumsum([0] + [sum(len(leg[0]) for leg in bt.legs) for bt in batches])
+        # Per (family, step): its busiest port over every leg (what a rank's lanes
+        # need per step at the least); per leg: its port's load in its own wave
+        # (the step's direct transfers, or one hop of its routed pieces).
+        busiest = np.zeros(F * S)
+        if legs:
+            ring, link, step, port, held, hop, lfam = (np.concatenate(x) for x in zip(*legs))
             np.add.at(load, port, held)
-            uniq, inv = np.unique(key, return_inverse=True)
-            np.maximum.at(per_step.reshape(-1), uniq // n_ports, np.bincount(inv, weights=held))
+            uniq, inv = np.unique(((lfam * S + step) * 4 + hop) * n_ports + port, return_inverse=True)
+            per_wave = np.bincount(inv, weights=held)
+            in_wave = per_wave[inv]
+            # the same per (family, step, port) over its hops
+            both, of = np.unique((uniq // (4 * n_ports)) * n_ports + uniq % n_ports, return_inverse=True)
+            np.maximum.at(busiest, both // n_ports, np.bincount(of, weights=per_wave))
         else:
             port, lfam = np.zeros(0, np.int64), np.zeros(0, np.int64)
-        step_x = np.maximum(per_step, via) + fill
-        arrive = np.concatenate([np.zeros((F, 1)), np.cumsum(step_x[:, :S - 1], axis=1)], axis=1)
-        if gate.any() and S > ULYSSES_OUT_STEP + 1:
-            # Transfers of steps after the Ulysses outputs' wait for the family's last Ulysses kernel.
-            held = np.zeros(F)
-            np.maximum.at(held, family[ring_of_slot], gate[rank_of_slot])
-            after = np.cumsum(step_x[:, ULYSSES_OUT_STEP:S - 1], axis=1)
-            arrive[:, ULYSSES_OUT_STEP + 1:] = np.maximum(arrive[:, ULYSSES_OUT_STEP + 1:], held[:, None] + after)
+        busiest = busiest.reshape(F, S)
+        arrive = np.full((w, S), -np.inf)
+        last = np.zeros(w)
+        for i, bt in enumerate(batches):
+            hops = np.zeros(bt.comp.shape[:2] + (bt.k + 1, 4))
+            if legs:
+                on = slice(leg_at[i], leg_at[i + 1])
+                np.maximum.at(hops, (ring[on], link[on], step[on], hop[on]), in_wave[on])
+            got, final = self._ring_chain(bt, hops, busiest[family[base[i]:base[i + 1]]], lane, gate, backward)
+            n, k = bt.ranks.shape
+            padded = np.concatenate([got, np.repeat(got[:, :, -1:], S - k - 1, axis=2)], axis=2)
+            np.maximum.at(arrive, bt.ranks.ravel(), padded.reshape(n * k, S))
+            np.maximum.at(last, bt.ranks.ravel(), final.ravel())
+        if S > 1:
+            arrive[:, 1] = np.maximum(arrive[:, 1], np.where(gate[2] > 0, gate[0], -np.inf))
         members = np.nonzero(fam_of_rank >= 0)[0]
         tail = np.cumsum(lane[members, ::-1], axis=1)[:, ::-1]              # kernels of steps t >= s
         # A rank ends at max over s of (arrival of step s's data + its kernels from s on),
         # and no earlier than the last transfer of its family it takes part in.
-        end = (arrive[fam_of_rank[members]] + tail).max(axis=1)
-        last = arrive[fam_of_rank[members], -1] + step_x[fam_of_rank[members], -1] * backward
+        end = (arrive[members] + tail).max(axis=1)
+        last = last[members] if backward else end
 
         def finish(total: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             drain = np.zeros(F)
@@ -365,6 +378,65 @@ class StepSurrogate:
 
         return finish
 
+    @staticmethod
+    def _ring_chain(bt: "_RingBatch", hops: np.ndarray, floor: np.ndarray, lane: np.ndarray, gate: np.ndarray,
+                    backward: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The rings of one size step by step: (per (ring, position, step) when
+        the step's data reached the position, per (ring, position) when its
+        last dK/dV left).  ``hops``: per (ring, link, step, hop) its wave's
+        seconds; ``floor``: per (ring, step) its family's busiest port."""
+        n, k = bt.ranks.shape
+        # Data reaches position j at step s when the position before had it at
+        # step s - 1 and the link between them carried it: a direct link in one
+        # wave, a routed one in its three hops one after another (every position
+        # of the ring at once); and no sooner than the step before plus the
+        # family's busiest port for that step.
+        link_s = np.maximum(hops[..., DIRECT], hops[..., DISPATCH:].sum(axis=3))
+        spans = np.where(hops[..., DISPATCH:].any(axis=3), 3, 1)
+        ends = bt.ranks, np.roll(bt.ranks, 1, axis=1)
+        after_in = np.maximum(*(gate[0][r] for r in ends))
+        after_out = np.maximum(*(gate[1][r] for r in ends))
+        got = np.zeros((n, k, k + 1))
+        # Waves (Schedule.waves): of the transfer that delivered each position's
+        # data of a step (-1: its own), of the first hop of the dK/dV it sends at
+        # a step (after its kernel of the step before: two waves after that
+        # kernel's data; and after the dK/dV it received), of that dK/dV's arrival.
+        kv_wave = np.full((n, k, k + 1), -1)
+        dkv_sent = np.full((n, k, k + 1), -2 * k - 9)
+        dkv_got = np.full((n, k, k + 1), -2 * k - 9)
+        kernels = lane[bt.ranks, :k + 1]                # (n, k, step) the rank's kernels
+        done = np.zeros((n, k, k + 1))                  # when a position's kernel of each step is done
+        done[:, :, 0] = kernels[:, :, 0]
+        ulysses_in = np.where(gate[2][bt.ranks] > 0, gate[0][bt.ranks], 0.0)
+        for t in range(1, k + 1):
+            got[:, :, t] = np.maximum(np.roll(got[:, :, t - 1] + link_s[:, :, t - 1], 1, axis=1),
+                                      got[:, :, t - 1] + floor[:, t - 1, None])
+            kv_wave[:, :, t] = np.roll(kv_wave[:, :, t - 1] + spans[:, :, t - 1], 1, axis=1)
+            if backward:
+                dkv_sent[:, :, t] = np.maximum(kv_wave[:, :, t - 1] + 2, dkv_got[:, :, t - 1]) + 1
+                dkv_got[:, :, t] = np.roll(dkv_sent[:, :, t] + spans[:, :, t] - 1, 1, axis=1)
+                # The K/V's batches at its sender (its first wave) and at its
+                # receiver (its last) hold the dK/dV sent in that wave, which
+                # waits for the kernel of the step before it on that end.
+                lo = max(1, t - 2 * BACKWARD_LAG)
+                window = dkv_sent[:, :, lo:t + 1]
+                wait = []
+                for batch_wave, sender in ((kv_wave[:, :, t - 1] + 1, True), (kv_wave[:, :, t], False)):
+                    match = window == batch_wave[:, :, None]
+                    kernel_end = np.where(match, done[:, :, lo - 1:t], 0.0).max(axis=2)
+                    wait.append(np.roll(kernel_end, 1, axis=1) if sender else kernel_end)
+                got[:, :, t] = np.maximum(got[:, :, t], np.maximum(*wait) + link_s[:, :, t - 1])
+            wave = kv_wave[:, :, t]
+            # a batch after the Ulysses inputs' lands after them; the outputs' batch, once they left
+            got[:, :, t] = np.maximum(got[:, :, t], np.where(wave >= ULYSSES_OUT_WAVE, after_out,
+                                                             np.where(wave >= 1, after_in, 0.0)))
+            done[:, :, t] = np.maximum(done[:, :, t - 1], got[:, :, t]) + kernels[:, :, t]
+            if t == 1:
+                done[:, :, 1] = np.maximum(done[:, :, 1], ulysses_in + kernels[:, :, 1])
+        # the last dK/dV leaves once the position before ran its last kernel
+        final = np.maximum(got[:, :, k], np.roll(done[:, :, k - 1], 1, axis=1)) + np.roll(link_s[:, :, k], 1, axis=1)
+        return got, final
+
     # -------------------------------------------------------- switch, linear
     def _switch(self, messages: tuple[np.ndarray, np.ndarray, np.ndarray], w: int, routed: bool,
                 reverse: bool) -> _Segment:
@@ -372,7 +444,7 @@ class StepSurrogate:
         if reverse:
             src, dst = dst, src
         load = np.zeros(self._n_ports(w))
-        _, _, _, _, port, held = self._transfers(src, dst, tokens * self.row_bytes, w, routed)
+        _, port, held, _ = self._transfers(src, dst, tokens * self.row_bytes, w, routed)
         np.add.at(load, port, held)
         g = self.gpn
         r = np.arange(w)

@@ -7,10 +7,15 @@ its sender's tokens in (step 0) and its receiver's out (step 1), so each
 port's seconds per all-to-all follow from per-member counts and token sums,
 not from the ``d * (d - 1)`` messages.  What both passes share is built once
 per plan (:class:`UlyssesGroups`); :meth:`UlyssesGroups.price` prices one pass.
+
+The engine posts a rank's all-to-all inputs of every group it is in as one
+batch per lane (wave 0) and its outputs as one later batch once all its
+Ulysses kernels are done (``Schedule.waves``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,6 +24,41 @@ from megatron_zeppelin.planner.plan_arrays import PlanArrays
 
 if TYPE_CHECKING:
     from megatron_zeppelin.planner.surrogate import StepSurrogate
+
+
+@functools.cache
+def alltoall_stretch(d: int) -> float:
+    """How much longer than its busiest port the replay takes to move an
+    all-to-all among ``d`` ranks (the slowest rank's batch, relative).
+
+    The replay books every transfer, when the second of its ends posts its
+    batch (ranks post in order), into the earliest window in which both of its
+    ports are free, for good: with messages of (even slightly) unequal sizes a
+    port is left with gaps no later transfer fits.  This books two groups'
+    all-to-alls of nearly equal messages by that rule (sizes ``1 + i / 1000``)."""
+    ports: list[list[tuple[float, float]]] = [[] for _ in range(2 * d)]
+    done = np.zeros(d)
+    sizes = 1 + (np.arange(2 * d) % 7) / 1000
+    for r in range(d):
+        for g in range(2):
+            for a in range(d):
+                for b in range(d):
+                    if a == b or max(a, b) != r:
+                        continue
+                    dur, start = sizes[g * d + a], 0.0
+                    moved = True
+                    while moved:
+                        moved = False
+                        for busy in (ports[2 * a], ports[2 * b + 1]):
+                            for lo, hi in busy:
+                                if lo < start + dur and hi > start:
+                                    start, moved = hi, True
+                    ports[2 * a].append((start, start + dur))
+                    ports[2 * b + 1].append((start, start + dur))
+                    done[a] = max(done[a], start + dur)
+                    done[b] = max(done[b], start + dur)
+    load = max(sum(sizes[g * d + a] for g in range(2)) * (d - 1) for a in range(d))
+    return float(done.max() / load) if d > 1 else 1.0
 
 
 class UlyssesGroups:
@@ -50,29 +90,19 @@ class UlyssesGroups:
         self.used = np.concatenate([self.near, self.near, self.far, self.far] * 2) > 0
         uniq, self.of_key = np.unique(a2a[self.used] * n_ports + port[self.used], return_inverse=True)
         self.key_a2a, self.key_port = uniq // n_ports, uniq % n_ports
-        # The groups' inputs share ports and go in the schedule's order: a
-        # group's all-to-all in has arrived once each of its ports carried it
-        # and every earlier group's input through that port.
-        inputs = np.flatnonzero(self.key_a2a % 2 == 0)
-        self.inputs = inputs[np.lexsort((self.key_a2a[inputs], self.key_port[inputs]))]
-        p_in = self.key_port[self.inputs]
-        starts = np.flatnonzero(np.r_[True, p_in[1:] != p_in[:-1]])
-        self.queue_start = np.repeat(starts, np.diff(np.r_[starts, len(p_in)]))
-        # A rank runs its groups in order: a column per rank, its groups by row.
-        by_rank = np.argsort(flat, kind="stable")
-        runs = np.flatnonzero(np.r_[True, np.diff(flat[by_rank]) != 0])
-        lengths = np.diff(np.r_[runs, len(flat)])
-        self.chain_of = np.empty(len(flat), np.int64)
-        self.nth = np.empty(len(flat), np.int64)
-        self.chain_of[by_rank] = np.repeat(np.arange(len(runs)), lengths)
-        self.nth[by_rank] = np.arange(len(flat)) - np.repeat(runs, lengths)
-        self.chain_rank, self.chain_last = flat[by_rank[runs]], lengths - 1
+        self.key_step = self.key_a2a % 2
+        self.key_group = self.key_a2a // 2
+        sizes, of = np.unique(d, return_inverse=True)
+        self.stretch = np.array([alltoall_stretch(x) for x in sizes.tolist()])[of.reshape(-1)]
+        self.n_ports = n_ports
 
-    def price(self, backward: bool, work: np.ndarray, load: np.ndarray, gate: np.ndarray):
+    def price(self, backward: bool, work: np.ndarray, load: np.ndarray, gate: np.ndarray, first: np.ndarray):
         """One pass: adds the kernels to ``work`` and the ports' seconds to
-        ``load``, sets ``gate`` (each member rank's last Ulysses kernel's end);
-        returns the function of the segment's port loads that yields each
-        member's seconds from the groups' start to its exit."""
+        ``load``, sets ``gate`` (per member rank when its inputs landed, when its
+        outputs left, its Ulysses kernels' seconds); ``first``: per rank the
+        compute lane's work before its Ulysses kernels.  Returns the function of
+        the segment's port loads that yields each member's seconds from the
+        groups' start to its exit."""
         c = self.clock
         kernel = self.kernel * c.attn_share[backward]
         np.add.at(work, self.ranks, kernel[self.gid])
@@ -89,42 +119,38 @@ class UlyssesGroups:
             held += [far * c.nic_lat + b / c.nic_bw for b in via_nic]
         sums = np.bincount(self.of_key, weights=np.concatenate(held)[self.used])
         np.add.at(load, self.key_port, sums)
-        # Each all-to-all lasts as long as its busiest port needs.
-        busiest = np.zeros(2 * self.groups)
-        np.maximum.at(busiest, self.key_a2a, sums)
-        queued = np.cumsum(sums[self.inputs])
-        queued -= (queued - sums[self.inputs])[self.queue_start]
-        arrival = np.zeros(self.groups)
-        np.maximum.at(arrival, self.key_a2a[self.inputs] // 2, queued)
-        # A rank runs its groups' kernels in order as their data arrives and
-        # sends each group's outputs once its kernel is done, one group's after
-        # another: lane_n = max(lane_n-1, arrival_n) + kernel_n and sent_n =
-        # max(sent_n-1, lane_n) + out_n.
-        shape = (int(self.nth.max()) + 1, len(self.chain_rank))
-        lane = self._chain(arrival[self.gid], kernel[self.gid], shape)
-        sent = self._chain(lane[self.nth, self.chain_of], busiest[1::2][self.gid], shape)
-        last = (self.chain_last, np.arange(shape[1]))
-        lane_of, sent_of = np.zeros(self.w), np.zeros(self.w)
-        lane_of[self.chain_rank], sent_of[self.chain_rank] = lane[last], sent[last]
-        gate[self.ranks] = lane_of[self.ranks]
-        group_of_key = self.key_a2a // 2
+        # A group's all-to-all has moved once the busiest port it uses has
+        # carried every group's all-to-all of that step through it (a rank posts
+        # all its groups' at once), stretched as the replay books unequal messages.
+        busiest = []
+        for step in (0, 1):
+            on = self.key_step == step
+            per_port = np.bincount(self.key_port[on], sums[on], self.n_ports)
+            most = np.zeros(self.groups)
+            np.maximum.at(most, self.key_group[on], per_port[self.key_port[on]])
+            busiest.append(most * self.stretch)
+        ranks, gid, w = self.ranks, self.gid, self.w
+        # A rank's batch of inputs has landed once all its groups' have; it then
+        # runs its kernels and posts its outputs.  A group's outputs are over
+        # once its busiest port carried them from its first member's post on, and
+        # once its last member moved its own (sent and received).
+        landed = np.zeros(w)
+        np.maximum.at(landed, ranks, busiest[0][gid])
+        kernel_s = np.bincount(ranks, kernel[gid], w)
+        computed = np.maximum(landed, first) + kernel_s
+        own_out, own_in = held[4] + held[6], held[5] + held[7]       # step 1's NVLink and NIC, per member
+        moved = np.maximum(np.bincount(ranks, own_out, w), np.bincount(ranks, own_in, w))
+        posted = np.full(self.groups, np.inf)
+        np.minimum.at(posted, gid, computed[ranks])
+        out_end = posted + busiest[1]
+        np.maximum.at(out_end, gid, (computed + moved)[ranks])
+        sent = np.zeros(w)
+        np.maximum.at(sent, ranks, out_end[gid])
+        gate[0][ranks], gate[1][ranks], gate[2][ranks] = landed[ranks], sent[ranks], kernel_s[ranks]
 
         def finish(total: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             drain = np.zeros(self.groups)
-            np.maximum.at(drain, group_of_key, total[self.key_port])
-            return self.ranks, self.gid, np.maximum(sent_of[self.ranks], drain[self.gid])
+            np.maximum.at(drain, self.key_group, total[self.key_port])
+            return ranks, gid, np.maximum(sent[ranks], drain[gid])
 
         return finish
-
-    def _chain(self, ready: np.ndarray, cost: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-        """Per (n-th group, rank) ``x_n = max(x_n-1, ready_n) + cost_n`` from
-        ``x = 0``, every rank's n-th group at once.  Added one by one as the
-        engine's lane runs them: a closed form (running maxima of prefix sums)
-        rounds differently for the same groups in another order, and breaks
-        the decision's ties between such plans."""
-        r, m = np.zeros(shape), np.zeros(shape)
-        r[self.nth, self.chain_of], m[self.nth, self.chain_of] = ready, cost
-        x = np.zeros(shape)
-        for n in range(shape[0]):
-            x[n] = np.maximum(x[n - 1] if n else 0.0, r[n]) + m[n]
-        return x
