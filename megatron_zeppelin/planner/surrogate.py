@@ -148,7 +148,12 @@ class StepSurrogate:
         self.nvl_lat, self.nvl_bw = c.nvlink.latency_us * 1e-6, c.nvlink.bandwidth_GBps * 1e9
         self.nic_lat, self.nic_bw = c.nic.latency_us * 1e-6, c.nic.bandwidth_GBps * 1e9
         self.threshold = min_routed_bytes(cost) if cost.routing else math.inf
-        self.on_nic = [np.flatnonzero(self.affinity == j) for j in range(self.nics)]
+        # Per NIC the GPUs on it (a row each, padded), and how many.
+        on_nic = [np.flatnonzero(self.affinity == j) for j in range(self.nics)]
+        self.nic_gpus = np.zeros((self.nics, max(map(len, on_nic))), np.int64)
+        for j, gpus in enumerate(on_nic):
+            self.nic_gpus[j, :len(gpus)] = gpus
+        self.nic_count = np.array([len(x) for x in on_nic])[:, None]
         self.linear_memo: dict[float, float] = {}
 
     # ----------------------------------------------------------------- links
@@ -168,44 +173,53 @@ class StepSurrogate:
         inn = np.where(inside, 2 * dst + 1, 2 * world + 2 * ((dst // g) * self.nics + self.affinity[dst % g]) + 1)
         return inside, out, inn
 
-    def _transfers(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, w: int,
-                   routed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The legs of the messages from ``src`` to ``dst``, as ``schedule/routing.py``
-        cuts them: (message index, port, seconds the leg holds the port, hop:
-        :data:`DIRECT`, :data:`DISPATCH`, :data:`NIC` or :data:`COMBINE`).  A direct
-        message holds its sender's egress and its receiver's ingress port.  A
-        routed one (across nodes, at least the break-even) goes in ``P`` pieces,
-        piece ``j`` dispatched over NVLink to the sender's proxy on NIC ``j`` (none
-        when the sender sits on it), through NIC ``j`` to the proxy's twin on the
-        receiver's node, and combined into the receiver (none when the twin is
-        the receiver): three waves, each a hop of the engine's lanes."""
+    def _hops(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, w: int, routed: bool) -> list[tuple]:
+        """The hops of the messages from ``src`` to ``dst``, as ``schedule/routing.py``
+        cuts them: (which of the arrays' entries are a transfer, or None for all;
+        message index, egress port, ingress port, seconds the transfer holds
+        both, hop: :data:`DIRECT`, :data:`DISPATCH`, :data:`NIC` or :data:`COMBINE`).
+        A direct message holds its sender's egress and its receiver's ingress
+        port.  A routed one (across nodes, at least the break-even) goes in ``P``
+        pieces, piece ``j`` dispatched over NVLink to the sender's proxy on NIC
+        ``j`` (none when the sender sits on it), through NIC ``j`` to the proxy's
+        twin on the receiver's node, and combined into the receiver (none when
+        the twin is the receiver): three waves, each a hop of the engine's lanes."""
         inside, out, inn = self._ports(src, dst, w)
         seconds = np.where(inside, self.nvl_lat + nbytes / self.nvl_bw, self.nic_lat + nbytes / self.nic_bw)
         ids = np.arange(len(src))
-        route = ~inside & (nbytes >= self.threshold) if routed and self.nics > 1 else np.zeros(len(src), bool)
+        if not (routed and self.nics > 1):
+            return [(None, ids, out, inn, seconds, DIRECT)]
+        route = ~inside & (nbytes >= self.threshold)
         direct = ~route
-        hop = np.full(int(direct.sum()), DIRECT)
-        legs = [(ids[direct], out[direct], seconds[direct], hop), (ids[direct], inn[direct], seconds[direct], hop)]
+        hops = [(direct, ids, out, inn, seconds, DIRECT)]
         if route.any():
             P, g = self.nics, self.gpn
-            i, s, t = ids[route], src[route], dst[route]
-            d = self.nvl_lat + nbytes[route] / P / self.nvl_bw
-            n = self.nic_lat + nbytes[route] / P / self.nic_bw
+            # (piece j, routed message) arrays: piece j crosses NIC j
+            j = np.arange(P)[:, None]
+            i, s, t = (np.broadcast_to(x[route], (P, int(route.sum()))) for x in (ids, src, dst))
+            d = np.broadcast_to(self.nvl_lat + nbytes[route] / P / self.nvl_bw, s.shape)
+            n = np.broadcast_to(self.nic_lat + nbytes[route] / P / self.nic_bw, s.shape)
             base = s - s % g
-            twin = base + t % g
-            every = np.ones(len(i), bool)
-            for j in range(P):
-                on_nic = self.on_nic[j]
-                # the sender, else the receiver's twin, else a GPU of the NIC rotated by message
-                proxy = np.where(self.affinity[s % g] == j, s,
-                                 np.where(self.affinity[t % g] == j, twin, base + on_nic[(s + t) % len(on_nic)]))
-                peer = t - t % g + proxy % g
-                for on, a, b, sec, kind in ((proxy != s, 2 * s, 2 * proxy + 1, d, DISPATCH),
-                                            (every, 2 * w + 2 * ((s // g) * P + j),
-                                             2 * w + 2 * ((t // g) * P + j) + 1, n, NIC),
-                                            (peer != t, 2 * peer, 2 * t + 1, d, COMBINE)):
-                    kinds = np.full(int(on.sum()), kind)
-                    legs += [(i[on], a[on], sec[on], kinds), (i[on], b[on], sec[on], kinds)]
+            # the sender, else the receiver's twin, else a GPU of the NIC rotated by message
+            proxy = np.where(self.affinity[s % g] == j, s,
+                             np.where(self.affinity[t % g] == j, base + t % g,
+                                      base + self.nic_gpus[j, (s + t) % self.nic_count]))
+            peer = t - t % g + proxy % g
+            hops += [(proxy != s, i, 2 * s, 2 * proxy + 1, d, DISPATCH),
+                     (None, i, 2 * w + 2 * ((s // g) * P + j), 2 * w + 2 * ((t // g) * P + j) + 1, n, NIC),
+                     (peer != t, i, 2 * peer, 2 * t + 1, d, COMBINE)]
+        return hops
+
+    def _transfers(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, w: int,
+                   routed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The legs of the messages from ``src`` to ``dst`` (:meth:`_hops`): (message
+        index, port, seconds the leg holds the port, hop), each transfer's
+        egress leg and ingress leg."""
+        legs = []
+        for on, i, a, b, sec, kind in self._hops(src, dst, nbytes, w, routed):
+            i, a, b, sec = (x.ravel() if on is None else x[on] for x in (i, a, b, sec))
+            kinds = np.full(len(i), kind)
+            legs += [(i, a, sec, kinds), (i, b, sec, kinds)]
         msg, port, sec, hops = (np.concatenate(x) for x in zip(*legs))
         return msg, port, sec, hops
 
@@ -443,9 +457,11 @@ class StepSurrogate:
         src, dst, tokens = messages
         if reverse:
             src, dst = dst, src
-        load = np.zeros(self._n_ports(w))
-        _, port, held, _ = self._transfers(src, dst, tokens * self.row_bytes, w, routed)
-        np.add.at(load, port, held)
+        n_ports = self._n_ports(w)
+        load = np.zeros(n_ports)
+        for on, _, a, b, sec, _ in self._hops(src, dst, tokens * self.row_bytes, w, routed):
+            sec = sec if on is None else np.where(on, sec, 0.0)
+            load += np.bincount(a.ravel(), sec.ravel(), n_ports) + np.bincount(b.ravel(), sec.ravel(), n_ports)
         g = self.gpn
         r = np.arange(w)
         nic = 2 * w + 2 * ((r // g) * self.nics + self.affinity[r % g])
@@ -475,14 +491,16 @@ class StepSurrogate:
         msgs = layout.remap
         linear = self._linear_s(layout.linear_tokens)
         groups = UlyssesGroups(self, layout, w, self._n_ports(w)) if len(layout.group_len) else None
+        # the remap's two directions (forward's to-linear is backward's to-attention)
+        switch = {reverse: self._switch(msgs, w, routed, reverse) for reverse in PASSES} if msgs is not None else None
         parts = {}
         for bw in PASSES:
             seq = [("attn", self._attention(w, layout, groups, bw, routed))]
-            if msgs is not None:
-                seq.append(("to_linear", self._switch(msgs, w, routed, reverse=bw)))
+            if switch is not None:
+                seq.append(("to_linear", switch[bw]))
             seq.append(("linear", _Segment(linear * self.lin_share[bw], [])))
-            if msgs is not None:
-                seq.append(("to_attn", self._switch(msgs, w, routed, reverse=not bw)))
+            if switch is not None:
+                seq.append(("to_attn", switch[not bw]))
             parts[bw] = seq
         m = REPLAYED_LAYERS
         layers = self.layers
