@@ -3,8 +3,8 @@
 One function runs a whole chain of segments over flat arrays: the segments'
 static data (durations, ports, dependency lists, lanes) is laid out once per
 distinct segment and looked up through ``chain_seg``; what changes while the
-chain runs (dependency counters, entry and exit times, the heaps, each port's
-busy intervals) lives in arrays sized for the whole chain up front, so nothing
+chain runs (dependency counters, entry and exit times, the heaps, when each
+port is free) lives in arrays sized for the whole chain up front, so nothing
 is allocated while it runs.  The rules are those of the module docstring of
 ``sim/replay.py``; every floating-point operation is the one the rules name,
 in the order they name it, so a replay is a pure function of its inputs, bit
@@ -71,63 +71,6 @@ def _key_pop(heap, base, n):
 
 
 @njit(cache=True)
-def _book(starts, ends, head, count, a, b, t, dur):
-    """The earliest window of ``dur`` from ``t`` on in which ports ``a`` and ``b``
-    are both free; booked on both.  Port ``p``'s busy intervals are
-    ``starts/ends[head[p] : head[p] + count[p]]``: they never overlap, so sorted
-    by start they are sorted by end.  Nothing can be booked before ``t`` any
-    more, so intervals that end by then are dropped."""
-    for port in (a, b):
-        while count[port] and ends[head[port]] <= t:
-            head[port] += 1
-            count[port] -= 1
-    start = t
-    clear = 0                          # ports in a row found free at ``start``
-    port = a
-    at_a, at_b = head[a], head[b]      # each port's first interval ending after ``start``
-    while clear < 2:                   # move past the interval of either port that overlaps
-        hi = head[port] + count[port]
-        i = at_a if port == a else at_b
-        while i < hi and ends[i] <= start:     # ``start`` only grows
-            i += 1
-        if port == a:
-            at_a = i
-        else:
-            at_b = i
-        if i < hi and starts[i] < start + dur:
-            start = ends[i]            # this port again from there, then the other
-            clear = 0
-        else:
-            clear += 1
-            port = b if port == a else a
-    end = start + dur
-    # The last two checks found both ports free at ``start``: ``at_a`` and ``at_b``
-    # are their first intervals ending after it, where the booking goes.
-    for port in (a, b):
-        lo, hi = head[port], head[port] + count[port]
-        i = at_a if port == a else at_b
-        # Touching intervals merge, so a port busy back to back is one interval
-        # and a later booking jumps it in one step.
-        joins_before = i > lo and ends[i - 1] == start
-        joins_after = i < hi and starts[i] == end
-        if joins_before and joins_after:
-            ends[i - 1] = ends[i]
-            for x in range(i, hi - 1):
-                starts[x], ends[x] = starts[x + 1], ends[x + 1]
-            count[port] -= 1
-        elif joins_before:
-            ends[i - 1] = end
-        elif joins_after:
-            starts[i] = start
-        else:                          # room: a port's slots outnumber its bookings
-            for x in range(hi, i, -1):
-                starts[x], ends[x] = starts[x - 1], ends[x - 1]
-            starts[i], ends[i] = start, end
-            count[port] += 1
-    return start
-
-
-@njit(cache=True)
 def _soon(now, tail, ev_kind, ev_inst, ev_what, counter, kind, k, what):
     """Queue event (``kind``, instance ``k``, ``what``) at the current instant;
     returns the FIFO's new tail and the event counter."""
@@ -174,16 +117,12 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
     inst_base = np.zeros(n_inst + 1, np.int64)
     inst_bat = np.zeros(n_inst + 1, np.int64)     # each instance's first batch
     compute_cap = np.zeros(world, np.int64)     # compute ops per rank over the chain
-    port_cap = np.zeros(n_ports, np.int64)      # transfers per port over the chain
     for k in range(n_inst):
         s = chain_seg[k]
         inst_base[k + 1] = inst_base[k] + seg_base[s + 1] - seg_base[s]
         inst_bat[k + 1] = inst_bat[k] + bat_base[s + 1] - bat_base[s]
         for i in range(seg_base[s], seg_base[s + 1]):
-            if op_comm[i]:
-                port_cap[port_out[i]] += 1
-                port_cap[port_in[i]] += 1
-            else:
+            if not op_comm[i]:
                 compute_cap[op_rank[i]] += 1
     total = inst_base[n_inst]
     total_bat = inst_bat[n_inst]
@@ -230,12 +169,7 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
     for r in range(1, world):
         lane_base[r] = lane_base[r - 1] + compute_cap[r - 1]
     lane_n = np.zeros(world, np.int64)
-    port_head = np.zeros(n_ports, np.int64)
-    for p in range(1, n_ports):
-        port_head[p] = port_head[p - 1] + port_cap[p - 1]
-    port_count = np.zeros(n_ports, np.int64)
-    busy_starts = np.empty(max(port_cap.sum(), 1))
-    busy_ends = np.empty(max(port_cap.sum(), 1))
+    port_free = np.zeros(n_ports)       # when each port has carried every transfer charged to it
 
     # Events: the heap holds (time, order); what an event is lives at its order.
     # Each op is ready once and done once (a transfer: moved once, done on each
@@ -299,7 +233,8 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
                     now_tail, counter = _soon(now, now_tail, ev_kind, ev_inst, ev_what, counter, POST, k, b)
         elif kind == POST:
             # A batch is posted: each of its transfers whose other end is posted
-            # too takes the earliest window of both its ports from now on.
+            # too is charged to its two ports, each carrying its transfers one
+            # after another from now on; it has moved once both have carried it.
             sb, bb = seg_base[chain_seg[k]], bat_base[chain_seg[k]]
             b = what - inst_bat[k] + bb
             for x in range(bat_ptr[b], bat_ptr[b + 1]):
@@ -309,8 +244,10 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
                 if posted_ends[g] < 2:
                     continue
                 dur = op_sec[sb + op]
-                start = _book(busy_starts, busy_ends, port_head, port_count, port_out[sb + op],
-                              port_in[sb + op], t, dur)
+                a, z = port_out[sb + op], port_in[sb + op]
+                start, at_in = max(t, port_free[a]), max(t, port_free[z])
+                port_free[a], port_free[z] = start + dur, at_in + dur
+                start = max(start, at_in)
                 op_start[g] = start
                 op_end[g] = start + dur
                 counter += 1

@@ -16,15 +16,22 @@ The replay executes the ops of ``schedule/`` with the engine's lane rules
   forwarding hop waits for) and does its lane post the next batch -- as NCCL
   runs the engine's batches (``comm/lanes.py``: one grouped kernel per batch
   on the lane's stream, one completion for all of it);
-* links: every transfer holds its sender's egress port and its receiver's
-  ingress port -- the GPU's NVLink inside a node, the NIC it leaves through and
-  the NIC it enters across nodes -- for ``latency + bytes / bandwidth``; a port
-  serves one transfer at a time.  A transfer takes the earliest window, from
-  its post on, in which both of its ports are free: a port waiting for a busy
-  peer is not held idle meanwhile (packets of other transfers use it), which
-  matters for all-to-alls, where a port-by-port queue would convoy.  Routed
-  pieces are ops of their own (dispatch, NIC, combine), so their legs compete
-  for NVLink and NICs like any other traffic.
+* links: every transfer goes out through its sender's egress port and in
+  through its receiver's ingress port -- the GPU's NVLink inside a node, the
+  NIC it leaves through and the NIC it enters across nodes -- for ``latency +
+  bytes / bandwidth`` on each.  NCCL runs a batch's sends and receives together
+  (one grouped kernel, ``comm/p2p.py``), so the transfers on a port share its
+  bandwidth and the port is never idle while one of them has bytes left: each
+  port carries the transfers charged to it back to back, in the order they
+  start (both ends posted), from when each starts, and a transfer has moved
+  once both of its ports have carried it.  So an all-to-all (a Ulysses group's,
+  overlapping groups on shared ranks) is done when its busiest port has moved
+  its bytes, whatever its message sizes; booking each transfer into a window
+  where both ports were exclusively free fragmented the windows when messages
+  differed by as little as one token (1.1-1.7x the busiest port's load).  A
+  ring's wave puts one transfer on each port and starts it at once, as before.
+  Routed pieces are ops of their own (dispatch, NIC, combine), so their legs
+  compete for NVLink and NICs like any other traffic.
 
 A step is a chain of *segments*, one per engine call (a layer's attention, a
 layout switch) plus the linear work between them.  As in the engine, a rank
