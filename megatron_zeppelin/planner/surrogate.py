@@ -490,7 +490,7 @@ class StepSurrogate:
         routed = routed and self.cost.routing
         msgs = layout.remap
         linear = self._linear_s(layout.linear_tokens)
-        groups = UlyssesGroups(self, layout, w, self._n_ports(w)) if len(layout.group_len) else None
+        groups = UlyssesGroups(self, layout, w) if len(layout.group_len) else None
         # the remap's two directions (forward's to-linear is backward's to-attention)
         switch = {reverse: self._switch(msgs, w, routed, reverse) for reverse in PASSES} if msgs is not None else None
         parts = {}
@@ -535,7 +535,12 @@ class StepSurrogate:
             start = float(entry[busy].max())
             return np.where(busy, start + seg.alltoall, entry)
         out = entry + seg.work
-        for flat, gid, end in seg.chains:
+        for chain in seg.chains:
+            if callable(chain):                 # the members' exits from their entries
+                flat, exits = chain(entry)
+                np.maximum.at(out, flat, exits)
+                continue
+            flat, gid, end = chain
             start = np.full(gid.max() + 1, -np.inf)
             np.maximum.at(start, gid, entry[flat])
             np.maximum.at(out, flat, start[gid] + end)

@@ -1,21 +1,24 @@
 """The surrogate clock's Ulysses groups (``planner/surrogate.py``).
 
 A group of ``d`` ranks runs an all-to-all in (always direct), its kernel on
-``1/d`` of the heads, and an all-to-all out.  A member's messages take NVLink
-to the other members on its node and its NIC to the rest; a message carries
-its sender's tokens in (step 0) and its receiver's out (step 1), so each
-port's seconds per all-to-all follow from per-member counts and token sums,
-not from the ``d * (d - 1)`` messages.  What both passes share is built once
-per plan (:class:`UlyssesGroups`); :meth:`UlyssesGroups.price` prices one pass.
-
-The engine posts a rank's all-to-all inputs of every group it is in as one
-batch per lane (wave 0) and its outputs as one later batch once all its
-Ulysses kernels are done (``Schedule.waves``).
+``1/d`` of the heads, and an all-to-all out: ``d * (d - 1)`` messages each, a
+message carrying its sender's tokens in and its receiver's out, over NVLink
+to a member on its node and through the NICs to the rest.  As the engine runs
+them (``Schedule.waves``, ``comm/lanes.py``), a rank posts its inputs of every
+group it is in as one batch per lane (NVLink, NIC) at once, and its outputs
+as one later batch per lane once the kernels of that lane's groups are done;
+a kernel's data is there once its rank's batches it came by are done.  Every
+port carries its messages back to back in the order they start (both ends
+posted), and a message has moved once both its ports carried it -- the
+replay's rule, followed message by message in numpy (a sort per pass and
+a running maximum per port), so the members of overlapping groups land and
+leave when the replay has them land and leave.  What both passes share is
+built once per plan (:class:`UlyssesGroups`); :meth:`UlyssesGroups.price`
+prices one pass.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,131 +29,175 @@ if TYPE_CHECKING:
     from megatron_zeppelin.planner.surrogate import StepSurrogate
 
 
-@functools.cache
-def alltoall_stretch(d: int) -> float:
-    """How much longer than its busiest port the replay takes to move an
-    all-to-all among ``d`` ranks (the slowest rank's batch, relative).
-
-    The replay books every transfer, when the second of its ends posts its
-    batch (ranks post in order), into the earliest window in which both of its
-    ports are free, for good: with messages of (even slightly) unequal sizes a
-    port is left with gaps no later transfer fits.  This books two groups'
-    all-to-alls of nearly equal messages by that rule (sizes ``1 + i / 1000``)."""
-    ports: list[list[tuple[float, float]]] = [[] for _ in range(2 * d)]
-    done = np.zeros(d)
-    sizes = 1 + (np.arange(2 * d) % 7) / 1000
-    for r in range(d):
-        for g in range(2):
-            for a in range(d):
-                for b in range(d):
-                    if a == b or max(a, b) != r:
-                        continue
-                    dur, start = sizes[g * d + a], 0.0
-                    moved = True
-                    while moved:
-                        moved = False
-                        for busy in (ports[2 * a], ports[2 * b + 1]):
-                            for lo, hi in busy:
-                                if lo < start + dur and hi > start:
-                                    start, moved = hi, True
-                    ports[2 * a].append((start, start + dur))
-                    ports[2 * b + 1].append((start, start + dur))
-                    done[a] = max(done[a], start + dur)
-                    done[b] = max(done[b], start + dur)
-    load = max(sum(sizes[g * d + a] for g in range(2)) * (d - 1) for a in range(d))
-    return float(done.max() / load) if d > 1 else 1.0
+def _carried(held: np.ndarray, start: np.ndarray, first: np.ndarray, lift: np.ndarray) -> np.ndarray:
+    """When each leg has been carried, legs listed port by port in the order
+    their port carries them: ``end = max(start, previous end) + held`` along each
+    port, from 0.  ``first``: per leg the first leg of its port; ``lift``: per
+    leg its port's place (0, 1, 2, ... by port)."""
+    before = np.cumsum(held)
+    before -= before[first] - held[first]            # carried along the port, this leg included
+    if not start.any():
+        return before
+    # end_k = C_k + max over j <= k on its port of (start_j - C_(j-1)): a running
+    # maximum that restarts per port (each port's values lifted above the last's).
+    lead = start - (before - held)
+    lift = lift * (np.abs(lead).max() * 2 + 1)
+    return before + np.maximum.accumulate(lead + lift) - lift
 
 
 class UlyssesGroups:
     """A plan's Ulysses groups under one clock, ready to price either pass."""
 
-    def __init__(self, clock: StepSurrogate, layout: PlanArrays, w: int, n_ports: int) -> None:
+    def __init__(self, clock: StepSurrogate, layout: PlanArrays, w: int) -> None:
         self.clock, self.w = clock, w
         L, d, flat = layout.group_len, layout.group_size, layout.group_ranks
         G = len(L)
         gid = np.repeat(np.arange(G), d)                                     # group of each member
         member = np.arange(len(flat)) - (np.cumsum(d) - d)[gid]              # position in its group
         self.ranks, self.gid, self.groups = flat, gid, G
-        self.tokens = ((member + 1) * L[gid] // d[gid] - member * L[gid] // d[gid]).astype(np.float64)
+        tokens = ((member + 1) * L[gid] // d[gid] - member * L[gid] // d[gid]).astype(np.float64)
         # attn_s per group before the pass's share: pairs / d at block L
         self.kernel = clock._attn_s(((L * (L + 1) // 2) // d).astype(np.float64), L.astype(np.float64))
-        node = flat // clock.gpn
-        _, of, on_node = np.unique(gid * (w // clock.gpn) + node, return_inverse=True, return_counts=True)
-        node_tokens = np.bincount(of, weights=self.tokens)[of]
-        self.near, self.far = on_node[of] - 1, d[gid] - on_node[of]         # peers on its node, elsewhere
-        self.near_tokens, self.far_tokens = node_tokens - self.tokens, L[gid] - node_tokens
         hq, hk = clock.q_heads // d, clock.kv_heads // d
         row = clock.head_dim * clock.isz
-        self.q_row, self.qkv_row = (hq * row)[gid], ((hq + 2 * hk) * row)[gid]   # bytes per token
-        # Each member's ports per all-to-all (in, then out): NVLink out and
-        # in, NIC out and in; a port it does not use carries nothing.
-        nic = 2 * w + 2 * (node * clock.nics + clock.affinity[flat % clock.gpn])
-        port = np.concatenate([2 * flat, 2 * flat + 1, nic, nic + 1] * 2)
-        a2a = np.concatenate([2 * gid + step for step in (0, 1) for _ in range(4)])
-        self.used = np.concatenate([self.near, self.near, self.far, self.far] * 2) > 0
-        uniq, self.of_key = np.unique(a2a[self.used] * n_ports + port[self.used], return_inverse=True)
-        self.key_a2a, self.key_port = uniq // n_ports, uniq % n_ports
-        self.key_step = self.key_a2a % 2
-        self.key_group = self.key_a2a // 2
-        sizes, of = np.unique(d, return_inverse=True)
-        self.stretch = np.array([alltoall_stretch(x) for x in sizes.tolist()])[of.reshape(-1)]
-        self.n_ports = n_ports
+        q_row, qkv_row = (hq * row)[gid], ((hq + 2 * hk) * row)[gid]       # bytes per token, per member
+
+        # Messages in the schedule's order: group by group, sender-major.
+        gm = np.repeat(np.arange(G), d * d)
+        cell = np.arange(len(gm)) - np.repeat(np.cumsum(d * d) - d * d, d * d)
+        a, b = cell // d[gm], cell % d[gm]
+        keep = a != b
+        first = (np.cumsum(d) - d)[gm[keep]]
+        sender, receiver = first + a[keep], first + b[keep]                  # member indices
+        src, dst = flat[sender], flat[receiver]
+        inside, out, inn = clock._ports(src, dst, w)
+        self.src, self.dst, self.m = src, dst, len(src)
+        self.lane = np.where(inside, 0, 1)                                   # NVLink lane, NIC lane
+        lat = np.where(inside, clock.nvl_lat, clock.nic_lat)
+        bw = np.where(inside, clock.nvl_bw, clock.nic_bw)
+        # (inputs, outputs) seconds per pass: in, a message carries its sender's
+        # rows; out, its receiver's; Q/K/V (forward in, backward out) or Q-shaped.
+        fwd = (lat + tokens[sender] * qkv_row[sender] / bw, lat + tokens[receiver] * q_row[receiver] / bw)
+        bwd = (lat + tokens[sender] * q_row[sender] / bw, lat + tokens[receiver] * qkv_row[receiver] / bw)
+        self.seconds = {False: fwd, True: bwd}
+        self.port = np.concatenate([out, inn])                               # a message's two legs
+        # Inputs start together: as the later of their ends posts (ranks post in
+        # rank order, a rank's messages in the schedule's).
+        later = np.maximum(src, dst)
+        self.in_rank = np.tile(np.argsort(later, kind="stable").argsort(), 2)
+        self.in_order = np.lexsort((self.in_rank, self.port))
+        # Sorted by port, legs fall in the same runs whatever their order within.
+        by_port = self.port[self.in_order]
+        runs = np.flatnonzero(np.r_[True, by_port[1:] != by_port[:-1]])
+        self.run_first = np.repeat(runs, np.diff(np.r_[runs, len(by_port)]))
+        self.run_lift = np.cumsum(np.r_[0.0, by_port[1:] != by_port[:-1]])
+        # Per (rank, lane), the messages it sends or receives: a run each.
+        touch = np.concatenate([src * 2 + self.lane, dst * 2 + self.lane])
+        by_touch = np.argsort(touch, kind="stable")
+        self.touch_msg = np.tile(np.arange(len(src)), 2)[by_touch]
+        keys = touch[by_touch]
+        self.touch_at = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+        self.touch_key = keys[self.touch_at]
+        # A leg's key for ordering its port's legs: (port, when it starts, then
+        # as the inputs at equal times), as one integer -- the start's place among
+        # at most 2 w distinct post times in the middle.
+        place = np.empty(len(by_port), np.int64)
+        place[self.in_order] = self.run_lift
+        m2 = 2 * len(src)
+        self.key_port = place * (2 * w * m2) + self.in_rank
+        self.key_start = m2
+        # Which lanes a member's messages of its group take (it receives on each).
+        self.member_lanes = np.zeros((2, len(flat)), bool)
+        self.member_lanes[self.lane, receiver] = True
+        # A rank's groups as a column, by row: the n-th group of every rank at once.
+        by_rank = np.argsort(flat, kind="stable")
+        runs = np.flatnonzero(np.r_[True, np.diff(flat[by_rank]) != 0])
+        lengths = np.diff(np.r_[runs, len(flat)])
+        self.chain_rank = flat[by_rank[runs]]
+        self.chain_of = np.empty(len(flat), np.int64)
+        self.chain_of[by_rank] = np.repeat(np.arange(len(runs)), lengths)
+        self.chain_len = int(lengths.max()) if len(lengths) else 0
+
+    def _order(self, post: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """The legs port by port in the order their messages start: as the later
+        of ``post[a]`` and ``post[b]``, ties as the inputs."""
+        place = np.empty(len(post), np.int64)
+        place[np.argsort(post, kind="stable")] = np.arange(len(post))
+        later = np.maximum(place[a], place[b])
+        return np.argsort(self.key_port + np.concatenate([later, later]) * self.key_start)
+
+    def _moved(self, seconds: np.ndarray, order: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """When each message has moved, starting at ``start``, its legs carried in
+        ``order`` (port by port)."""
+        held = np.concatenate([seconds, seconds])[order]
+        at = np.empty(2 * self.m)
+        at[order] = _carried(held, np.concatenate([start, start])[order], self.run_first, self.run_lift)
+        return np.maximum(at[:self.m], at[self.m:])
+
+    def _per_lane(self, values: np.ndarray) -> np.ndarray:
+        """(lane, rank): the latest of ``values`` over the messages each rank sends
+        or receives on each lane (0 where none)."""
+        out = np.zeros(2 * self.w)
+        out[self.touch_key] = np.maximum.reduceat(values[self.touch_msg], self.touch_at)
+        return out.reshape(self.w, 2).T
 
     def price(self, backward: bool, work: np.ndarray, load: np.ndarray, gate: np.ndarray, first: np.ndarray):
         """One pass: adds the kernels to ``work`` and the ports' seconds to
         ``load``, sets ``gate`` (per member rank when its inputs landed, when its
-        outputs left, its Ulysses kernels' seconds); ``first``: per rank the
-        compute lane's work before its Ulysses kernels.  Returns the function of
-        the segment's port loads that yields each member's seconds from the
-        groups' start to its exit."""
-        c = self.clock
-        kernel = self.kernel * c.attn_share[backward]
-        np.add.at(work, self.ranks, kernel[self.gid])
-        near, far, own = self.near, self.far, self.tokens
-        held = []
-        for step, row in enumerate((self.q_row, self.qkv_row) if backward else (self.qkv_row, self.q_row)):
-            # (out, in) bytes of the member's ports: in step 0 it sends its own
-            # tokens to each peer, in step 1 it receives its own tokens from each
-            nvl = (near * (own * row), self.near_tokens * row)
-            via_nic = (far * (own * row), self.far_tokens * row)
-            if step == 1:
-                nvl, via_nic = nvl[::-1], via_nic[::-1]
-            held += [near * c.nvl_lat + b / c.nvl_bw for b in nvl]
-            held += [far * c.nic_lat + b / c.nic_bw for b in via_nic]
-        sums = np.bincount(self.of_key, weights=np.concatenate(held)[self.used])
-        np.add.at(load, self.key_port, sums)
-        # A group's all-to-all has moved once the busiest port it uses has
-        # carried every group's all-to-all of that step through it (a rank posts
-        # all its groups' at once), stretched as the replay books unequal messages.
-        busiest = []
-        for step in (0, 1):
-            on = self.key_step == step
-            per_port = np.bincount(self.key_port[on], sums[on], self.n_ports)
-            most = np.zeros(self.groups)
-            np.maximum.at(most, self.key_group[on], per_port[self.key_port[on]])
-            busiest.append(most * self.stretch)
-        ranks, gid, w = self.ranks, self.gid, self.w
-        # A rank's batch of inputs has landed once all its groups' have; it then
-        # runs its kernels and posts its outputs.  A group's outputs are over
-        # once its busiest port carried them from its first member's post on, and
-        # once its last member moved its own (sent and received).
-        landed = np.zeros(w)
-        np.maximum.at(landed, ranks, busiest[0][gid])
-        kernel_s = np.bincount(ranks, kernel[gid], w)
-        computed = np.maximum(landed, first) + kernel_s
-        own_out, own_in = held[4] + held[6], held[5] + held[7]       # step 1's NVLink and NIC, per member
-        moved = np.maximum(np.bincount(ranks, own_out, w), np.bincount(ranks, own_in, w))
-        posted = np.full(self.groups, np.inf)
-        np.minimum.at(posted, gid, computed[ranks])
-        out_end = posted + busiest[1]
-        np.maximum.at(out_end, gid, (computed + moved)[ranks])
-        sent = np.zeros(w)
-        np.maximum.at(sent, ranks, out_end[gid])
-        gate[0][ranks], gate[1][ranks], gate[2][ranks] = landed[ranks], sent[ranks], kernel_s[ranks]
+        outputs left, its Ulysses kernels' seconds, all entering at 0);
+        ``first``: per rank the compute lane's work before its Ulysses kernels.
+        Returns the function of the segment's port loads that yields the
+        function of the ranks' entry times that yields (member ranks, their exits)."""
+        w, ranks = self.w, self.ranks
+        kernel = (self.kernel * self.clock.attn_share[backward])[self.gid]
+        np.add.at(work, ranks, kernel)
+        sec_in, sec_out = self.seconds[backward]
+        n_ports = len(load)
+        load += np.bincount(self.port, np.concatenate([sec_in, sec_in]), n_ports)
+        load += np.bincount(self.port, np.concatenate([sec_out, sec_out]), n_ports)
 
-        def finish(total: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            drain = np.zeros(self.groups)
-            np.maximum.at(drain, self.key_group, total[self.key_port])
-            return ranks, gid, np.maximum(sent[ranks], drain[gid])
+        def run(entry: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            return self._run(entry, kernel, sec_in, sec_out, first)
 
-        return finish
+        landed, sent = run(np.zeros(w))[1:]
+        gate[0][ranks], gate[1][ranks] = landed[ranks], sent[ranks]
+        gate[2][ranks] = np.bincount(ranks, kernel, w)[ranks]
+        return lambda total: (lambda entry: (ranks, run(entry)[2][ranks]))
+
+    def _run(self, entry: np.ndarray, kernel: np.ndarray, sec_in: np.ndarray, sec_out: np.ndarray,
+             first: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The groups with each rank posting its inputs at ``entry``: per rank
+        (its kernels' end, when its inputs landed, when its outputs left)."""
+        w, ranks = self.w, self.ranks
+        src_e, dst_e = entry[self.src], entry[self.dst]
+        if (src_e == dst_e).all():                      # every message starts at once
+            at = entry[self.src]
+            order = self.in_order
+        else:
+            at = np.maximum(src_e, dst_e)
+            order = self._order(entry, self.src, self.dst)
+        landed = np.maximum(self._per_lane(self._moved(sec_in, order, at)), entry)
+        # A member's kernel runs once its rank's batches its inputs came by are
+        # done; a rank runs its kernels as their data lands.
+        ready = np.where(self.member_lanes, landed[:, ranks], 0.0).max(axis=0)
+        shape = (self.chain_len, len(self.chain_rank))
+        nth = np.lexsort((self.gid, ready, self.chain_of))
+        row = np.empty(len(ranks), np.int64)
+        row[nth] = np.arange(len(ranks)) - np.searchsorted(self.chain_of[nth], self.chain_of[nth])
+        r, k = np.full(shape, -np.inf), np.zeros(shape)
+        r[row, self.chain_of], k[row, self.chain_of] = ready, kernel
+        x = np.empty(shape)
+        prev = (entry + first)[self.chain_rank]
+        for n in range(shape[0]):
+            prev = x[n] = np.maximum(prev, r[n]) + k[n]
+        done = x[row, self.chain_of]
+        # Each lane posts its outputs once its groups' kernels are done (and its
+        # inputs' batch, the lane's previous one, is).
+        posted = landed.copy()
+        np.maximum.at(posted.reshape(-1), np.arange(2)[:, None] * w + ranks, np.where(self.member_lanes, done, 0.0))
+        start = np.maximum(posted[self.lane, self.src], posted[self.lane, self.dst])
+        order = self._order(posted.reshape(-1), self.lane * w + self.src, self.lane * w + self.dst)
+        sent = np.maximum(self._per_lane(self._moved(sec_out, order, start)).max(axis=0), entry)
+        computed = np.zeros(w)
+        np.maximum.at(computed, ranks, done)
+        return computed, landed.max(axis=0), sent
