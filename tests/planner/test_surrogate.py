@@ -29,10 +29,11 @@ CASES = [("h100-8x400g", 8, "llama-7b", "synthetic-books", 32768),
          ("a800-4x200g", 16, "llama-7b", "synthetic-web", 65536),
          ("h200-8x400g", 16, "llama-13b", "synthetic-longtail", 32768),
          ("a800-4x200g", 16, "llama-7b", "synthetic-books", 196608)]
-#: Bound per candidate plan.  benchmarks/surrogate_error.py measured p95 1.4 % at
-#: 8 GPUs and 2.2 % at 16 (docs/results/surrogate.md); these plans' largest
-#: error was 2.3 % (-2.27 %, h100 8 GPUs).
-BOUND = 0.03
+#: Bound per candidate plan: the surrogate's target p95 (issue 19).  Against the
+#: replay of the engine's lanes (two per rank, one NCCL batch per wave, ports
+#: carrying their transfers back to back) these plans' largest error is 1.55 %
+#: (a800 16 GPUs books 196K); the one-send-lane surrogate was up to 10 % off it.
+BOUND = 0.02
 
 
 def candidates(cluster: str, world: int, model: str, lengths: str, max_len: int):
@@ -67,7 +68,7 @@ def test_every_tier_is_covered_by_the_cases():
 
 
 def test_the_decision_runs_the_surrogates_fastest_candidate():
-    cost, lens, ctx, plans = candidates(*CASES[1])
+    cost, lens, ctx, plans = candidates(*CASES[4])
     clock = StepSurrogate(cost)
     times = [clock.step_s(p) for p in plans]
     assert min(times) < times[0]          # the run's own first plan is not the answer here

@@ -114,9 +114,11 @@ def test_passes_of_the_other_layout_come_before_the_last_resort(monkeypatch):
     """A 99.95 %-full batch of 9 python-dirs sequences on 32 H100s: every remap
     pass and three of the four remap-off passes strand a sequence.  With remap on
     the planner takes the remap-off pass's plan (Ulysses groups; its linear layout
-    is its attention layout) instead of the tokens-only last resort, which the
-    replay times 3.5x slower.  The batch strands these passes at the attention
-    constants it was found with (the h100 preset before its FlashAttention-2 fit)."""
+    is its attention layout) instead of the tokens-only last resort (rings), which
+    the replay times 1.8x slower (7.74 s against 13.88 s; 3.5x when the replay ran
+    one in-order send lane per rank, before it ran the engine's two lanes and wave
+    batches).  The batch strands these passes at the attention constants it was
+    found with (the h100 preset before its FlashAttention-2 fit)."""
     lens = [107382, 13010, 311081, 66972, 4102, 15724, 5703, 44, 27]
     h100 = load_cluster("h100-8x400g", nodes=4)
     h100 = dataclasses.replace(h100, gpu=dataclasses.replace(h100.gpu, attn_efficiency=0.55, attn_half_block=1024))
@@ -128,7 +130,7 @@ def test_passes_of_the_other_layout_come_before_the_last_resort(monkeypatch):
     monkeypatch.setattr(zeppelin, "PASSES", tuple(p for p in zeppelin.PASSES if p.remap))
     last_resort = ZeppelinPlanner().plan(lens, ctx).validate()
     assert last_resort.tier_counts().ulysses == 0
-    assert step_timeline(plan, cost).step_s * 3 < step_timeline(last_resort, cost).step_s
+    assert step_timeline(plan, cost).step_s * 1.5 < step_timeline(last_resort, cost).step_s
 
 
 def test_deterministic():
