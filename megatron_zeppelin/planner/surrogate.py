@@ -11,7 +11,7 @@ numpy over its rings, groups and ranks, what the replay executes:
 * a ring as the engine's lanes run it: per rank a lane per link class posting
   a wave of transfers at a time as one batch, done with its slowest transfer;
   the K/V of step ``s`` reaches position ``j`` once position ``j - 1`` had it and
-  their link carried it -- one wave direct, three routed (``schedule/routing.py``:
+  their link carried it -- one wave direct, up to three routed (``schedule/routing.py``:
   dispatch, NIC, combine, every position crossing at once) -- each wave as long
   as the busiest port of its legs in the family of rings sharing ranks, and a
   step no shorter than the family's busiest port that step; backward, a K/V
@@ -93,8 +93,8 @@ class _RingBatch:
     """(rings, position, step) kernel seconds."""
     k: int
     legs: list = field(default_factory=list)
-    """(ring, link, step, port, seconds held, hop) arrays of every message leg
-    (link ``j``: position ``j`` to ``j + 1``)."""
+    """(ring, link, step, port, seconds held, hop, wave) arrays of every message
+    leg (link ``j``: position ``j`` to ``j + 1``)."""
 
 
 def _components(group_of_slot: np.ndarray, rank_of_slot: np.ndarray, groups: int, w: int) -> np.ndarray:
@@ -177,21 +177,25 @@ class StepSurrogate:
         """The hops of the messages from ``src`` to ``dst``, as ``schedule/routing.py``
         cuts them: (which of the arrays' entries are a transfer, or None for all;
         message index, egress port, ingress port, seconds the transfer holds
-        both, hop: :data:`DIRECT`, :data:`DISPATCH`, :data:`NIC` or :data:`COMBINE`).
+        both, hop: :data:`DIRECT`, :data:`DISPATCH`, :data:`NIC` or :data:`COMBINE`,
+        its wave within the message from 0).
         A direct message holds its sender's egress and its receiver's ingress
         port.  A routed one (across nodes, at least the break-even) goes in ``P``
         pieces, piece ``j`` dispatched over NVLink to the sender's proxy on NIC
         ``j`` (none when the sender sits on it), through NIC ``j`` to the proxy's
         twin on the receiver's node, and combined into the receiver (none when
-        the twin is the receiver): three waves, each a hop of the engine's lanes."""
+        the twin is the receiver): each hop a wave of the engine's lanes, so a
+        piece takes one to three waves (``Schedule.waves``: one more than what it
+        waits for) and the message as many as its longest piece -- two, not
+        three, on nodes of two GPUs with a NIC each (a TP view)."""
         inside, out, inn = self._ports(src, dst, w)
         seconds = np.where(inside, self.nvl_lat + nbytes / self.nvl_bw, self.nic_lat + nbytes / self.nic_bw)
         ids = np.arange(len(src))
         if not (routed and self.nics > 1):
-            return [(None, ids, out, inn, seconds, DIRECT)]
+            return [(None, ids, out, inn, seconds, DIRECT, 0)]
         route = ~inside & (nbytes >= self.threshold)
         direct = ~route
-        hops = [(direct, ids, out, inn, seconds, DIRECT)]
+        hops = [(direct, ids, out, inn, seconds, DIRECT, 0)]
         if route.any():
             P, g = self.nics, self.gpn
             # (piece j, routed message) arrays: piece j crosses NIC j
@@ -205,23 +209,26 @@ class StepSurrogate:
                              np.where(self.affinity[t % g] == j, base + t % g,
                                       base + self.nic_gpus[j, (s + t) % self.nic_count]))
             peer = t - t % g + proxy % g
-            hops += [(proxy != s, i, 2 * s, 2 * proxy + 1, d, DISPATCH),
-                     (None, i, 2 * w + 2 * ((s // g) * P + j), 2 * w + 2 * ((t // g) * P + j) + 1, n, NIC),
-                     (peer != t, i, 2 * peer, 2 * t + 1, d, COMBINE)]
+            dispatched = proxy != s
+            crossing = dispatched.astype(np.int64)         # the NIC leg's wave
+            hops += [(dispatched, i, 2 * s, 2 * proxy + 1, d, DISPATCH, 0),
+                     (None, i, 2 * w + 2 * ((s // g) * P + j), 2 * w + 2 * ((t // g) * P + j) + 1, n, NIC, crossing),
+                     (peer != t, i, 2 * peer, 2 * t + 1, d, COMBINE, crossing + 1)]
         return hops
 
     def _transfers(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, w: int,
                    routed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The legs of the messages from ``src`` to ``dst`` (:meth:`_hops`): (message
-        index, port, seconds the leg holds the port, hop), each transfer's
+        index, port, seconds the leg holds the port, hop, wave), each transfer's
         egress leg and ingress leg."""
         legs = []
-        for on, i, a, b, sec, kind in self._hops(src, dst, nbytes, w, routed):
-            i, a, b, sec = (x.ravel() if on is None else x[on] for x in (i, a, b, sec))
+        for on, i, a, b, sec, kind, wave in self._hops(src, dst, nbytes, w, routed):
+            wave = np.broadcast_to(wave, i.shape)
+            i, a, b, sec, wave = (x.ravel() if on is None else x[on] for x in (i, a, b, sec, wave))
             kinds = np.full(len(i), kind)
-            legs += [(i, a, sec, kinds), (i, b, sec, kinds)]
-        msg, port, sec, hops = (np.concatenate(x) for x in zip(*legs))
-        return msg, port, sec, hops
+            legs += [(i, a, sec, kinds, wave), (i, b, sec, kinds, wave)]
+        msg, port, sec, hops, waves = (np.concatenate(x) for x in zip(*legs))
+        return msg, port, sec, hops, waves
 
     # ----------------------------------------------------------- attention
     def _attention(self, w: int, layout: PlanArrays, groups: UlyssesGroups | None, backward: bool,
@@ -293,12 +300,12 @@ class StepSurrogate:
             shape = nbytes.shape
             src = np.broadcast_to(senders[:, :, None], shape).ravel()
             dst = np.broadcast_to(np.roll(senders, -1, axis=1)[:, :, None], shape).ravel()
-            msg, port, held, hop = self._transfers(src, dst, nbytes.ravel(), w, routed)
+            msg, port, held, hop, wave = self._transfers(src, dst, nbytes.ravel(), w, routed)
             ring, link, col = np.unravel_index(msg, shape)
             if inside:
                 held = held + extra[ring] * self.nvl_lat
                 ring = first[ring]
-            batch.legs.append((ring, link, steps[col], port, held, hop))
+            batch.legs.append((ring, link, steps[col], port, held, hop, wave))
 
         pos = np.arange(k)
         kv_steps = np.arange(k - 1)
@@ -312,7 +319,7 @@ class StepSurrogate:
                gate: np.ndarray):
         """Every ring of the segment, as the engine's lanes run it: step ``s``'s
         transfers of a rank are batches of its lanes (one wave for a direct
-        link, three for a routed one: dispatch, NIC, combine), and the K/V a
+        link, up to three for a routed one: dispatch, NIC, combine), and the K/V a
         position forwards at step ``s`` is what it received at step ``s - 1``.
         So the data of step ``s`` reaches a position once the position before
         had it and their link carried it, each wave lasting as long as the
@@ -342,8 +349,8 @@ class StepSurrogate:
         # landed) beside its ring kernels, in the schedule's order: at step 1.
         if S > 1:
             lane[:, 1] += gate[2]
-        legs = [(ring, link, step, port, held, hop, family[base[i] + ring])
-                for i, bt in enumerate(batches) for ring, link, step, port, held, hop in bt.legs]
+        legs = [(ring, link, step, port, held, hop, wave, family[base[i] + ring])
+                for i, bt in enumerate(batches) for ring, link, step, port, held, hop, wave in bt.legs]
         # the legs of batch i: leg_at[i] .. leg_at[i + 1]
         leg_at = np.cumsum([0] + [sum(len(leg[0]) for leg in bt.legs) for bt in batches])
         # Per (family, step): its busiest port over every leg (what a rank's lanes
@@ -351,7 +358,7 @@ class StepSurrogate:
         # (the step's direct transfers, or one hop of its routed pieces).
         busiest = np.zeros(F * S)
         if legs:
-            ring, link, step, port, held, hop, lfam = (np.concatenate(x) for x in zip(*legs))
+            ring, link, step, port, held, hop, wave, lfam = (np.concatenate(x) for x in zip(*legs))
             np.add.at(load, port, held)
             uniq, inv = np.unique(((lfam * S + step) * 4 + hop) * n_ports + port, return_inverse=True)
             per_wave = np.bincount(inv, weights=held)
@@ -366,10 +373,12 @@ class StepSurrogate:
         last = np.zeros(w)
         for i, bt in enumerate(batches):
             hops = np.zeros(bt.comp.shape[:2] + (bt.k + 1, 4))
+            spans = np.ones(hops.shape[:3], np.int64)
             if legs:
                 on = slice(leg_at[i], leg_at[i + 1])
                 np.maximum.at(hops, (ring[on], link[on], step[on], hop[on]), in_wave[on])
-            got, final = self._ring_chain(bt, hops, busiest[family[base[i]:base[i + 1]]], lane, gate, backward)
+                np.maximum.at(spans, (ring[on], link[on], step[on]), wave[on] + 1)
+            got, final = self._ring_chain(bt, hops, spans, busiest[family[base[i]:base[i + 1]]], lane, gate, backward)
             n, k = bt.ranks.shape
             padded = np.concatenate([got, np.repeat(got[:, :, -1:], S - k - 1, axis=2)], axis=2)
             np.maximum.at(arrive, bt.ranks.ravel(), padded.reshape(n * k, S))
@@ -393,20 +402,20 @@ class StepSurrogate:
         return finish
 
     @staticmethod
-    def _ring_chain(bt: "_RingBatch", hops: np.ndarray, floor: np.ndarray, lane: np.ndarray, gate: np.ndarray,
+    def _ring_chain(bt: "_RingBatch", hops: np.ndarray, spans: np.ndarray, floor: np.ndarray, lane: np.ndarray, gate: np.ndarray,
                     backward: bool) -> tuple[np.ndarray, np.ndarray]:
         """The rings of one size step by step: (per (ring, position, step) when
         the step's data reached the position, per (ring, position) when its
         last dK/dV left).  ``hops``: per (ring, link, step, hop) its wave's
-        seconds; ``floor``: per (ring, step) its family's busiest port."""
+        seconds; ``spans``: per (ring, link, step) the waves its message takes;
+        ``floor``: per (ring, step) its family's busiest port."""
         n, k = bt.ranks.shape
         # Data reaches position j at step s when the position before had it at
         # step s - 1 and the link between them carried it: a direct link in one
-        # wave, a routed one in its three hops one after another (every position
+        # wave, a routed one in its hops one after another (every position
         # of the ring at once); and no sooner than the step before plus the
         # family's busiest port for that step.
         link_s = np.maximum(hops[..., DIRECT], hops[..., DISPATCH:].sum(axis=3))
-        spans = np.where(hops[..., DISPATCH:].any(axis=3), 3, 1)
         ends = bt.ranks, np.roll(bt.ranks, 1, axis=1)
         after_in = np.maximum(*(gate[0][r] for r in ends))
         after_out = np.maximum(*(gate[1][r] for r in ends))
@@ -459,7 +468,7 @@ class StepSurrogate:
             src, dst = dst, src
         n_ports = self._n_ports(w)
         load = np.zeros(n_ports)
-        for on, _, a, b, sec, _ in self._hops(src, dst, tokens * self.row_bytes, w, routed):
+        for on, _, a, b, sec, _, _ in self._hops(src, dst, tokens * self.row_bytes, w, routed):
             sec = sec if on is None else np.where(on, sec, 0.0)
             load += np.bincount(a.ravel(), sec.ravel(), n_ports) + np.bincount(b.ravel(), sec.ravel(), n_ports)
         g = self.gpn
