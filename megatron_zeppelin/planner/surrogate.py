@@ -544,12 +544,7 @@ class StepSurrogate:
             start = float(entry[busy].max())
             return np.where(busy, start + seg.alltoall, entry)
         out = entry + seg.work
-        for chain in seg.chains:
-            if callable(chain):                 # the members' exits from their entries
-                flat, exits = chain(entry)
-                np.maximum.at(out, flat, exits)
-                continue
-            flat, gid, end = chain
+        for flat, gid, end in seg.chains:
             start = np.full(gid.max() + 1, -np.inf)
             np.maximum.at(start, gid, entry[flat])
             np.maximum.at(out, flat, start[gid] + end)

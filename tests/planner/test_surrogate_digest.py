@@ -5,7 +5,8 @@ replay onto the engine's lanes (two per rank, one NCCL batch per wave, ports
 carrying their transfers back to back): steps moved -72 % to +20 % (median
 1.2 %; 58 of 296 unchanged), most on routed and Ulysses plans; ties between
 the same layout routed and direct broke where the lanes replay times them
-apart too.
+apart too, and three 256-GPU layouts (rings and groups against groups only)
+that the replay times bit-equal now differ by 1.4e-13 (sums in another order).
 
 ``golden/surrogate_plans.json.xz`` holds the plans: every distinct layout the
 per-batch decision's candidates (``zeppelin_decide.py: decision_candidates``:
