@@ -96,8 +96,8 @@ def cases(scale: int) -> list[Case]:
         # TE's THD ring: three sequences in one ring across nodes (one message per
         # step), beside an unpacked ring on the same ranks and local work.
         Case("2 nodes, packed ring + ring", _plan(4, 2, [
-            (8 * n, Mode.RING, [0, 2, 1, 3]), (5 * n, Mode.RING, [0, 2, 1, 3]), (n, Mode.LOCAL, [1]),
-            (3 * n + 1, Mode.RING, [0, 2, 1, 3]), (4 * n, Mode.RING, [0, 2, 1, 3])],
+            (8 * n, Mode.RING, [0, 2, 1, 3]), (5 * n + 3, Mode.RING, [0, 2, 1, 3]), (n, Mode.LOCAL, [1]),
+            (3 * n + 5, Mode.RING, [0, 2, 1, 3]), (4 * n + 4, Mode.RING, [0, 2, 1, 3])],
             packed_rings=((0, 1, 3),)), two_nodes),
     ]
 
