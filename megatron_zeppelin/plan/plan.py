@@ -417,3 +417,14 @@ def placement(seq: int, length: int, mode: Mode, ranks: Sequence[int]) -> SeqPla
     """The canonical placement of a sequence in ``mode`` over ``ranks``."""
     ranks = tuple(ranks)
     return SeqPlacement(seq, mode, ranks, _shards(mode, length, len(ranks)))
+
+
+def rings_by_ranks(attention: Sequence[SeqPlacement]) -> tuple[tuple[int, ...], ...]:
+    """``Plan.packed_rings`` that pack every ring rank tuple's sequences into one
+    ring, as TransformerEngine's THD ring runs a CP group (tuples holding one
+    ring sequence stay ordinary rings)."""
+    by_ranks: dict[tuple[int, ...], list[int]] = {}
+    for p in attention:
+        if p.mode is Mode.RING:
+            by_ranks.setdefault(p.ranks, []).append(p.seq)
+    return tuple(tuple(seqs) for seqs in by_ranks.values() if len(seqs) > 1)

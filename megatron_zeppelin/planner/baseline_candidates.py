@@ -23,10 +23,13 @@ surrogate it compares them by (``planner/surrogate.py``):
 
 What does not carry over is how a baseline *executes* a plan: TE's ring sends
 dK/dV in the model dtype where the engine accumulates and sends them in fp32,
-and TE, FlexSP and DeepSpeed-Ulysses pack a group's sequences into one ring or
-one all-to-all where the engine runs one per sequence
-(``sim/timeline.py: PACKED_STRATEGIES``).  A candidate here is relabelled
-``zeppelin`` and is timed, and run, as the engine runs it.
+and FlexSP and DeepSpeed-Ulysses pack a group's sequences into one all-to-all
+where the engine runs one per sequence (``sim/timeline.py: PACKED_STRATEGIES``).
+TE's packing of a CP group's sequences into one ring does carry over: static
+CP's layouts are offered as they are and with every CP group's ring sequences
+in one packed ring (``Plan.packed_rings``, which the engine runs as TE does).
+A candidate here is relabelled ``zeppelin`` and is timed, and run, as the
+engine runs it.
 
 Above :data:`MAX_SEQUENCES_ALL_SOURCES` sequences only static CP's layouts
 are offered: building the others' plans costs seconds at 1,024 GPUs.
@@ -50,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.plan import Plan, SeqPlacement, attention_tokens
+from megatron_zeppelin.plan import Plan, SeqPlacement, attention_tokens, rings_by_ranks
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.flexsp import greedy_groups, group_placements, seq_time_fn, ulysses_sizes
 from megatron_zeppelin.planner.hybrid_cp import HybridCpPlanner, hybrid_cp_schedule
@@ -93,10 +96,14 @@ class Draft:
     """The Plan once :meth:`plan` built it."""
     layout: PlanArrays | None = field(default=None, repr=False)
     """Its plan's arrays once :meth:`arrays` read them."""
+    packed_rings: tuple[tuple[int, ...], ...] = ()
+    """Its plan's ``Plan.packed_rings`` (static CP's packed copy: TE's THD ring)."""
 
     def plan(self) -> Plan:
         if self.built is None:
             self.built = merge_rounds(self.strategy, self.topology, self.seq_lens, [self.attention], self.token_cap)
+            if self.packed_rings:    # valid by construction (rings_by_ranks); checked as a plan's are
+                self.built = dataclasses.replace(self.built, packed_rings=self.packed_rings).validate()
         return self.built
 
     def candidate(self, routed: bool) -> Plan:
@@ -108,7 +115,8 @@ class Draft:
         """Its plan's :func:`~megatron_zeppelin.planner.plan_arrays.plan_arrays`,
         read from the placements (the surrogate prices a draft without its plan)."""
         if self.layout is None:
-            self.layout = layout_arrays(self.topology.world_size, self.seq_lens, self.attention, None)
+            self.layout = layout_arrays(self.topology.world_size, self.seq_lens, self.attention, None,
+                                        self.packed_rings)
         return self.layout
 
     def tokens_per_rank(self) -> list[int]:
@@ -122,6 +130,7 @@ class Draft:
         all-to-all and the remap it does not have run direct)."""
         g = self.topology.gpus_per_node
         nodes = [ranks // g for ranks, _ in self.arrays().rings.values()]
+        nodes += [ranks[None, :] // g for ranks, _ in self.arrays().packed]
         return any(bool((n.min(axis=1) != n.max(axis=1)).any()) for n in nodes)
 
 
@@ -132,9 +141,12 @@ def _draft(strategy: str, ctx: PlanContext, lens: Sequence[int], attention: Sequ
 
 def uniform_cp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
     """Static CP's layouts that hold the batch in one pass: the smallest such CP
-    size and the next (``c = 1``: every sequence whole on one rank)."""
-    return _static_drafts(TeCpPlanner(), seq_lens, ctx, sizes=_powers_of_two(1, ctx.topology.world_size),
-                          keep=STATIC_CP_SIZES)
+    size and the next (``c = 1``: every sequence whole on one rank), each as it
+    is and, where a CP group rings several sequences, packed as TE packs them."""
+    drafts = _static_drafts(TeCpPlanner(), seq_lens, ctx, sizes=_powers_of_two(1, ctx.topology.world_size),
+                            keep=STATIC_CP_SIZES)
+    return drafts + [dataclasses.replace(d, packed_rings=rings) for d in drafts
+                     if (rings := rings_by_ranks(d.attention))]
 
 
 def static_ulysses_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
@@ -224,7 +236,8 @@ def baseline_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[tuple[Dra
         for draft in source(seq_lens, ctx):
             # Compared, not hashed: two layouts differ in their first placements, and
             # hashing one costs every placement.
-            if all(draft.attention != kept.attention for kept in layouts):
+            if all(draft.attention != kept.attention or draft.packed_rings != kept.packed_rings
+                   for kept in layouts):
                 layouts.append(draft)
     out = []
     for draft in layouts:

@@ -33,7 +33,8 @@ class PlanArrays:
     local_len: np.ndarray
     """Length of each local sequence (float64)."""
     rings: dict[int, tuple[np.ndarray, np.ndarray]]
-    """Ring size ``k`` -> ((rings, k) ranks by position, (rings,) lengths), sizes in order of first appearance."""
+    """Ring size ``k`` -> ((rings, k) ranks by position, (rings,) lengths), sizes in
+    order of first appearance; the plan's packed rings' members are not here."""
     group_ranks: np.ndarray
     """The Ulysses groups' ranks, group after group."""
     group_size: np.ndarray
@@ -45,6 +46,9 @@ class PlanArrays:
     pair in (sender, receiver) order; None when it moves nothing."""
     linear_tokens: np.ndarray
     """Tokens per rank in the linear layout (float64)."""
+    packed: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+    """The plan's packed rings (``Plan.packed_rings``): ((k,) ranks by position,
+    members' lengths in plan order) each (``planner/surrogate_packed.py`` prices them)."""
 
 
 def _slices(start: np.ndarray, size: np.ndarray) -> np.ndarray:
@@ -60,7 +64,7 @@ def _slices(start: np.ndarray, size: np.ndarray) -> np.ndarray:
 _RECENT: dict[tuple[int, int], tuple[Plan, PlanArrays]] = {}
 _RECENT_MAX = 8
 #: The plan's fields the arrays are of (besides its world size).
-_READ = ("attention", "linear", "seq_lens")
+_READ = ("attention", "linear", "seq_lens", "packed_rings")
 
 
 def plan_arrays(plan: Plan) -> PlanArrays:
@@ -69,7 +73,7 @@ def plan_arrays(plan: Plan) -> PlanArrays:
     if (known is not None and known[0].world_size == plan.world_size
             and all(getattr(known[0], f) is getattr(plan, f) for f in _READ)):
         return known[1]
-    arrays = layout_arrays(plan.world_size, plan.seq_lens, plan.attention, plan.linear)
+    arrays = layout_arrays(plan.world_size, plan.seq_lens, plan.attention, plan.linear, plan.packed_rings)
     for old in list(_RECENT)[:len(_RECENT) - _RECENT_MAX + 1]:     # the oldest (list(): one atomic copy,
         _RECENT.pop(old, None)                                       # should a planning thread read too)
     _RECENT[key] = (plan, arrays)
@@ -77,11 +81,13 @@ def plan_arrays(plan: Plan) -> PlanArrays:
 
 
 def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement],
-                  linear: Sequence[Sequence[Span]] | None) -> PlanArrays:
+                  linear: Sequence[Sequence[Span]] | None,
+                  packed_rings: Sequence[Sequence[int]] = ()) -> PlanArrays:
     """:func:`plan_arrays` of the plan of ``att`` whose linear layout is
-    ``linear``, or the attention layout itself (None: no remap), before that
-    plan is built (building a baseline's plan, every span and its validation,
-    cost more than pricing it)."""
+    ``linear``, or the attention layout itself (None: no remap), and whose
+    ``Plan.packed_rings`` are ``packed_rings``, before that plan is built
+    (building a baseline's plan, every span and its validation, cost more than
+    pricing it)."""
     n = len(att)
     seq_len = np.asarray(seq_lens, np.int64)
     seq = np.fromiter(map(attrgetter("seq"), att), np.int64, n)
@@ -93,6 +99,15 @@ def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement],
     L = seq_len[seq]
 
     ring = np.flatnonzero(mode == 1)
+    packed = ()
+    if packed_rings:
+        in_packed = np.zeros(len(seq_len), bool)
+        in_packed[np.fromiter(chain.from_iterable(packed_rings), np.int64)] = True
+        ring = ring[~in_packed[seq[ring]]]
+        index_of = np.empty(len(seq_len), np.int64)
+        index_of[seq] = np.arange(n)
+        packed = tuple((np.asarray(ranks[int(m.min())], np.int64), L[np.sort(m)])
+                       for m in (index_of[list(members)] for members in packed_rings))
     rings = {}
     sizes, at = np.unique(size[ring], return_index=True)
     for k in sizes[np.argsort(at)].tolist():
@@ -114,7 +129,7 @@ def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement],
     if linear is None:
         kept = np.flatnonzero(held)
         return _arrays(flat, first, size, mode, L, rings, None,
-                       np.bincount(owner[kept], weights=hi[kept] - lo[kept], minlength=w))
+                       np.bincount(owner[kept], weights=hi[kept] - lo[kept], minlength=w), packed)
     spans = np.fromiter(chain.from_iterable(map(attrgetter("seq", "start", "end"), chain.from_iterable(linear))),
                         np.int64).reshape(-1, 3)
     span_owner = np.repeat(np.arange(w), np.fromiter(map(len, linear), np.int64, w))
@@ -138,16 +153,16 @@ def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement],
         seq_start = np.cumsum(seq_len) - seq_len
         remap = _moves(seq_start[seq[of[order]]] + lo[order], owner[order],
                        seq_start[spans[:, 0]] + spans[:, 1], span_owner, int(seq_len.sum()), w)
-    return _arrays(flat, first, size, mode, L, rings, remap, linear_tokens)
+    return _arrays(flat, first, size, mode, L, rings, remap, linear_tokens, packed)
 
 
 def _arrays(flat: np.ndarray, first: np.ndarray, size: np.ndarray, mode: np.ndarray, L: np.ndarray,
             rings: dict[int, tuple[np.ndarray, np.ndarray]], remap: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
-            linear_tokens: np.ndarray) -> PlanArrays:
+            linear_tokens: np.ndarray, packed: tuple[tuple[np.ndarray, np.ndarray], ...]) -> PlanArrays:
     local, group = np.flatnonzero(mode == 0), np.flatnonzero(mode == 2)
     return PlanArrays(local_rank=flat[first[local]], local_len=L[local].astype(np.float64), rings=rings,
                       group_ranks=flat[_slices(first[group], size[group])], group_size=size[group],
-                      group_len=L[group], remap=remap, linear_tokens=linear_tokens)
+                      group_len=L[group], remap=remap, linear_tokens=linear_tokens, packed=packed)
 
 
 def _moves(a_lo: np.ndarray, a_owner: np.ndarray, b_lo: np.ndarray, b_owner: np.ndarray, total: int,
