@@ -55,13 +55,14 @@ class Floor:
     def __init__(self, step: Callable[[Plan], float]) -> None:
         self.cost = surrogate_cost(step)
         #: Bounds by the layouts' identity (with a plan holding them): a plan
-        #: and its direct-crossings copy share their layouts and their bound.
-        self.known: dict[tuple[int, int], tuple[Plan, float]] = {}
+        #: and its direct-crossings copy share their layouts and their bound
+        #: (not a packed copy: a packed ring's larger kernels lower it).
+        self.known: dict[tuple, tuple[Plan, float]] = {}
 
     def of_plan(self, plan: Plan) -> float:
         if self.cost is None:
             return -math.inf
-        key = (id(plan.attention), id(plan.linear))
+        key = (id(plan.attention), id(plan.linear), plan.packed_rings)
         if key not in self.known:
             self.known[key] = (plan, step_floor(self.cost, plan))
         return self.known[key][1]
