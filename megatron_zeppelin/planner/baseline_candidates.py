@@ -59,7 +59,7 @@ from megatron_zeppelin.planner.flexsp import greedy_groups, group_placements, se
 from megatron_zeppelin.planner.hybrid_cp import HybridCpPlanner, hybrid_cp_schedule
 from megatron_zeppelin.planner.hybrid_cp import group_placements as cp_group_placements
 from megatron_zeppelin.planner.packing import check_lengths
-from megatron_zeppelin.planner.plan_arrays import PlanArrays, layout_arrays
+from megatron_zeppelin.planner.plan_arrays import PlanArrays, layout_arrays, pack_rings
 from megatron_zeppelin.planner.rounds import merge_rounds
 from megatron_zeppelin.planner.static_groups import StaticGroupPlanner
 from megatron_zeppelin.planner.te_cp import TeCpPlanner
@@ -98,6 +98,8 @@ class Draft:
     """Its plan's arrays once :meth:`arrays` read them."""
     packed_rings: tuple[tuple[int, ...], ...] = ()
     """Its plan's ``Plan.packed_rings`` (static CP's packed copy: TE's THD ring)."""
+    unpacked: "Draft | None" = field(default=None, repr=False)
+    """The same layout without packed rings, whose arrays this one's are derived from."""
 
     def plan(self) -> Plan:
         if self.built is None:
@@ -114,9 +116,10 @@ class Draft:
     def arrays(self) -> PlanArrays:
         """Its plan's :func:`~megatron_zeppelin.planner.plan_arrays.plan_arrays`,
         read from the placements (the surrogate prices a draft without its plan)."""
-        if self.layout is None:
-            self.layout = layout_arrays(self.topology.world_size, self.seq_lens, self.attention, None,
-                                        self.packed_rings)
+        if self.layout is None and self.unpacked is not None:
+            self.layout = pack_rings(self.unpacked.arrays())
+        elif self.layout is None:
+            self.layout = layout_arrays(self.topology.world_size, self.seq_lens, self.attention, None)
         return self.layout
 
     def tokens_per_rank(self) -> list[int]:
@@ -145,7 +148,7 @@ def uniform_cp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
     is and, where a CP group rings several sequences, packed as TE packs them."""
     drafts = _static_drafts(TeCpPlanner(), seq_lens, ctx, sizes=_powers_of_two(1, ctx.topology.world_size),
                             keep=STATIC_CP_SIZES)
-    return drafts + [dataclasses.replace(d, packed_rings=rings) for d in drafts
+    return drafts + [dataclasses.replace(d, packed_rings=rings, unpacked=d) for d in drafts
                      if (rings := rings_by_ranks(d.attention))]
 
 

@@ -12,6 +12,7 @@ layouts as partitions of the batch's tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
@@ -181,3 +182,24 @@ def _moves(a_lo: np.ndarray, a_owner: np.ndarray, b_lo: np.ndarray, b_owner: np.
     length = np.diff(np.r_[cuts, total])[moved]
     pair, of = np.unique(src[moved] * w + dst[moved], return_inverse=True)
     return pair // w, pair % w, np.bincount(of, weights=length).astype(np.int64)
+
+
+def pack_rings(layout: PlanArrays) -> PlanArrays:
+    """``layout`` with every ring rank tuple holding two or more sequences as one
+    packed ring (``plan.rings_by_ranks``), from its arrays alone: a static CP
+    layout's packed copy costs no second read of its placements.  Packed rings
+    come size by size, each size's by first appearance; members in plan order."""
+    rings, packed = {}, []
+    for k, (ranks, L) in layout.rings.items():
+        _, first, of, count = np.unique(ranks, axis=0, return_index=True, return_inverse=True, return_counts=True)
+        of = of.reshape(-1)
+        solo = count[of] == 1
+        if solo.any():
+            rings[k] = (ranks[solo], L[solo])
+        members = np.argsort(of, kind="stable")          # each tuple's rings, in plan order
+        ends = np.cumsum(count)
+        for t in np.argsort(first):
+            if count[t] > 1:
+                rows = members[ends[t] - count[t]:ends[t]]
+                packed.append((ranks[rows[0]], L[rows]))
+    return dataclasses.replace(layout, rings=rings, packed=tuple(packed))
