@@ -120,6 +120,11 @@ class PackedRing:
         return {causal: blocks for causal, blocks in kinds.items() if blocks}
 
 
+def _keys_values(blocks: list[tuple]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The key and value rows of each block of :meth:`PackedRing._blocks`."""
+    return [kv[0, ks] for _, _, kv, ks in blocks], [kv[1, ks] for _, _, kv, ks in blocks]
+
+
 class PackedRingForward(PackedRing):
     """Forward: each member keeps its running (out, lse)."""
 
@@ -127,8 +132,8 @@ class PackedRingForward(PackedRing):
 
     def compute(self, step: int, backend: AttentionBackend, scale: float) -> None:
         for causal, blocks in self._blocks(step).items():
-            results = blocks_forward(backend, [m.q[qs] for m, qs, _, _ in blocks], [kv[0, ks] for _, _, kv, ks in blocks],
-                                     [kv[1, ks] for _, _, kv, ks in blocks], causal, scale, self.offsets)
+            ks, vs = _keys_values(blocks)
+            results = blocks_forward(backend, [m.q[qs] for m, qs, _, _ in blocks], ks, vs, causal, scale, self.offsets)
             for (m, qs, _, _), (bo, bl) in zip(blocks, results):
                 update_out_and_lse(m.acc[qs], m.lse[:, qs], bo, bl)          # in place
 
@@ -148,10 +153,11 @@ class PackedRingBackward(PackedRing):
         contrib = torch.zeros(kv.shape, dtype=acc_dtype(self.members[0].q.dtype), device=kv.device)
         share = dict(zip(map(id, self.members), self._split(contrib, (self.pos - step) % self.k)))
         for causal, blocks in self._blocks(step).items():
-            grads = blocks_backward(backend, [m.dout[qs] for m, qs, _, _ in blocks], [m.q[qs] for m, qs, _, _ in blocks],
-                                    [kv[0, ks] for _, _, kv, ks in blocks], [kv[1, ks] for _, _, kv, ks in blocks],
-                                    [m.out[qs] for m, qs, _, _ in blocks], [m.lse[:, qs] for m, qs, _, _ in blocks],
-                                    causal, scale, self.offsets)
+            ks, vs = _keys_values(blocks)
+            rows = [(m, qs) for m, qs, _, _ in blocks]
+            grads = blocks_backward(backend, [m.dout[qs] for m, qs in rows], [m.q[qs] for m, qs in rows], ks, vs,
+                                    [m.out[qs] for m, qs in rows], [m.lse[:, qs] for m, qs in rows], causal, scale,
+                                    self.offsets)
             for (m, qs, _, ks), (bq, bk, bv) in zip(blocks, grads):
                 m.dq[qs] += bq
                 mine = share[id(m)]
