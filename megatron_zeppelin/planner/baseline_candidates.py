@@ -96,16 +96,17 @@ class Draft:
     """The Plan once :meth:`plan` built it."""
     layout: PlanArrays | None = field(default=None, repr=False)
     """Its plan's arrays once :meth:`arrays` read them."""
-    packed_rings: tuple[tuple[int, ...], ...] = ()
-    """Its plan's ``Plan.packed_rings`` (static CP's packed copy: TE's THD ring)."""
     unpacked: "Draft | None" = field(default=None, repr=False)
-    """The same layout without packed rings, whose arrays this one's are derived from."""
+    """Set on static CP's packed copy: the draft whose layout it runs with every
+    ring rank tuple's sequences in one packed ring (``Plan.packed_rings``, TE's
+    THD ring); its arrays are derived from that draft's."""
 
     def plan(self) -> Plan:
         if self.built is None:
-            self.built = merge_rounds(self.strategy, self.topology, self.seq_lens, [self.attention], self.token_cap)
-            if self.packed_rings:    # valid by construction (rings_by_ranks); checked as a plan's are
-                self.built = dataclasses.replace(self.built, packed_rings=self.packed_rings).validate()
+            built = merge_rounds(self.strategy, self.topology, self.seq_lens, [self.attention], self.token_cap)
+            if self.unpacked is not None:
+                built = dataclasses.replace(built, packed_rings=rings_by_ranks(built.attention)).validate()
+            self.built = built
         return self.built
 
     def candidate(self, routed: bool) -> Plan:
@@ -116,10 +117,9 @@ class Draft:
     def arrays(self) -> PlanArrays:
         """Its plan's :func:`~megatron_zeppelin.planner.plan_arrays.plan_arrays`,
         read from the placements (the surrogate prices a draft without its plan)."""
-        if self.layout is None and self.unpacked is not None:
-            self.layout = pack_rings(self.unpacked.arrays())
-        elif self.layout is None:
-            self.layout = layout_arrays(self.topology.world_size, self.seq_lens, self.attention, None)
+        if self.layout is None:
+            self.layout = (pack_rings(self.unpacked.arrays()) if self.unpacked is not None
+                           else layout_arrays(self.topology.world_size, self.seq_lens, self.attention, None))
         return self.layout
 
     def tokens_per_rank(self) -> list[int]:
@@ -148,8 +148,8 @@ def uniform_cp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
     is and, where a CP group rings several sequences, packed as TE packs them."""
     drafts = _static_drafts(TeCpPlanner(), seq_lens, ctx, sizes=_powers_of_two(1, ctx.topology.world_size),
                             keep=STATIC_CP_SIZES)
-    return drafts + [dataclasses.replace(d, packed_rings=rings, unpacked=d) for d in drafts
-                     if (rings := rings_by_ranks(d.attention))]
+    packed = [dataclasses.replace(d, unpacked=d) for d in drafts]
+    return drafts + [p for p in packed if p.arrays().packed]
 
 
 def static_ulysses_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
@@ -239,7 +239,7 @@ def baseline_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[tuple[Dra
         for draft in source(seq_lens, ctx):
             # Compared, not hashed: two layouts differ in their first placements, and
             # hashing one costs every placement.
-            if all(draft.attention != kept.attention or draft.packed_rings != kept.packed_rings
+            if all(draft.attention != kept.attention or (draft.unpacked is None) != (kept.unpacked is None)
                    for kept in layouts):
                 layouts.append(draft)
     out = []

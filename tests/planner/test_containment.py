@@ -169,8 +169,8 @@ def test_the_engine_runs_every_sources_plan(world):
     cost = CostModel(dataclasses.replace(base, topology=topo), load_model("tiny"))    # 4 heads, 2 KV: the engine test's
     ctx = PlanContext(cost=cost, tokens_per_gpu=64)
     rings, ulysses = [200, 90, 40, 30, 12, 8], [120, 60, 30, 12, 8]
-    static = [d for d in SOURCES["te_cp"](rings, ctx) if not d.packed_rings]
-    packed = [d for d in SOURCES["te_cp"](rings, ctx) if d.packed_rings]
+    static = [d for d in SOURCES["te_cp"](rings, ctx) if d.unpacked is None]
+    packed = [d for d in SOURCES["te_cp"](rings, ctx) if d.unpacked is not None]
     drafts = [static[-1], packed[-1], SOURCES["megatron_hybrid_cp"](rings, ctx)[0],
               SOURCES["ulysses_sp"](ulysses, ctx)[0], SOURCES["flexsp_greedy"](ulysses, ctx)[0]]
     plans = [d.plan() for d in drafts]

@@ -26,11 +26,12 @@ def test_packed_candidates_stay_near_the_replay_and_above_the_floor(case):
 
 def test_a_packed_drafts_arrays_are_its_plans():
     cost, lens, ctx, _ = candidates(*CASES[1])
-    drafts = [d for d in uniform_cp_drafts(lens, ctx) if d.packed_rings]
+    drafts = [d for d in uniform_cp_drafts(lens, ctx) if d.unpacked is not None]
     assert drafts
     for d in drafts:
         plan = d.plan()
-        assert plan.packed_rings == rings_by_ranks(plan.attention) == d.packed_rings
+        assert plan.packed_rings == rings_by_ranks(plan.attention) != ()
+        assert plan.attention == d.unpacked.plan().attention and not d.unpacked.plan().packed_rings
         mine, theirs = d.arrays(), plan_arrays(plan)
         assert len(mine.packed) == len(theirs.packed) == len(plan.packed_rings)
         for (r1, l1), (r2, l2) in zip(mine.packed, theirs.packed):
