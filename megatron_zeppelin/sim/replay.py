@@ -100,6 +100,12 @@ class CompiledSegment:
         by_dep = np.argsort(dep, kind="stable")
         self.users_idx = user[by_dep]
         self.users_ptr = _offsets(dep, n)
+        # Which ends of a transfer have a dependant on their rank (bit 0: its
+        # sender, bit 1: its receiver): only those release anything when it lands.
+        needed = dep[by_dep]
+        self.lands = np.zeros(n, np.int64)
+        np.bitwise_or.at(self.lands, needed, np.where(self.rank[self.users_idx] == self.rank[needed], 1, 0)
+                         | np.where(self.rank[self.users_idx] == self.peer[needed], 2, 0))
         ids = np.arange(n, dtype=np.int64)
         compute = ids[~self.is_comm]
         comm = ids[self.is_comm]
@@ -203,49 +209,58 @@ class ChainReplay:
         return max(self.finish_s, default=0.0)
 
 
-def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool = False) -> ChainReplay:
-    """Replay ``chain`` from time 0 (every rank enters segment 0 at once)."""
-    distinct: dict[int, int] = {}
-    segs: list[CompiledSegment] = []
-    for seg in chain:
-        if id(seg) not in distinct:
-            distinct[id(seg)] = len(segs)
-            segs.append(seg)
-    chain_seg = np.array([distinct[id(seg)] for seg in chain], np.int64)
-    sizes = [seg.n for seg in segs]
-    seg_base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+class SegmentSet:
+    """Distinct segments laid end to end: the static arrays ``run_chain`` reads
+    (op ``i`` of segment ``s`` at ``seg_base[s] + i``), built once for every
+    chain of them (``replay_step`` replays two)."""
 
-    def joined(field: str) -> np.ndarray:
-        return np.concatenate([getattr(seg, field) for seg in segs])
+    def __init__(self, segs: Sequence[CompiledSegment]) -> None:
+        self.index = {id(seg): s for s, seg in enumerate(segs)}
+        seg_base = np.concatenate([[0], np.cumsum([seg.n for seg in segs])]).astype(np.int64)
 
-    def csr(ptr: str, size) -> np.ndarray:
-        """Segments' CSR offsets joined: each shifted by the ``size`` of the ones before."""
-        ptrs, shift = [np.zeros(1, np.int64)], 0
-        for seg in segs:
-            ptrs.append(getattr(seg, ptr)[1:] + shift)
-            shift += size(seg)
-        return np.concatenate(ptrs)
+        def joined(field: str) -> np.ndarray:
+            return np.concatenate([getattr(seg, field) for seg in segs])
 
-    def rows(idx: str) -> tuple[np.ndarray, np.ndarray]:
-        return csr(f"{idx[:-4]}_ptr", lambda seg: len(getattr(seg, idx))), joined(idx)
+        def csr(ptr: str, size) -> np.ndarray:
+            """Segments' CSR offsets joined: each shifted by the ``size`` of the ones before."""
+            ptrs, shift = [np.zeros(1, np.int64)], 0
+            for seg in segs:
+                ptrs.append(getattr(seg, ptr)[1:] + shift)
+                shift += size(seg)
+            return np.concatenate(ptrs)
 
-    # Batch ids made global over the distinct segments (``bat_base[s]`` is segment s's first).
-    bat_base = np.concatenate([[0], np.cumsum([seg.n_batches for seg in segs])]).astype(np.int64)
+        def rows(idx: str) -> tuple[np.ndarray, np.ndarray]:
+            return csr(f"{idx[:-4]}_ptr", lambda seg: len(getattr(seg, idx))), joined(idx)
 
-    def batch_ids(field: str) -> np.ndarray:
-        return np.concatenate([np.where(getattr(seg, field) >= 0, getattr(seg, field) + bat_base[s], -1)
-                               for s, seg in enumerate(segs)])
+        # Batch ids made global over the distinct segments (``bat_base[s]`` is segment s's first).
+        bat_base = np.concatenate([[0], np.cumsum([seg.n_batches for seg in segs])]).astype(np.int64)
 
-    users_ptr, users_idx = rows("users_idx")
-    onr_ptr, onr_idx = rows("onr_idx")
-    bat_ptr, bat_idx = rows("bat_idx")
-    rl_ptr = csr("rl_ptr", lambda seg: seg.n_batches)
+        def batch_ids(field: str) -> np.ndarray:
+            return np.concatenate([np.where(getattr(seg, field) >= 0, getattr(seg, field) + bat_base[s], -1)
+                                   for s, seg in enumerate(segs)])
+
+        users_ptr, users_idx = rows("users_idx")
+        onr_ptr, onr_idx = rows("onr_idx")
+        bat_ptr, bat_idx = rows("bat_idx")
+        rl_ptr = csr("rl_ptr", lambda seg: seg.n_batches)
+        self.arrays = (
+            seg_base, joined("is_comm"), joined("rank"), joined("peer"), joined("tier"), joined("seconds"),
+            joined("ndeps"), users_ptr, users_idx, joined("port_out"), joined("port_in"), joined("lane_pos"),
+            max(seg.lane_width for seg in segs), onr_ptr, onr_idx, joined("op_lane"), joined("lands"),
+            batch_ids("op_bsend"), batch_ids("op_brecv"), bat_base, bat_ptr, bat_idx, joined("bat_need"), rl_ptr,
+            len(TIERS), max(max(seg.n_ports for seg in segs), 1))
+        """``run_chain``'s arguments after the chain, in its order."""
+
+
+def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool = False,
+                 segments: SegmentSet | None = None) -> ChainReplay:
+    """Replay ``chain`` from time 0 (every rank enters segment 0 at once);
+    ``segments``: its distinct segments, laid out already."""
+    if segments is None:
+        segments = SegmentSet(list({id(seg): seg for seg in chain}.values()))
+    chain_seg = np.array([segments.index[id(seg)] for seg in chain], np.int64)
     finish, busy, order, entered, left, start, end, base, remaining, created = run_chain(
-        world, chain_seg, seg_base, joined("is_comm"), joined("rank"), joined("peer"), joined("tier"),
-        joined("seconds"), joined("ndeps"), users_ptr, users_idx, joined("port_out"), joined("port_in"),
-        joined("lane_pos"), max(seg.lane_width for seg in segs), onr_ptr, onr_idx, joined("op_lane"),
-        batch_ids("op_bsend"), batch_ids("op_brecv"), bat_base, bat_ptr, bat_idx, joined("bat_need"), rl_ptr,
-        len(TIERS), max(max(seg.n_ports for seg in segs), 1))
+        world, chain_seg, *segments.arrays, record)
     stuck = [(k, r) for k, r in zip(*np.nonzero(remaining > 0)) if created[k]]
     if stuck or not created.all():
         raise RuntimeError(f"replay: segment/rank pairs {stuck[:6]} never finished")
@@ -308,9 +323,11 @@ def replay_step(parts: Sequence[tuple[str, Schedule, Schedule]], num_layers: int
     bwd = [CompiledSegment(b, cost, name) for name, _, b in parts]
     names = [name for name, _, _ in parts]
 
+    segments = SegmentSet(fwd + bwd)
+
     def run(layers: int) -> StepReplay:
         chain = fwd * layers + list(reversed(bwd)) * layers
-        result = replay_chain(chain, world_size)
+        result = replay_chain(chain, world_size, segments=segments)
         segment_s = {name: [0.0] * world_size for name in names}
         for seg, inside in zip(chain, result.inside_s):
             for r, x in enumerate(inside):
