@@ -11,15 +11,25 @@ in the order they name it, so a replay is a pure function of its inputs, bit
 for bit.
 
 Events are ordered by (time, push order), a total order, so any correct
-queue pops them in the same sequence.  Only an op's end (a compute op's, a
-transfer's) lies ahead of the event that schedules it; an op becoming ready, a
-batch being posted, a transfer landing with the rest of its batch and a rank
-entering a segment happen at the instant that causes them.  So ends go to a heap, and the others
+queue pops them in the same sequence, and leaving out an event that changes
+nothing leaves the others' order alone.  Only an op's end lies ahead of the
+event that schedules it; an op becoming ready, a batch being posted, a
+transfer landing with the rest of its batch and a rank entering a segment
+happen at the instant that causes them.  So ends go to a heap, and the others
 to a FIFO of the current instant, which holds the latest orders at that time:
 the next event is the first of the two by (time, order).  An op that ends frees
 its rank's compute lane at the same instant, right after its dependants are
 released (nothing can come between the two: no other event has that time and
 an order in between).
+
+A transfer takes two orders when it starts (its move ending on its sender's
+batch, then on its receiver's), but only a batch's last move does anything:
+the heap gets that one, under its order, once every transfer of the batch has
+started.  So the heap holds at most one event per slot -- a rank's compute op
+in flight, the batch in flight on each of its two lanes -- keyed (time, order
+x slots + slot), the event itself in the slot's entry; a transfer end with no
+dependant on its rank queues no landing.  An event is one int64: (instance
+<< wbits | what) << 3 | kind.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ class CompiledSegment:
         topo = cost.cluster.topology
         self.name = name
         self.n = n = len(schedule)
-        self.is_comm = np.fromiter((kind == COMM for kind in schedule.column("kind")), np.bool_, n)
+        self.is_comm = np.fromiter(map(COMM.__eq__, schedule.column("kind")), np.bool_, n)
         self.rank = np.fromiter(schedule.column("rank"), np.int64, n)
         self.peer = np.fromiter(schedule.column("peer"), np.int64, n)
         tier_index = {tier: i for i, tier in enumerate(TIERS)}
@@ -127,7 +127,8 @@ class CompiledSegment:
         affinity = np.array(topo.nic_affinity, np.int64)
         src, dst = self.rank[comm], self.peer[comm]
         at = comm.tolist()
-        named = np.fromiter((-1 if x is None else x for x in schedule.column("nic", at)), np.int64, len(comm))
+        named = np.array(schedule.column("nic", at), np.float64)        # None (no NIC named): nan
+        named = np.where(np.isnan(named), -1, named).astype(np.int64)
         nbytes = np.fromiter(schedule.column("nbytes", at), np.float64, len(comm))
         inside = src // gpn == dst // gpn
         nvlink = inside & (named < 0)
@@ -157,16 +158,18 @@ class CompiledSegment:
         side_wave = np.concatenate([wave, wave])
         side_op = np.concatenate([comm, comm])
         side_sends = np.concatenate([np.ones(len(comm), np.int64), np.zeros(len(comm), np.int64)])
-        order = np.lexsort((side_op, side_wave, side_lane, side_rank))
-        key = np.stack([side_rank, side_lane, side_wave])[:, order]
+        waves = int(wave.max(initial=0)) + 1
+        key = (side_rank * 2 + side_lane) * waves + side_wave        # (rank, lane, wave), then op: unique
+        order = np.argsort(key * n + side_op)
+        key = key[order]
         first = np.ones(len(order), np.bool_)
-        first[1:] = (key[:, 1:] != key[:, :-1]).any(axis=0)
+        first[1:] = key[1:] != key[:-1]
         batch_of = np.cumsum(first) - 1                     # each sorted side's batch
         self.n_batches = nb = int(first.sum())
         self.bat_idx = side_op[order]
         self.bat_ptr = np.concatenate([np.flatnonzero(first), [len(order)]]).astype(np.int64)
         self.bat_need = np.bincount(batch_of, weights=side_sends[order], minlength=nb).astype(np.int64)
-        self.rl_ptr = _offsets(key[0, first] * 2 + key[1, first], 2 * world)
+        self.rl_ptr = _offsets(key[first] // waves, 2 * world)
         side_batch = np.empty(len(order), np.int64)
         side_batch[order] = batch_of
         self.op_lane = np.zeros(n, np.int64)
@@ -179,7 +182,7 @@ class CompiledSegment:
         who = np.concatenate([crank, src, dst])
         lane = np.concatenate([np.zeros(len(compute), np.int64), np.ones(2 * len(comm), np.int64)])
         what = np.concatenate([compute, comm, comm])
-        order = np.lexsort((what, lane, who))
+        order = np.argsort((who * 2 + lane) * n + what)            # unique: a transfer's ends differ
         self.onr_idx = what[order]
         self.onr_ptr = _offsets(who, world)
         self.lane_width = int(np.bincount(crank, minlength=1).max()) if len(compute) else 1
