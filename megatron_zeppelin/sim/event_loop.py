@@ -27,7 +27,7 @@ batch, then on its receiver's), but only a batch's last move does anything:
 the heap gets that one, under its order, once every transfer of the batch has
 started.  So the heap holds at most one event per slot -- a rank's compute op
 in flight, the batch in flight on each of its two lanes -- keyed (time, order
-x slots + slot), the event itself in the slot's entry; a transfer end with no
+<< sbits | slot), the event itself in the slot's entry; a transfer end with no
 dependant on its rank queues no landing.  An event is one int64: (instance
 << wbits | what) << 3 | kind.
 """
@@ -81,22 +81,22 @@ def _key_pop(heap, base, n):
 
 
 @njit(cache=True)
-def _soon(now_c, now_ev, tail, counter, slots, ev):
+def _soon(now_c, now_ev, tail, counter, sbits, ev):
     """Queue event ``ev`` (packed by ``_event``) at the current instant; returns
     the FIFO's new tail and the event counter."""
     counter += 1
-    now_c[tail], now_ev[tail] = counter * slots, ev
+    now_c[tail], now_ev[tail] = counter << sbits, ev
     return tail + 1, counter
 
 
 @njit(cache=True)
-def _done(remaining, left, k, r, n, t, now_c, now_ev, tail, counter, slots, wbits):
+def _done(remaining, left, k, r, n, t, now_c, now_ev, tail, counter, sbits, wbits):
     """``n`` more ops of rank ``r`` in instance ``k`` are done; the last one lets
     the rank enter the next instance now.  Returns the FIFO's tail and the counter."""
     remaining[k, r] -= n
     if remaining[k, r] == 0:
         left[k, r] = t
-        return _soon(now_c, now_ev, tail, counter, slots, ((k + 1) << wbits | r) << 3 | ENTER)
+        return _soon(now_c, now_ev, tail, counter, sbits, ((k + 1) << wbits | r) << 3 | ENTER)
     return tail, counter
 
 
@@ -188,6 +188,9 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
     busy = np.zeros((world, n_tiers))
     busy_order = np.full((world, n_tiers), -1, np.int64)
     n_busy = 0
+    lbits = 0                        # a lane key is instance << lbits | lane position
+    while (1 << lbits) < lane_width:
+        lbits += 1
     # Per rank, a heap of ready compute ops keyed by instance x lane width + lane position.
     lane_heap = np.empty(max(compute_cap.sum(), 1), np.int64)
     lane_base = np.zeros(world, np.int64)
@@ -198,12 +201,15 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
 
     # Events in the future are a rank's compute op ending and the last move of
     # a rank's batch on each lane: at most one each per rank at a time, so the
-    # heap holds (time, order x slots + slot) and the event sits at its slot.
-    # The current instant's events are a FIFO of (order x slots, event).
+    # heap holds (time, order << sbits | slot) and the event sits at its slot.
+    # The current instant's events are a FIFO of (order << sbits, event).
     # Each op is ready once and done once (a transfer: two orders when it
     # starts, done on each end once), each instance batch is posted once, each
     # (instance, rank) entered once: that bounds the FIFO.
-    slots = 3 * world
+    sbits = 2
+    while (1 << sbits) < 3 * world:
+        sbits += 1
+    slots = 1 << sbits
     heap_t = np.empty(slots)
     heap_c = np.empty(slots, np.int64)
     slot_ev = np.empty(slots, np.int64)
@@ -214,7 +220,7 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
     now_head = now_tail = 0
     counter = 0
     for r in range(world):           # every rank enters segment 0 at time 0, rank by rank
-        now_tail, counter = _soon(now_c, now_ev, now_tail, counter, slots, r << 3 | ENTER)
+        now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits, r << 3 | ENTER)
     t = 0.0
 
     while n_events or now_head < now_tail:
@@ -225,7 +231,7 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
                 now_head = now_tail = 0
         else:
             t, c, n_events = _pop(heap_t, heap_c, n_events)
-            ev = slot_ev[c % slots]
+            ev = slot_ev[c & (slots - 1)]
         kind, what, k = ev & 7, ev >> 3 & wmask, ev >> (3 + wbits)
         start_rank = -1                  # a rank whose compute lane may start its next op
         at = -1                          # LANDED: the end whose dependants it releases
@@ -244,7 +250,7 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
                             cursor[r, lane] = b
                             cursor_end[r, lane] = b + rl_ptr[jl + 1] - rl_ptr[jl]
                             if need[b] == 0:
-                                now_tail, counter = _soon(now_c, now_ev, now_tail, counter, slots,
+                                now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits,
                                                           ((k << wbits | b - inst_bat[k]) << 3) | POST)
                     cands, lo, hi = onr_idx, onr_ptr[j], onr_ptr[j + 1]
                     break
@@ -256,13 +262,13 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
             sb = seg_base[chain_seg[k]]
             r = op_rank[sb + what]
             if not op_comm[sb + what]:
-                lane_n[r] = _key_push(lane_heap, lane_base[r], lane_n[r], k * lane_width + lane_pos[sb + what])
+                lane_n[r] = _key_push(lane_heap, lane_base[r], lane_n[r], k << lbits | lane_pos[sb + what])
                 start_rank = r
             else:                                # its data is there: one send fewer for its batch
                 b = inst_bat[k] + op_bsend[sb + what] - bat_base[chain_seg[k]]
                 need[b] -= 1
                 if need[b] == 0 and cursor[r, op_lane[sb + what]] == b:
-                    now_tail, counter = _soon(now_c, now_ev, now_tail, counter, slots,
+                    now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits,
                                               ((k << wbits | b - inst_bat[k]) << 3) | POST)
         elif kind == POST:
             # A batch is posted: each of its transfers whose other end is posted
@@ -299,7 +305,7 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
                         r = op_peer[sb + op] if side else op_rank[sb + op]
                         slot = 3 * r + 1 + op_lane[sb + op]
                         slot_ev[slot] = last_ev[bs]
-                        n_events = _push(heap_t, heap_c, n_events, last_t[bs], last_c[bs] * slots + slot)
+                        n_events = _push(heap_t, heap_c, n_events, last_t[bs], last_c[bs] << sbits | slot)
         elif kind == MOVED:
             # The last transfer of a batch is over on one end: the batch is done on
             # that rank, what it received lands, and the lane posts its next batch.
@@ -312,14 +318,14 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
                 op = bat_idx[y]
                 end = 1 if op_peer[sb + op] == r else 0          # the end it is done on
                 if op_lands[sb + op] >> end & 1:
-                    now_tail, counter = _soon(now_c, now_ev, now_tail, counter, slots,
+                    now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits,
                                               ((k << wbits | 2 * op + end) << 3) | LANDED)
             now_tail, counter = _done(remaining, left, k, r, bat_ptr[b + 1] - bat_ptr[b], t, now_c, now_ev,
-                                      now_tail, counter, slots, wbits)
+                                      now_tail, counter, sbits, wbits)
             cursor[r, lane] += 1
             b = cursor[r, lane]
             if b < cursor_end[r, lane] and need[b] == 0:
-                now_tail, counter = _soon(now_c, now_ev, now_tail, counter, slots,
+                now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits,
                                           ((k << wbits | b - inst_bat[k]) << 3) | POST)
         elif kind == LANDED:
             # A transfer is done on one end (its batch there is done): the ops
@@ -343,11 +349,11 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
                 if released[g] or waiting[g] != 0 or entered[k, op_rank[sb + op]] < 0:
                     continue
                 released[g] = True               # ready now (an op's dependencies end by now)
-                now_tail, counter = _soon(now_c, now_ev, now_tail, counter, slots, ((k << wbits | op) << 3) | READY)
+                now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits, ((k << wbits | op) << 3) | READY)
         if kind == DONE:                                         # its compute lane is free again
             sb = seg_base[chain_seg[k]]
             r = op_rank[sb + what]
-            now_tail, counter = _done(remaining, left, k, r, 1, t, now_c, now_ev, now_tail, counter, slots, wbits)
+            now_tail, counter = _done(remaining, left, k, r, 1, t, now_c, now_ev, now_tail, counter, sbits, wbits)
             start_rank = r
             compute_busy[r] = False
         r = start_rank
@@ -355,9 +361,9 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
             continue
         key = _key_pop(lane_heap, lane_base[r], lane_n[r])
         lane_n[r] -= 1
-        k = key // lane_width
+        k = key >> lbits
         j = chain_seg[k] * world + r
-        op = onr_idx[onr_ptr[j] + key % lane_width]       # the compute lane heads the rank's ops
+        op = onr_idx[onr_ptr[j] + (key & ((1 << lbits) - 1))]       # the compute lane heads the rank's ops
         sb = seg_base[chain_seg[k]]
         start = max(t, compute_free[r])
         dur = op_sec[sb + op]
@@ -373,5 +379,5 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
             op_end[inst_base[k] + op] = start + dur
         counter += 1
         slot_ev[3 * r] = ((k << wbits | op) << 3) | DONE
-        n_events = _push(heap_t, heap_c, n_events, start + dur, counter * slots + 3 * r)
+        n_events = _push(heap_t, heap_c, n_events, start + dur, counter << sbits | 3 * r)
     return finish, busy, busy_order, entered, left, op_start, op_end, inst_base, remaining, created
