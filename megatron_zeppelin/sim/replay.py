@@ -92,8 +92,6 @@ class CompiledSegment:
         self.is_comm = np.fromiter(map(COMM.__eq__, schedule.column("kind")), np.bool_, n)
         self.rank = np.fromiter(schedule.column("rank"), np.int64, n)
         self.peer = np.fromiter(schedule.column("peer"), np.int64, n)
-        tier_index = {tier: i for i, tier in enumerate(TIERS)}
-        self.tier = np.fromiter(map(tier_index.__getitem__, schedule.column("tier")), np.int64, n)
         self.ndeps, dep = schedule.dependency_arrays()
         # Who depends on each op, in op order (the order the replay releases them).
         user = np.repeat(np.arange(n, dtype=np.int64), self.ndeps)
@@ -113,7 +111,11 @@ class CompiledSegment:
         # Many compute ops share their fields (a ring's steps over equal shards,
         # equal linear shares): each distinct set of fields is priced once.
         at = compute.tolist()
-        fields = zip(*(schedule.column(f, at) for f in ("tier", "backward", "tokens", "pairs", "block", "lengths")))
+        tiers = schedule.column("tier", at)
+        tier_index = {tier: i for i, tier in enumerate(TIERS)}
+        self.tier = np.zeros(n, np.int64)          # a compute op's: the replay sums busy time by it
+        self.tier[compute] = np.fromiter(map(tier_index.__getitem__, tiers), np.int64, len(compute))
+        fields = zip(tiers, *(schedule.column(f, at) for f in ("backward", "tokens", "pairs", "block", "lengths")))
         priced: dict[tuple, float] = {}
         seconds = []
         for key in fields:
