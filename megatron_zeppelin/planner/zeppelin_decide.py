@@ -69,7 +69,9 @@ class DecidingZeppelinPlanner:
         # reason): each pass_plans ending its own pause ran a full collection
         # over the plans built so far (~80 ms a context at 4,096 GPUs).
         with gc_paused():
-            return decide(seq_lens, ctx, self.inner)
+            # A fresh inner planner: its plans of this batch, and the decision's
+            # arrays, are freed before the collector resumes (it would scan them).
+            return decide(seq_lens, ctx)
 
 
 def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None = None) -> Plan:
@@ -86,7 +88,7 @@ def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | N
     def priced(build: Callable[[], Plan]) -> Callable[[], tuple[float, Callable[[], Plan]]]:
         def price() -> tuple[float, Callable[[], Plan]]:
             plan = build()
-            return step(plan), lambda: plan
+            return floor.price(step, plan), lambda: plan
         return price
 
     def drafted(draft: Draft, routed: bool) -> Callable[[], tuple[float, Callable[[], Plan]]]:
@@ -102,7 +104,7 @@ def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | N
         if len(plans) == 1 or option.cost == own:
             candidates += [(floor.of_plan(p), priced(lambda p=p: p)) for p in plans]
         else:
-            pick = functools.partial(fastest, plans, StepSurrogate(option.cost).step_s)
+            pick = functools.partial(fastest, plans, StepSurrogate(option.cost).step_s, floor.reads)
             candidates.append((min(floor.of_plan(p) for p in plans), priced(pick)))
     candidates += [(floor.of_layout(d.arrays), drafted(d, routed))
                    for d, routed in baselines]
