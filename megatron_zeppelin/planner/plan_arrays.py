@@ -88,14 +88,21 @@ class Placements:
         return cls(seq, mode.astype(np.int8), size, _slices(first, size))
 
     def build(self, seq_lens: Sequence[int]) -> tuple[SeqPlacement, ...]:
-        """The canonical :class:`SeqPlacement`\\s (``plan.placement``)."""
+        """The canonical :class:`SeqPlacement`\\s (``plan.placement``).  Local ones
+        (most of a batch) share their rank's tuple, and every placement its
+        shards (``plan.placement`` caches them): fewer objects for the cyclic
+        collector to scan while the plan lives."""
         modes, out = tuple(MODE_CODE), []
+        alone: dict[int, tuple[int]] = {}
         ends = np.cumsum(self.size).tolist()
         flat = self.ranks.tolist()
         for seq, code, end, size in zip(self.seq.tolist(), self.mode.tolist(), ends, self.size.tolist()):
-            ranks = flat[end - size:end]
-            out.append(SeqPlacement(seq, Mode.LOCAL, (ranks[0],), (((0, seq_lens[seq]),),)) if code == 0
-                       else placement(seq, seq_lens[seq], modes[code], ranks))
+            if code == 0:
+                r = flat[end - 1]
+                ranks: Sequence[int] = alone.get(r) or alone.setdefault(r, (r,))
+            else:
+                ranks = flat[end - size:end]
+            out.append(placement(seq, seq_lens[seq], modes[code], ranks))
         return tuple(out)
 
     def same(self, other: "Placements") -> bool:

@@ -65,12 +65,13 @@ class DecidingZeppelinPlanner:
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         if ctx.step_model is None:
             return self.inner.plan(seq_lens, ctx)
-        # One pause of the cyclic collector for every candidate (ZeppelinPlanner's
-        # reason): each pass_plans ending its own pause ran a full collection
-        # over the plans built so far (~80 ms a context at 4,096 GPUs).
+        # One pause of the cyclic collector for every candidate, on the main
+        # thread (gc_paused): each pass_plans ending its own pause ran a full
+        # collection over the plans built so far (~80 ms a context at 4,096
+        # GPUs).  A fresh inner planner (decide's default): its plans of the
+        # batch and the decision's arrays are freed before the collector
+        # resumes, which then scans only the plan that runs.
         with gc_paused():
-            # A fresh inner planner: its plans of this batch, and the decision's
-            # arrays, are freed before the collector resumes (it would scan them).
             return decide(seq_lens, ctx)
 
 

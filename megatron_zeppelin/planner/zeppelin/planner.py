@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -10,10 +11,11 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, placement
+from megatron_zeppelin.plan import Mode, Plan
 from megatron_zeppelin.planner.base import PlanContext, same_layout_linear
 from megatron_zeppelin.planner.fastest import fastest
 from megatron_zeppelin.planner.linear_layout import balance_linear
+from megatron_zeppelin.planner.plan_arrays import MODE_CODE, Placements
 from megatron_zeppelin.planner.surrogate import StepSurrogate
 from megatron_zeppelin.planner.zeppelin.exact import exact_fill
 from megatron_zeppelin.planner.zeppelin.loads import _Assign, _Loads, _TierTimes, min_ring_size
@@ -49,7 +51,8 @@ class ZeppelinPlanner:
         them with its other candidates."""
         # A plan allocates tens of thousands of small objects (placements,
         # spans) and none of them forms a cycle: the cyclic collector's passes
-        # over the whole heap would be pure overhead (~20 % at 1024 GPUs).
+        # over the whole heap would be pure overhead (on the main thread; see
+        # gc_paused for why not elsewhere).
         with gc_paused():
             return self._pass_plans(seq_lens, ctx)
 
@@ -120,12 +123,18 @@ def _built(name: str, seq_lens: tuple[int, ...], out: _Assign, remap: bool, ctx:
     """The Plan of an assignment (its linear layout token-balanced when ``remap``)."""
     topo = ctx.topology
     w, g, cap = topo.world_size, topo.gpus_per_node, ctx.tokens_per_gpu
-    # Most sequences are local: build those directly, not via the shard builder.
-    local_mode, groups = Mode.LOCAL, out.groups
-    attention = tuple(
-        SeqPlacement(i, local_mode, (r,), (((0, n),),)) if r >= 0 else
-        placement(i, n, Mode.ULYSSES if groups[i][1] else Mode.RING, groups[i][0])
-        for i, (n, r) in enumerate(zip(seq_lens, out.local.tolist())))
+    # Columns first (most sequences are local, one vectorised row each), then
+    # the placements, which share their tuples (Placements.build).
+    size = np.ones(len(seq_lens), np.int64)
+    mode = np.zeros(len(seq_lens), np.int8)
+    split = sorted(out.groups.items())
+    for i, (ranks, ulysses) in split:
+        size[i], mode[i] = len(ranks), MODE_CODE[Mode.ULYSSES if ulysses else Mode.RING]
+    flat = np.repeat(out.local, size)
+    starts = np.cumsum(size) - size
+    for i, (ranks, _) in split:
+        flat[starts[i]:starts[i] + size[i]] = ranks
+    attention = Placements(np.arange(len(seq_lens)), mode, size, flat).build(seq_lens)
     lens = np.asarray(seq_lens, dtype=np.int64)
     return Plan(strategy=name, world_size=w, gpus_per_node=g, seq_lens=seq_lens, attention=attention,
                 linear=(balance_linear(attention, lens, w, g, cap) if remap
@@ -153,15 +162,24 @@ def _brief(lens: np.ndarray) -> str:
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector (reference counting still frees
-    everything); restore it only if it was on, so nested or concurrent callers
-    never leave it off."""
-    was_enabled = gc.isenabled()
+    everything) while a plan is built on the main thread; restore it only if it
+    was on, so nested callers never leave it off.
+
+    The collector is the interpreter's, not the thread's: a pause on the
+    trainer's planning thread (``integration/hooks.py``'s prefetch) would stop
+    it for the training thread too, and re-enabling it at the end would undo a
+    ``gc.disable()`` the training thread made meanwhile (Megatron's
+    ``--manual-gc``).  So off the main thread the collector keeps running: the
+    plan costs more CPU there (docs/planner.md measures it), off the training
+    loop's critical path."""
+    if not gc.isenabled() or threading.current_thread() is not threading.main_thread():
+        yield
+        return
     gc.disable()
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        gc.enable()
 
 
 @dataclass(frozen=True)
