@@ -115,7 +115,11 @@ class Draft:
 
     def tokens_per_rank(self) -> list[int]:
         """Every rank's tokens, in both layouts."""
-        return self.arrays().linear_tokens.astype(np.int64).tolist()
+        return self.linear_tokens().astype(np.int64).tolist()
+
+    def linear_tokens(self) -> np.ndarray:
+        """Every rank's tokens in the linear layout, the attention layout's (float64)."""
+        return self.arrays().linear_tokens
 
     def crosses_nodes_in_a_ring(self) -> bool:
         """Whether routing changes any message of the plan: only rings route (an

@@ -11,7 +11,9 @@ the one ``min`` makes, ties included (the first candidate of the least step).
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Protocol, Sequence, TypeVar
+
+import numpy as np
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.plan import Plan
@@ -54,6 +56,16 @@ def surrogate_cost(step: Callable[[Plan], float]) -> CostModel | None:
 Reads = dict[tuple[int, int], tuple[Plan, PlanArrays]]
 
 
+class LaidOut(Protocol):
+    """A plan not built yet: a baseline's or a packing pass's draft."""
+
+    def arrays(self) -> PlanArrays:
+        """The arrays of its attention layout."""
+
+    def linear_tokens(self) -> np.ndarray:
+        """Every rank's tokens in its linear layout."""
+
+
 class Floor:
     """A lower bound of a step model: the surrogate's (``surrogate.layout_floor``),
     or none (-inf) for another step model.  It reads each plan's arrays once
@@ -83,13 +95,12 @@ class Floor:
             self.bounds[key] = layout_floor(self.cost, arrays, arrays.linear_tokens)
         return self.bounds[key]
 
-    def of_layout(self, layout: Callable[[], PlanArrays]) -> float:
-        """Of the plan of ``layout()`` (its arrays, ``planner/plan_arrays.py``),
-        before it is built."""
+    def of_layout(self, draft: LaidOut) -> float:
+        """Of a plan before it is built, from its layout (``draft.arrays()``,
+        ``planner/plan_arrays.py``) and its linear layout's tokens per rank."""
         if self.cost is None:
             return -math.inf
-        arrays = layout()
-        return layout_floor(self.cost, arrays, arrays.linear_tokens)
+        return layout_floor(self.cost, draft.arrays(), draft.linear_tokens())
 
     def price(self, step: Callable[[Plan], float], plan: Plan) -> float:
         """``step(plan)``; the surrogate's from the arrays read once."""

@@ -44,7 +44,7 @@ from megatron_zeppelin.planner.baseline_candidates import Draft, baseline_drafts
 from megatron_zeppelin.planner.fastest import Floor, fastest, first_least, surrogate_cost
 from megatron_zeppelin.planner.surrogate import StepSurrogate
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
-from megatron_zeppelin.planner.zeppelin.planner import gc_paused
+from megatron_zeppelin.planner.zeppelin.planner import PassDraft, gc_paused
 
 
 def candidate_contexts(ctx: PlanContext) -> list[PlanContext]:
@@ -66,7 +66,7 @@ class DecidingZeppelinPlanner:
         if ctx.step_model is None:
             return self.inner.plan(seq_lens, ctx)
         # One pause of the cyclic collector for every candidate, on the main
-        # thread (gc_paused): each pass_plans ending its own pause ran a full
+        # thread (gc_paused): each pass_drafts ending its own pause ran a full
         # collection over the plans built so far (~80 ms a context at 4,096
         # GPUs).  A fresh inner planner (decide's default): its plans of the
         # batch and the decision's arrays are freed before the collector
@@ -100,15 +100,18 @@ def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | N
         return lambda: (clock.layout_step_s(draft.arrays(), draft.topology.world_size, routed),
                         functools.partial(draft.candidate, routed))
 
+    def picked(option: PlanContext, drafts: list[PassDraft], routed: bool) -> Plan:
+        return fastest([d.plan(routed) for d in drafts], StepSurrogate(option.cost).step_s, floor.reads)
+
+    # Zeppelin's passes too are bounded by their layouts, and built only if priced.
     candidates: list = []
-    for option, plans in contexts:
-        if len(plans) == 1 or option.cost == own:
-            candidates += [(floor.of_plan(p), priced(lambda p=p: p)) for p in plans]
+    for option, drafts, routed in contexts:
+        if len(drafts) == 1 or option.cost == own:
+            candidates += [(floor.of_layout(d), priced(functools.partial(d.plan, routed))) for d in drafts]
         else:
-            pick = functools.partial(fastest, plans, StepSurrogate(option.cost).step_s, floor.reads)
-            candidates.append((min(floor.of_plan(p) for p in plans), priced(pick)))
-    candidates += [(floor.of_layout(d.arrays), drafted(d, routed))
-                   for d, routed in baselines]
+            candidates.append((min(floor.of_layout(d) for d in drafts),
+                               priced(functools.partial(picked, option, drafts, routed))))
+    candidates += [(floor.of_layout(d), drafted(d, routed)) for d, routed in baselines]
     return first_least(candidates)()
 
 
@@ -118,29 +121,29 @@ def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext,
     Zeppelin's plan under each of :func:`candidate_contexts`, then the baselines'.
     Raises the first planning error when no candidate can be planned."""
     contexts, baselines = _candidate_plans(seq_lens, ctx, inner)
-    return ([fastest(plans, StepSurrogate(option.cost).step_s) for option, plans in contexts]
+    return ([fastest([d.plan(routed) for d in drafts], StepSurrogate(option.cost).step_s)
+             for option, drafts, routed in contexts]
             + [draft.candidate(routed) for draft, routed in baselines])
 
 
 def _candidate_plans(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None
-                     ) -> tuple[list[tuple[PlanContext, list[Plan]]], list[tuple[Draft, bool]]]:
-    """(each context Zeppelin could plan the batch under, with its passes' plans;
-    the baselines' candidates, unbuilt: :func:`baseline_drafts`).  Raises the
-    first planning error when there is none."""
+                     ) -> tuple[list[tuple[PlanContext, list[PassDraft], bool]], list[tuple[Draft, bool]]]:
+    """(each context Zeppelin could plan the batch under, with its passes,
+    unbuilt, and whether their plans run routed; the baselines' candidates,
+    unbuilt: :func:`baseline_drafts`).  Raises the first planning error when
+    there is none."""
     inner = inner or ZeppelinPlanner()
     contexts, errors = [], []
     for option in candidate_contexts(ctx):
         try:
-            plans = inner.pass_plans(seq_lens, option)
+            drafts = inner.pass_drafts(seq_lens, option)
         except InfeasibleError as exc:    # e.g. remap's balanced layout has no room; others may
             errors.append(exc)
             continue
         # A plan made for direct crossings also runs them direct: routing's
         # dispatch and combine legs share NVLink with the other traffic, and
         # on some batches they cost more than they save.
-        if option.cost.routing != ctx.cost.routing:
-            plans = [dataclasses.replace(p, routed=False) for p in plans]
-        contexts.append((option, plans))
+        contexts.append((option, drafts, option.cost.routing == ctx.cost.routing))
     baselines = baseline_drafts(seq_lens, ctx)   # so no baseline's plan is faster
     if not contexts and not baselines:
         raise errors[0]

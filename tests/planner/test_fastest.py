@@ -54,7 +54,7 @@ def test_the_decision_picks_the_exhaustive_pick_pricing_fewer_plans(monkeypatch)
         for draft, routed in baseline_drafts(case.lens, ctx):
             plan = draft.candidate(routed)
             assert (layout_floor(ctx.cost, draft.arrays(), draft.tokens_per_rank())
-                    == Floor(surrogate.step_s).of_layout(draft.arrays) == step_floor(ctx.cost, plan))
+                    == Floor(surrogate.step_s).of_layout(draft) == step_floor(ctx.cost, plan))
             assert surrogate.layout_step_s(draft.arrays(), plan.world_size, routed) == surrogate.step_s(plan)
         exhaustive = min(plans, key=surrogate.step_s)
         with monkeypatch.context() as m:

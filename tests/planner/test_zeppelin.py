@@ -285,7 +285,7 @@ def test_the_passes_plans_are_compared_by_the_surrogate():
     order = np.argsort(-arr, kind="stable")
     heavy, light_seqs = order[~light[order]].tolist(), order[light[order]]
     budget = max(1, zeppelin.PASS_BUDGET // max(len(heavy), 1))
-    plans = [zeppelin._built("zeppelin", tuple(lens), r.assign, r.remap, ctx)
+    plans = [zeppelin._built("zeppelin", tuple(lens), zeppelin._layout(r.assign), r.remap, ctx)
              for r in (zeppelin._one_pass(packer, heavy, light_seqs, float(local_s[light].sum()), mean_s, p)
                        for p in zeppelin.PASSES if p.remap)][:budget]
     assert len(plans) > 1
