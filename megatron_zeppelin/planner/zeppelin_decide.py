@@ -42,6 +42,7 @@ from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.baseline_candidates import Draft, baseline_drafts
 from megatron_zeppelin.planner.fastest import Floor, fastest, first_least, surrogate_cost
+from megatron_zeppelin.planner.plan_arrays import PlanArrays
 from megatron_zeppelin.planner.surrogate import StepSurrogate
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
 from megatron_zeppelin.planner.zeppelin.planner import PassDraft, gc_paused
@@ -92,26 +93,34 @@ def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | N
             return floor.price(step, plan), lambda: plan
         return price
 
-    def drafted(draft: Draft, routed: bool) -> Callable[[], tuple[float, Callable[[], Plan]]]:
+    def drafted(arrays: Callable[[], PlanArrays], world: int, routed: bool,
+                build: Callable[[], Plan]) -> Callable[[], tuple[float, Callable[[], Plan]]]:
         if own is None:
-            return priced(functools.partial(draft.candidate, routed))
-        # The surrogate prices the draft's placements, its plan unbuilt.
+            return priced(build)
+        # The surrogate prices the draft's placements, its plan unbuilt: a plan
+        # whose linear layout is its attention layout has those arrays.
         clock: StepSurrogate = step.__self__      # type: ignore[attr-defined]
-        return lambda: (clock.layout_step_s(draft.arrays(), draft.topology.world_size, routed),
-                        functools.partial(draft.candidate, routed))
+        return lambda: (clock.layout_step_s(arrays(), world, routed), build)
 
     def picked(option: PlanContext, drafts: list[PassDraft], routed: bool) -> Plan:
         return fastest([d.plan(routed) for d in drafts], StepSurrogate(option.cost).step_s, floor.reads)
 
-    # Zeppelin's passes too are bounded by their layouts, and built only if priced.
+    # Zeppelin's passes too are bounded by their layouts, and built only if
+    # priced (with the remap: its messages are read from the built plan's spans)
+    # or, without, only if they win.
     candidates: list = []
     for option, drafts, routed in contexts:
         if len(drafts) == 1 or option.cost == own:
-            candidates += [(floor.of_layout(d), priced(functools.partial(d.plan, routed))) for d in drafts]
+            for d in drafts:
+                build = functools.partial(d.plan, routed)
+                candidates.append((floor.of_layout(d), priced(build) if d.remap
+                                   else drafted(d.arrays, d.world_size, routed, build)))
         else:
             candidates.append((min(floor.of_layout(d) for d in drafts),
                                priced(functools.partial(picked, option, drafts, routed))))
-    candidates += [(floor.of_layout(d), drafted(d, routed)) for d, routed in baselines]
+    candidates += [(floor.of_layout(d), drafted(d.arrays, d.topology.world_size, routed,
+                                                functools.partial(d.candidate, routed)))
+                   for d, routed in baselines]
     return first_least(candidates)()
 
 

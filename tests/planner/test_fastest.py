@@ -56,6 +56,13 @@ def test_the_decision_picks_the_exhaustive_pick_pricing_fewer_plans(monkeypatch)
             assert (layout_floor(ctx.cost, draft.arrays(), draft.tokens_per_rank())
                     == Floor(surrogate.step_s).of_layout(draft) == step_floor(ctx.cost, plan))
             assert surrogate.layout_step_s(draft.arrays(), plan.world_size, routed) == surrogate.step_s(plan)
+        # So does a packing pass's (its plan priced unbuilt only without the remap).
+        for option in candidate_contexts(ctx):
+            for draft in ZeppelinPlanner().pass_drafts(case.lens, option):
+                plan = draft.plan()
+                assert Floor(surrogate.step_s).of_layout(draft) == step_floor(ctx.cost, plan)
+                assert draft.remap or surrogate.layout_step_s(draft.arrays(), plan.world_size, True) \
+                    == surrogate.step_s(plan)
         exhaustive = min(plans, key=surrogate.step_s)
         with monkeypatch.context() as m:
             m.setattr(StepSurrogate, "layout_step_s", counted)
