@@ -2,7 +2,7 @@
 
 ``min(plans, key=step)`` prices every plan.  With a lower bound of ``step``
 per candidate (the surrogate's :func:`~megatron_zeppelin.planner.surrogate.layout_floor`,
-which a baseline's layout gets before its plan is built),
+which a draft -- a baseline's layout, a packing pass's -- gets before its plan is built),
 candidates are priced in order of their bounds, and the search stops once the
 next bound is above the best step found: the rest cannot win.  The pick is
 the one ``min`` makes, ties included (the first candidate of the least step).
@@ -110,10 +110,9 @@ class Floor:
         return clock.layout_step_s(self.arrays(plan), plan.world_size, plan.routed)
 
 
-def fastest(plans: Sequence[Plan], step: Callable[[Plan], float], reads: Reads | None = None) -> Plan:
-    """``min(plans, key=step)``, pricing only the plans that can win (sharing
-    ``reads`` with the caller's :class:`Floor`)."""
+def fastest(plans: Sequence[Plan], step: Callable[[Plan], float]) -> Plan:
+    """``min(plans, key=step)``, pricing only the plans that can win."""
     if len(plans) == 1:
         return plans[0]
-    floor = Floor(step, reads)
+    floor = Floor(step)
     return first_least([(floor.of_plan(p), lambda p=p: (floor.price(step, p), p)) for p in plans])

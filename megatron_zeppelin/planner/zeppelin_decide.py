@@ -81,47 +81,65 @@ def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | N
     (ties: the run's own choice), pricing only candidates that can win
     (``planner/fastest.py``): a context's passes are priced one by one when the
     step model is the surrogate its planner picks a pass by, else the pass it
-    picks is priced as one candidate whose bound is its passes' least."""
+    picks is priced as one candidate whose bound is its passes' least.  Every
+    candidate is bounded by its layout, unbuilt; a plan is built when it is
+    priced with a remap (the surrogate reads the remap's messages from its
+    spans) or when it wins (without a remap it is priced from its layout)."""
     contexts, baselines = _candidate_plans(seq_lens, ctx, inner)
     step = ctx.step_model
     floor, own = Floor(step), surrogate_cost(step)
 
-    # A candidate's result is what builds its plan: a baseline's is built only if it wins.
-    def priced(build: Callable[[], Plan]) -> Callable[[], tuple[float, Callable[[], Plan]]]:
-        def price() -> tuple[float, Callable[[], Plan]]:
-            plan = build()
-            return floor.price(step, plan), lambda: plan
-        return price
-
-    def drafted(arrays: Callable[[], PlanArrays], world: int, routed: bool,
-                build: Callable[[], Plan]) -> Callable[[], tuple[float, Callable[[], Plan]]]:
-        if own is None:
-            return priced(build)
-        # The surrogate prices the draft's placements, its plan unbuilt: a plan
-        # whose linear layout is its attention layout has those arrays.
-        clock: StepSurrogate = step.__self__      # type: ignore[attr-defined]
-        return lambda: (clock.layout_step_s(arrays(), world, routed), build)
-
     def picked(option: PlanContext, drafts: list[PassDraft], routed: bool) -> Plan:
-        return fastest([d.plan(routed) for d in drafts], StepSurrogate(option.cost).step_s, floor.reads)
+        """The pass its context's planner keeps: the least step under its own model."""
+        clock = StepSurrogate(option.cost).step_s
+        return first_least(_pass_candidates(drafts, routed, Floor(clock, floor.reads), clock))()
 
-    # Zeppelin's passes too are bounded by their layouts, and built only if
-    # priced (with the remap: its messages are read from the built plan's spans)
-    # or, without, only if they win.
     candidates: list = []
     for option, drafts, routed in contexts:
         if len(drafts) == 1 or option.cost == own:
-            for d in drafts:
-                build = functools.partial(d.plan, routed)
-                candidates.append((floor.of_layout(d), priced(build) if d.remap
-                                   else drafted(d.arrays, d.world_size, routed, build)))
+            candidates += _pass_candidates(drafts, routed, floor, step)
         else:
             candidates.append((min(floor.of_layout(d) for d in drafts),
-                               priced(functools.partial(picked, option, drafts, routed))))
-    candidates += [(floor.of_layout(d), drafted(d.arrays, d.topology.world_size, routed,
-                                                functools.partial(d.candidate, routed)))
+                               _priced(floor, step, functools.partial(picked, option, drafts, routed))))
+    candidates += [(floor.of_layout(d), _drafted(floor, step, d.arrays, d.topology.world_size, routed,
+                                                 functools.partial(d.candidate, routed)))
                    for d, routed in baselines]
     return first_least(candidates)()
+
+
+#: A candidate's price: its step, and what builds its plan.
+Priced = Callable[[], tuple[float, Callable[[], Plan]]]
+
+
+def _priced(floor: Floor, step: Callable[[Plan], float], build: Callable[[], Plan]) -> Priced:
+    """Builds the plan, then prices it."""
+    def price() -> tuple[float, Callable[[], Plan]]:
+        plan = build()
+        return floor.price(step, plan), lambda: plan
+    return price
+
+
+def _drafted(floor: Floor, step: Callable[[Plan], float], arrays: Callable[[], PlanArrays], world: int,
+             routed: bool, build: Callable[[], Plan]) -> Priced:
+    """Prices the plan of a layout whose linear layout is its attention layout
+    from the layout's arrays (the plan has those arrays), unbuilt: it is built
+    only if it wins."""
+    if floor.cost is None:
+        return _priced(floor, step, build)
+    clock: StepSurrogate = step.__self__      # type: ignore[attr-defined]
+    return lambda: (clock.layout_step_s(arrays(), world, routed), build)
+
+
+def _pass_candidates(drafts: list[PassDraft], routed: bool, floor: Floor, step: Callable[[Plan], float]) -> list:
+    """Zeppelin's passes as candidates, bounded by their layouts and built only
+    if priced (with the remap: its messages are read from the plan's spans) or,
+    without, only if they win."""
+    out = []
+    for d in drafts:
+        build = functools.partial(d.plan, routed)
+        out.append((floor.of_layout(d), _priced(floor, step, build) if d.remap
+                    else _drafted(floor, step, d.arrays, d.world_size, routed, build)))
+    return out
 
 
 def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext,
