@@ -197,9 +197,9 @@ def placements(bins: Bins, seq_lens: Sequence[int], mode: Mode,
 
 def check_lengths(seq_lens: Sequence[int]) -> tuple[int, ...]:
     """The batch as a tuple of positive ints (a Plan cannot hold empty sequences)."""
-    lens = tuple(int(L) for L in seq_lens)
-    bad = [i for i, L in enumerate(lens) if L < 1]
-    if bad:
-        raise InfeasibleError(f"sequence {bad[0]} has length {lens[bad[0]]}; every sequence "
+    lens = tuple(map(int, seq_lens))
+    if lens and min(lens) < 1:     # (builtins, not a generator: every baseline checks the batch)
+        bad = next(i for i, L in enumerate(lens) if L < 1)
+        raise InfeasibleError(f"sequence {bad} has length {lens[bad]}; every sequence "
                               "needs at least one token (drop empty documents)")
     return lens
