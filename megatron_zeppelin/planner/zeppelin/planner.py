@@ -125,7 +125,8 @@ class ZeppelinPlanner:
         packer = self._packers[1].get(key)
         if packer is None:
             times = _TierTimes(ctx.cost, ctx.topology.gpus_per_node, ctx.topology.nodes)
-            packer = self._packers[1][key] = _Packer(lens, ctx, times)
+            other = next(iter(self._packers[1].values()), None)
+            packer = self._packers[1][key] = _Packer(lens, ctx, times, memo_of=other)
         return packer
 
     def _draft_of(self, seq_lens: tuple[int, ...], out: _Assign, remap: bool, ctx: PlanContext) -> PassDraft:
