@@ -54,6 +54,7 @@ def _slices(start: np.ndarray, size: np.ndarray) -> np.ndarray:
 
 
 def plan_arrays(plan: Plan) -> PlanArrays:
+    """The arrays of ``plan`` (the decision reads each plan's once: ``planner/fastest.py: Floor``)."""
     return layout_arrays(plan.world_size, plan.seq_lens, plan.attention, plan.linear)
 
 
@@ -75,6 +76,7 @@ class Placements:
 
     @classmethod
     def of(cls, att: Sequence[SeqPlacement]) -> "Placements":
+        """The columns of built placements."""
         n = len(att)
         ranks = list(map(attrgetter("ranks"), att))
         size = np.fromiter(map(len, ranks), np.int64, n)
