@@ -31,9 +31,9 @@ one all-to-all where the engine runs one per sequence
 Above :data:`MAX_SEQUENCES_ALL_SOURCES` sequences only static CP's layouts
 are offered: building the others' plans costs seconds at 1,024 GPUs.
 
-A source lays out :class:`Draft`\s, placements without a Plan: the decision
-bounds each by the surrogate's floor of its layout and builds (and validates)
-only the plans it prices (:func:`baseline_drafts`); :func:`baseline_candidates`
+A source lays out :class:`Draft`\s, placements as columns without a Plan: the
+decision bounds and prices each from its columns and builds (and validates)
+only the plan that wins (:func:`baseline_drafts`); :func:`baseline_candidates`
 builds them all.
 
 Baselines run every crossing direct (NCCL p2p, each GPU through its own NIC):

@@ -17,10 +17,13 @@ so Zeppelin is not modeled slower than its variants beyond the surrogate's
 misorderings (``docs/results/surrogate.md`` measures them against the replay).
 The candidates come from :func:`decision_candidates`; a new kind of candidate
 is one more list there.  :func:`decide` prices only those that can win: in
-order of the surrogate's lower bound (``surrogate.step_floor``), each context's
-packing passes one by one where the step model is the surrogate its planner
-picks a pass by, stopping once the next bound is above the best step
-(``planner/fastest.py``); the pick is ``min``'s, ties included.
+order of the surrogate's lower bound (``surrogate.layout_floor`` of each
+candidate's layout, read before its plan is built), each context's packing
+passes one by one where the step model is the surrogate its planner picks a
+pass by, stopping once the next bound is above the best step
+(``planner/fastest.py``); the pick is ``min``'s, ties included.  It builds a
+candidate's plan only when it prices one with a remap, or runs it
+(docs/planner.md: "What the decision costs").
 
 The baselines' layouts of the batch -- static CP's and Ulysses SP's uniform
 groups, Megatron's hybrid CP groups, FlexSP's heterogeneous Ulysses groups --
