@@ -10,7 +10,6 @@ import numpy as np
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.planner import plan_arrays
 from megatron_zeppelin.planner.baseline_candidates import baseline_candidates, baseline_drafts
 from megatron_zeppelin.planner.fastest import Floor, first_least, surrogate_cost
 from megatron_zeppelin.planner.surrogate import StepSurrogate, layout_floor, step_floor, surrogate_clock
@@ -55,8 +54,15 @@ def test_the_decision_picks_the_exhaustive_pick_pricing_fewer_plans(monkeypatch)
         for draft, routed in baseline_drafts(case.lens, ctx):
             plan = draft.candidate(routed)
             assert (layout_floor(ctx.cost, draft.arrays(), draft.tokens_per_rank())
-                    == Floor(surrogate.step_s).of_layout(draft.arrays) == step_floor(ctx.cost, plan))
+                    == Floor(surrogate.step_s).of_layout(draft) == step_floor(ctx.cost, plan))
             assert surrogate.layout_step_s(draft.arrays(), plan.world_size, routed) == surrogate.step_s(plan)
+        # So does a packing pass's (its plan priced unbuilt only without the remap).
+        for option in candidate_contexts(ctx):
+            for draft in ZeppelinPlanner().pass_drafts(case.lens, option):
+                plan = draft.plan()
+                assert Floor(surrogate.step_s).of_layout(draft) == step_floor(ctx.cost, plan)
+                assert draft.remap or surrogate.layout_step_s(draft.arrays(), plan.world_size, True) \
+                    == surrogate.step_s(plan)
         exhaustive = min(plans, key=surrogate.step_s)
         with monkeypatch.context() as m:
             m.setattr(StepSurrogate, "layout_step_s", counted)
@@ -67,7 +73,6 @@ def test_the_decision_picks_the_exhaustive_pick_pricing_fewer_plans(monkeypatch)
         # min() over the candidates priced every pass of every context, then every candidate.
         every = sum(len(ZeppelinPlanner().pass_plans(case.lens, o)) for o in candidate_contexts(ctx))
         assert 0 < len(calls) < every + len(baseline_candidates(case.lens, ctx))
-        assert len(plan_arrays._RECENT) <= plan_arrays._RECENT_MAX     # the arrays kept stay few
 
 
 def test_the_surrogate_clock_has_a_floor_and_other_step_models_none():
