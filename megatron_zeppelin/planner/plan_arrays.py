@@ -20,9 +20,9 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, Span
+from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, Span, placement
 
-_MODE_CODE = {Mode.LOCAL: 0, Mode.RING: 1, Mode.ULYSSES: 2}
+MODE_CODE = {Mode.LOCAL: 0, Mode.RING: 1, Mode.ULYSSES: 2}
 
 
 @dataclass(frozen=True)
@@ -58,30 +58,67 @@ def _slices(start: np.ndarray, size: np.ndarray) -> np.ndarray:
     return np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(start - (ends - size), size)
 
 
-#: The arrays of the last plans read, by their layouts' identity (each with a
-#: plan holding those layouts alive): the decision prices a plan and its
-#: direct-crossings copy (``dataclasses.replace``), which share both layouts,
-#: and a context's pick again under the run's model.
-_RECENT: dict[tuple[int, int], tuple[Plan, PlanArrays]] = {}
-_RECENT_MAX = 8
-#: The plan's fields the arrays are of (besides its world size).
-_READ = ("attention", "linear", "seq_lens", "packed_rings")
-
-
 def plan_arrays(plan: Plan) -> PlanArrays:
-    key = (id(plan.attention), id(plan.linear))
-    known = _RECENT.get(key)
-    if (known is not None and known[0].world_size == plan.world_size
-            and all(getattr(known[0], f) is getattr(plan, f) for f in _READ)):
-        return known[1]
-    arrays = layout_arrays(plan.world_size, plan.seq_lens, plan.attention, plan.linear, plan.packed_rings)
-    for old in list(_RECENT)[:len(_RECENT) - _RECENT_MAX + 1]:     # the oldest (list(): one atomic copy,
-        _RECENT.pop(old, None)                                       # should a planning thread read too)
-    _RECENT[key] = (plan, arrays)
-    return arrays
+    """The arrays of ``plan`` (the decision reads each plan's once: ``planner/fastest.py: Floor``)."""
+    return layout_arrays(plan.world_size, plan.seq_lens, plan.attention, plan.linear, plan.packed_rings)
 
 
-def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement],
+@dataclass(frozen=True)
+class Placements:
+    """An attention layout as columns, one row per placement in plan order: what
+    :func:`layout_arrays` reads of the :class:`SeqPlacement`\\s.  A baseline lays
+    its candidates out as columns (``planner/baseline_candidates.py``), and the
+    decision builds the placements of only those it runs."""
+
+    seq: np.ndarray
+    """Sequence of each placement."""
+    mode: np.ndarray
+    """Mode of each placement (``MODE_CODE``: 0 local, 1 ring, 2 Ulysses; int8)."""
+    size: np.ndarray
+    """Ranks of each placement."""
+    ranks: np.ndarray
+    """The placements' ranks, placement after placement (ring order for rings)."""
+
+    @classmethod
+    def of(cls, att: Sequence[SeqPlacement]) -> "Placements":
+        """The columns of built placements."""
+        n = len(att)
+        ranks = list(map(attrgetter("ranks"), att))
+        size = np.fromiter(map(len, ranks), np.int64, n)
+        return cls(np.fromiter(map(attrgetter("seq"), att), np.int64, n),
+                   np.fromiter(map(MODE_CODE.__getitem__, map(attrgetter("mode"), att)), np.int8, n),
+                   size, np.fromiter(chain.from_iterable(ranks), np.int64, int(size.sum())))
+
+    @classmethod
+    def of_blocks(cls, seq: np.ndarray, mode: np.ndarray, first: np.ndarray, size: np.ndarray) -> "Placements":
+        """Placements on consecutive ranks ``first .. first + size - 1``."""
+        return cls(seq, mode.astype(np.int8), size, _slices(first, size))
+
+    def build(self, seq_lens: Sequence[int]) -> tuple[SeqPlacement, ...]:
+        """The canonical :class:`SeqPlacement`\\s (``plan.placement``).  Local ones
+        (most of a batch) share their rank's tuple, and every placement its
+        shards (``plan.placement`` caches them): fewer objects for the cyclic
+        collector to scan while the plan lives."""
+        modes, out = tuple(MODE_CODE), []
+        alone: dict[int, tuple[int]] = {}
+        ends = np.cumsum(self.size).tolist()
+        flat = self.ranks.tolist()
+        for seq, code, end, size in zip(self.seq.tolist(), self.mode.tolist(), ends, self.size.tolist()):
+            if code == 0:
+                r = flat[end - 1]
+                ranks: Sequence[int] = alone.get(r) or alone.setdefault(r, (r,))
+            else:
+                ranks = flat[end - size:end]
+            out.append(placement(seq, seq_lens[seq], modes[code], ranks))
+        return tuple(out)
+
+    def same(self, other: "Placements") -> bool:
+        """Whether both are one layout (placements are canonical: seq, mode and ranks say all)."""
+        return all(np.array_equal(a, b) for a, b in ((self.seq, other.seq), (self.mode, other.mode),
+                                                      (self.size, other.size), (self.ranks, other.ranks)))
+
+
+def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement] | Placements,
                   linear: Sequence[Sequence[Span]] | None,
                   packed_rings: Sequence[Sequence[int]] = ()) -> PlanArrays:
     """:func:`plan_arrays` of the plan of ``att`` whose linear layout is
@@ -89,13 +126,10 @@ def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement],
     ``Plan.packed_rings`` are ``packed_rings``, before that plan is built
     (building a baseline's plan, every span and its validation, cost more than
     pricing it)."""
-    n = len(att)
+    cols = att if isinstance(att, Placements) else Placements.of(att)
+    n = len(cols.seq)
     seq_len = np.asarray(seq_lens, np.int64)
-    seq = np.fromiter(map(attrgetter("seq"), att), np.int64, n)
-    mode = np.fromiter(map(_MODE_CODE.__getitem__, map(attrgetter("mode"), att)), np.int8, n)
-    ranks = list(map(attrgetter("ranks"), att))
-    size = np.fromiter(map(len, ranks), np.int64, n)
-    flat = np.fromiter(chain.from_iterable(ranks), np.int64, int(size.sum()))
+    seq, mode, size, flat = cols.seq, cols.mode, cols.size, cols.ranks
     first = np.cumsum(size) - size
     L = seq_len[seq]
 
@@ -107,8 +141,8 @@ def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement],
         ring = ring[~in_packed[seq[ring]]]
         index_of = np.empty(len(seq_len), np.int64)
         index_of[seq] = np.arange(n)
-        packed = tuple((np.asarray(ranks[int(m.min())], np.int64), L[np.sort(m)])
-                       for m in (index_of[list(members)] for members in packed_rings))
+        members = [np.sort(index_of[list(seqs)]) for seqs in packed_rings]     # placements in plan order
+        packed = tuple((flat[first[m[0]]:first[m[0]] + size[m[0]]], L[m]) for m in members)
     rings = {}
     sizes, at = np.unique(size[ring], return_index=True)
     for k in sizes[np.argsort(at)].tolist():

@@ -16,15 +16,22 @@ The replay executes the ops of ``schedule/`` with the engine's lane rules
   forwarding hop waits for) and does its lane post the next batch -- as NCCL
   runs the engine's batches (``comm/lanes.py``: one grouped kernel per batch
   on the lane's stream, one completion for all of it);
-* links: every transfer holds its sender's egress port and its receiver's
-  ingress port -- the GPU's NVLink inside a node, the NIC it leaves through and
-  the NIC it enters across nodes -- for ``latency + bytes / bandwidth``; a port
-  serves one transfer at a time.  A transfer takes the earliest window, from
-  its post on, in which both of its ports are free: a port waiting for a busy
-  peer is not held idle meanwhile (packets of other transfers use it), which
-  matters for all-to-alls, where a port-by-port queue would convoy.  Routed
-  pieces are ops of their own (dispatch, NIC, combine), so their legs compete
-  for NVLink and NICs like any other traffic.
+* links: every transfer goes out through its sender's egress port and in
+  through its receiver's ingress port -- the GPU's NVLink inside a node, the
+  NIC it leaves through and the NIC it enters across nodes -- for ``latency +
+  bytes / bandwidth`` on each.  NCCL runs a batch's sends and receives together
+  (one grouped kernel, ``comm/p2p.py``), so the transfers on a port share its
+  bandwidth and the port is never idle while one of them has bytes left: each
+  port carries the transfers charged to it back to back, in the order they
+  start (both ends posted), from when each starts, and a transfer has moved
+  once both of its ports have carried it.  So an all-to-all (a Ulysses group's,
+  overlapping groups on shared ranks) is done when its busiest port has moved
+  its bytes, whatever its message sizes; booking each transfer into a window
+  where both ports were exclusively free fragmented the windows when messages
+  differed by as little as one token (1.1-1.7x the busiest port's load).  A
+  ring's wave puts one transfer on each port and starts it at once, as before.
+  Routed pieces are ops of their own (dispatch, NIC, combine), so their legs
+  compete for NVLink and NICs like any other traffic.
 
 A step is a chain of *segments*, one per engine call (a layer's attention, a
 layout switch) plus the linear work between them.  As in the engine, a rank
@@ -82,17 +89,21 @@ class CompiledSegment:
         topo = cost.cluster.topology
         self.name = name
         self.n = n = len(schedule)
-        self.is_comm = np.fromiter((kind == COMM for kind in schedule.column("kind")), np.bool_, n)
+        self.is_comm = np.fromiter(map(COMM.__eq__, schedule.column("kind")), np.bool_, n)
         self.rank = np.fromiter(schedule.column("rank"), np.int64, n)
         self.peer = np.fromiter(schedule.column("peer"), np.int64, n)
-        tier_index = {tier: i for i, tier in enumerate(TIERS)}
-        self.tier = np.fromiter(map(tier_index.__getitem__, schedule.column("tier")), np.int64, n)
         self.ndeps, dep = schedule.dependency_arrays()
         # Who depends on each op, in op order (the order the replay releases them).
         user = np.repeat(np.arange(n, dtype=np.int64), self.ndeps)
         by_dep = np.argsort(dep, kind="stable")
         self.users_idx = user[by_dep]
         self.users_ptr = _offsets(dep, n)
+        # Which ends of a transfer have a dependant on their rank (bit 0: its
+        # sender, bit 1: its receiver): only those release anything when it lands.
+        needed = dep[by_dep]
+        self.lands = np.zeros(n, np.int64)
+        np.bitwise_or.at(self.lands, needed, np.where(self.rank[self.users_idx] == self.rank[needed], 1, 0)
+                         | np.where(self.rank[self.users_idx] == self.peer[needed], 2, 0))
         ids = np.arange(n, dtype=np.int64)
         compute = ids[~self.is_comm]
         comm = ids[self.is_comm]
@@ -100,7 +111,11 @@ class CompiledSegment:
         # Many compute ops share their fields (a ring's steps over equal shards,
         # equal linear shares): each distinct set of fields is priced once.
         at = compute.tolist()
-        fields = zip(*(schedule.column(f, at) for f in ("tier", "backward", "tokens", "pairs", "block", "lengths")))
+        tiers = schedule.column("tier", at)
+        tier_index = {tier: i for i, tier in enumerate(TIERS)}
+        self.tier = np.zeros(n, np.int64)          # a compute op's: the replay sums busy time by it
+        self.tier[compute] = np.fromiter(map(tier_index.__getitem__, tiers), np.int64, len(compute))
+        fields = zip(tiers, *(schedule.column(f, at) for f in ("backward", "tokens", "pairs", "block", "lengths")))
         priced: dict[tuple, float] = {}
         seconds = []
         for key in fields:
@@ -114,7 +129,8 @@ class CompiledSegment:
         affinity = np.array(topo.nic_affinity, np.int64)
         src, dst = self.rank[comm], self.peer[comm]
         at = comm.tolist()
-        named = np.fromiter((-1 if x is None else x for x in schedule.column("nic", at)), np.int64, len(comm))
+        named = np.array(schedule.column("nic", at), np.float64)        # None (no NIC named): nan
+        named = np.where(np.isnan(named), -1, named).astype(np.int64)
         nbytes = np.fromiter(schedule.column("nbytes", at), np.float64, len(comm))
         inside = src // gpn == dst // gpn
         nvlink = inside & (named < 0)
@@ -144,16 +160,18 @@ class CompiledSegment:
         side_wave = np.concatenate([wave, wave])
         side_op = np.concatenate([comm, comm])
         side_sends = np.concatenate([np.ones(len(comm), np.int64), np.zeros(len(comm), np.int64)])
-        order = np.lexsort((side_op, side_wave, side_lane, side_rank))
-        key = np.stack([side_rank, side_lane, side_wave])[:, order]
+        waves = int(wave.max(initial=0)) + 1
+        key = (side_rank * 2 + side_lane) * waves + side_wave        # (rank, lane, wave), then op: unique
+        order = np.argsort(key * n + side_op)
+        key = key[order]
         first = np.ones(len(order), np.bool_)
-        first[1:] = (key[:, 1:] != key[:, :-1]).any(axis=0)
+        first[1:] = key[1:] != key[:-1]
         batch_of = np.cumsum(first) - 1                     # each sorted side's batch
         self.n_batches = nb = int(first.sum())
         self.bat_idx = side_op[order]
         self.bat_ptr = np.concatenate([np.flatnonzero(first), [len(order)]]).astype(np.int64)
         self.bat_need = np.bincount(batch_of, weights=side_sends[order], minlength=nb).astype(np.int64)
-        self.rl_ptr = _offsets(key[0, first] * 2 + key[1, first], 2 * world)
+        self.rl_ptr = _offsets(key[first] // waves, 2 * world)
         side_batch = np.empty(len(order), np.int64)
         side_batch[order] = batch_of
         self.op_lane = np.zeros(n, np.int64)
@@ -166,7 +184,7 @@ class CompiledSegment:
         who = np.concatenate([crank, src, dst])
         lane = np.concatenate([np.zeros(len(compute), np.int64), np.ones(2 * len(comm), np.int64)])
         what = np.concatenate([compute, comm, comm])
-        order = np.lexsort((what, lane, who))
+        order = np.argsort((who * 2 + lane) * n + what)            # unique: a transfer's ends differ
         self.onr_idx = what[order]
         self.onr_ptr = _offsets(who, world)
         self.lane_width = int(np.bincount(crank, minlength=1).max()) if len(compute) else 1
@@ -196,49 +214,58 @@ class ChainReplay:
         return max(self.finish_s, default=0.0)
 
 
-def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool = False) -> ChainReplay:
-    """Replay ``chain`` from time 0 (every rank enters segment 0 at once)."""
-    distinct: dict[int, int] = {}
-    segs: list[CompiledSegment] = []
-    for seg in chain:
-        if id(seg) not in distinct:
-            distinct[id(seg)] = len(segs)
-            segs.append(seg)
-    chain_seg = np.array([distinct[id(seg)] for seg in chain], np.int64)
-    sizes = [seg.n for seg in segs]
-    seg_base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+class SegmentSet:
+    """Distinct segments laid end to end: the static arrays ``run_chain`` reads
+    (op ``i`` of segment ``s`` at ``seg_base[s] + i``), built once for every
+    chain of them (``replay_step`` replays two)."""
 
-    def joined(field: str) -> np.ndarray:
-        return np.concatenate([getattr(seg, field) for seg in segs])
+    def __init__(self, segs: Sequence[CompiledSegment]) -> None:
+        self.index = {id(seg): s for s, seg in enumerate(segs)}
+        seg_base = np.concatenate([[0], np.cumsum([seg.n for seg in segs])]).astype(np.int64)
 
-    def csr(ptr: str, size) -> np.ndarray:
-        """Segments' CSR offsets joined: each shifted by the ``size`` of the ones before."""
-        ptrs, shift = [np.zeros(1, np.int64)], 0
-        for seg in segs:
-            ptrs.append(getattr(seg, ptr)[1:] + shift)
-            shift += size(seg)
-        return np.concatenate(ptrs)
+        def joined(field: str) -> np.ndarray:
+            return np.concatenate([getattr(seg, field) for seg in segs])
 
-    def rows(idx: str) -> tuple[np.ndarray, np.ndarray]:
-        return csr(f"{idx[:-4]}_ptr", lambda seg: len(getattr(seg, idx))), joined(idx)
+        def csr(ptr: str, size) -> np.ndarray:
+            """Segments' CSR offsets joined: each shifted by the ``size`` of the ones before."""
+            ptrs, shift = [np.zeros(1, np.int64)], 0
+            for seg in segs:
+                ptrs.append(getattr(seg, ptr)[1:] + shift)
+                shift += size(seg)
+            return np.concatenate(ptrs)
 
-    # Batch ids made global over the distinct segments (``bat_base[s]`` is segment s's first).
-    bat_base = np.concatenate([[0], np.cumsum([seg.n_batches for seg in segs])]).astype(np.int64)
+        def rows(idx: str) -> tuple[np.ndarray, np.ndarray]:
+            return csr(f"{idx[:-4]}_ptr", lambda seg: len(getattr(seg, idx))), joined(idx)
 
-    def batch_ids(field: str) -> np.ndarray:
-        return np.concatenate([np.where(getattr(seg, field) >= 0, getattr(seg, field) + bat_base[s], -1)
-                               for s, seg in enumerate(segs)])
+        # Batch ids made global over the distinct segments (``bat_base[s]`` is segment s's first).
+        bat_base = np.concatenate([[0], np.cumsum([seg.n_batches for seg in segs])]).astype(np.int64)
 
-    users_ptr, users_idx = rows("users_idx")
-    onr_ptr, onr_idx = rows("onr_idx")
-    bat_ptr, bat_idx = rows("bat_idx")
-    rl_ptr = csr("rl_ptr", lambda seg: seg.n_batches)
+        def batch_ids(field: str) -> np.ndarray:
+            return np.concatenate([np.where(getattr(seg, field) >= 0, getattr(seg, field) + bat_base[s], -1)
+                                   for s, seg in enumerate(segs)])
+
+        users_ptr, users_idx = rows("users_idx")
+        onr_ptr, onr_idx = rows("onr_idx")
+        bat_ptr, bat_idx = rows("bat_idx")
+        rl_ptr = csr("rl_ptr", lambda seg: seg.n_batches)
+        self.arrays = (
+            seg_base, joined("is_comm"), joined("rank"), joined("peer"), joined("tier"), joined("seconds"),
+            joined("ndeps"), users_ptr, users_idx, joined("port_out"), joined("port_in"), joined("lane_pos"),
+            max(seg.lane_width for seg in segs), onr_ptr, onr_idx, joined("op_lane"), joined("lands"),
+            batch_ids("op_bsend"), batch_ids("op_brecv"), bat_base, bat_ptr, bat_idx, joined("bat_need"), rl_ptr,
+            len(TIERS), max(max(seg.n_ports for seg in segs), 1))
+        """``run_chain``'s arguments after the chain, in its order."""
+
+
+def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool = False,
+                 segments: SegmentSet | None = None) -> ChainReplay:
+    """Replay ``chain`` from time 0 (every rank enters segment 0 at once);
+    ``segments``: its distinct segments, laid out already."""
+    if segments is None:
+        segments = SegmentSet(list({id(seg): seg for seg in chain}.values()))
+    chain_seg = np.array([segments.index[id(seg)] for seg in chain], np.int64)
     finish, busy, order, entered, left, start, end, base, remaining, created = run_chain(
-        world, chain_seg, seg_base, joined("is_comm"), joined("rank"), joined("peer"), joined("tier"),
-        joined("seconds"), joined("ndeps"), users_ptr, users_idx, joined("port_out"), joined("port_in"),
-        joined("lane_pos"), max(seg.lane_width for seg in segs), onr_ptr, onr_idx, joined("op_lane"),
-        batch_ids("op_bsend"), batch_ids("op_brecv"), bat_base, bat_ptr, bat_idx, joined("bat_need"), rl_ptr,
-        len(TIERS), max(max(seg.n_ports for seg in segs), 1))
+        world, chain_seg, *segments.arrays, record)
     stuck = [(k, r) for k, r in zip(*np.nonzero(remaining > 0)) if created[k]]
     if stuck or not created.all():
         raise RuntimeError(f"replay: segment/rank pairs {stuck[:6]} never finished")
@@ -301,9 +328,11 @@ def replay_step(parts: Sequence[tuple[str, Schedule, Schedule]], num_layers: int
     bwd = [CompiledSegment(b, cost, name) for name, _, b in parts]
     names = [name for name, _, _ in parts]
 
+    segments = SegmentSet(fwd + bwd)
+
     def run(layers: int) -> StepReplay:
         chain = fwd * layers + list(reversed(bwd)) * layers
-        result = replay_chain(chain, world_size)
+        result = replay_chain(chain, world_size, segments=segments)
         segment_s = {name: [0.0] * world_size for name in names}
         for seg, inside in zip(chain, result.inside_s):
             for r, x in enumerate(inside):
