@@ -225,15 +225,16 @@ def pack_rings(layout: PlanArrays) -> PlanArrays:
     come size by size, each size's by first appearance; members in plan order."""
     rings, packed = {}, []
     for k, (ranks, L) in layout.rings.items():
-        _, first, of, count = np.unique(ranks, axis=0, return_index=True, return_inverse=True, return_counts=True)
-        of = of.reshape(-1)
-        solo = count[of] == 1
+        order = np.lexsort(ranks.T[::-1])               # stable: each tuple's rings in plan order
+        tuples = ranks[order]
+        start = np.flatnonzero(np.r_[True, (tuples[1:] != tuples[:-1]).any(axis=1)])
+        count = np.diff(np.r_[start, len(order)])
+        solo = np.zeros(len(order), bool)
+        solo[order[start[count == 1]]] = True
         if solo.any():
             rings[k] = (ranks[solo], L[solo])
-        members = np.argsort(of, kind="stable")          # each tuple's rings, in plan order
-        ends = np.cumsum(count)
-        for t in np.argsort(first):
-            if count[t] > 1:
-                rows = members[ends[t] - count[t]:ends[t]]
-                packed.append((ranks[rows[0]], L[rows]))
+        multi = np.flatnonzero(count > 1)
+        multi = multi[np.argsort(order[start[multi]])]   # by first appearance
+        members = L[order]
+        packed += [(tuples[start[t]], members[start[t]:start[t] + count[t]]) for t in multi.tolist()]
     return dataclasses.replace(layout, rings=rings, packed=tuple(packed))

@@ -28,16 +28,21 @@ if TYPE_CHECKING:
 def packed_ring_batches(clock: "StepSurrogate", layout: PlanArrays, backward: bool, routed: bool,
                         w: int) -> list["_RingBatch"]:
     """The packed rings of ``layout`` as the surrogate's ring batches, one per ring size."""
-    by_size: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-    for ranks, lens in layout.packed:
-        by_size.setdefault(len(ranks), []).append((ranks, lens))
     out = []
-    for k, rings in by_size.items():
+    for k, rings in _by_size(layout).items():
         batch = clock._ring_batch(k, np.stack([r for r, _ in rings]), np.array([lens.sum() for _, lens in rings]),
                                   backward, routed, w)
         batch.comp = np.stack([_kernels(clock, lens, k, backward) for _, lens in rings])
         out.append(batch)
     return out
+
+
+def _by_size(layout: PlanArrays) -> dict[int, list[tuple[np.ndarray, np.ndarray]]]:
+    """The packed rings of ``layout`` by ring size, in order."""
+    by_size: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for ranks, lens in layout.packed:
+        by_size.setdefault(len(ranks), []).append((ranks, lens))
+    return by_size
 
 
 def _kernels(clock: "StepSurrogate", lens: np.ndarray, k: int, backward: bool) -> np.ndarray:
@@ -52,14 +57,17 @@ def _kernels(clock: "StepSurrogate", lens: np.ndarray, k: int, backward: bool) -
 def packed_floor_pairs(layout: PlanArrays, half: float, w: int) -> np.ndarray:
     """Per rank, its packed rings' causal pairs each times the slowdown
     ``1 + half / block`` at the largest block a step's kernel can have (all the
-    position's rows of every member): ``surrogate.layout_floor``'s share of them."""
+    position's rows of every member): ``surrogate.layout_floor``'s share of them.
+    The rings of one size at once (a static CP layout's are all of one size)."""
     pairs = np.zeros(w)
-    for ranks, L in layout.packed:
-        k = len(ranks)
+    for k, rings in _by_size(layout).items():
+        L = np.concatenate([lens for _, lens in rings])                # every member, ring after ring
+        starts = np.cumsum([0] + [len(lens) for _, lens in rings[:-1]])
         b = np.arange(2 * k + 1) * L[:, None] // (2 * k)              # (members, chunk bounds)
-        i = np.arange(k)
-        first, second = (b[:, i], b[:, i + 1]), (b[:, 2 * k - 1 - i], b[:, 2 * k - i])
-        held = (causal_pairs(*first) + causal_pairs(*second)).sum(axis=0)
-        rows = (first[1] - first[0] + second[1] - second[0]).sum(axis=0)
-        pairs[ranks] += held * (1 + half / rows)
+        # Position i holds chunks i and 2k - 1 - i (slices: views, not copies).
+        first, second = (b[:, :k], b[:, 1:k + 1]), (b[:, 2 * k - 1:k - 1:-1], b[:, 2 * k:k:-1])
+        held = np.add.reduceat(causal_pairs(*first) + causal_pairs(*second), starts, axis=0)
+        rows = np.add.reduceat(first[1] - first[0] + second[1] - second[0], starts, axis=0)
+        pairs += np.bincount(np.stack([r for r, _ in rings]).ravel(), weights=(held * (1 + half / rows)).ravel(),
+                             minlength=w)
     return pairs
