@@ -52,7 +52,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
-from megatron_zeppelin.schedule.ops import COMM, TIERS, Schedule
+from megatron_zeppelin.schedule.ops import TIERS, Schedule
 from megatron_zeppelin.sim.event_loop import run_chain
 
 
@@ -87,12 +87,11 @@ class CompiledSegment:
     def __init__(self, schedule: Schedule, cost: CostModel, name: str = "") -> None:
         world = schedule.world_size
         topo = cost.cluster.topology
+        cols = schedule.arrays()
         self.name = name
         self.n = n = len(schedule)
-        self.is_comm = np.fromiter(map(COMM.__eq__, schedule.column("kind")), np.bool_, n)
-        self.rank = np.fromiter(schedule.column("rank"), np.int64, n)
-        self.peer = np.fromiter(schedule.column("peer"), np.int64, n)
-        self.ndeps, dep = schedule.dependency_arrays()
+        self.is_comm, self.rank, self.peer, self.ndeps = cols.is_comm, cols.rank, cols.peer, cols.ndeps
+        dep = cols.dep
         # Who depends on each op, in op order (the order the replay releases them).
         user = np.repeat(np.arange(n, dtype=np.int64), self.ndeps)
         by_dep = np.argsort(dep, kind="stable")
@@ -107,31 +106,18 @@ class CompiledSegment:
         ids = np.arange(n, dtype=np.int64)
         compute = ids[~self.is_comm]
         comm = ids[self.is_comm]
-        self.seconds = np.zeros(n)
+        self.tier = cols.tier                      # a compute op's: the replay sums busy time by it
         # Many compute ops share their fields (a ring's steps over equal shards,
         # equal linear shares): each distinct set of fields is priced once.
-        at = compute.tolist()
-        tiers = schedule.column("tier", at)
-        tier_index = {tier: i for i, tier in enumerate(TIERS)}
-        self.tier = np.zeros(n, np.int64)          # a compute op's: the replay sums busy time by it
-        self.tier[compute] = np.fromiter(map(tier_index.__getitem__, tiers), np.int64, len(compute))
-        fields = zip(tiers, *(schedule.column(f, at) for f in ("backward", "tokens", "pairs", "block", "lengths")))
-        priced: dict[tuple, float] = {}
-        seconds = []
-        for key in fields:
-            if (s := priced.get(key)) is None:
-                s = priced[key] = compute_seconds(*key, cost)
-            seconds.append(s)
-        self.seconds[compute] = seconds
+        priced = np.array([compute_seconds(*key, cost) for key in cols.works] + [0.0])
+        self.seconds = priced[cols.work]           # a transfer's (-1: the 0.0) is set below
         # A transfer holds NVLink inside a node, else a NIC: the one the op names
         # (a routed leg), or its sender's.  Durations and ports for all at once.
         gpn, nics = topo.gpus_per_node, topo.nics_per_node
         affinity = np.array(topo.nic_affinity, np.int64)
         src, dst = self.rank[comm], self.peer[comm]
-        at = comm.tolist()
-        named = np.array(schedule.column("nic", at), np.float64)        # None (no NIC named): nan
-        named = np.where(np.isnan(named), -1, named).astype(np.int64)
-        nbytes = np.fromiter(schedule.column("nbytes", at), np.float64, len(comm))
+        named = cols.nic[comm]                                            # -1: no NIC named
+        nbytes = cols.nbytes[comm].astype(np.float64)
         inside = src // gpn == dst // gpn
         nvlink = inside & (named < 0)
         self.seconds[comm] = np.where(nvlink, cost.cluster.nvlink.transfer_s(nbytes),
@@ -154,7 +140,7 @@ class CompiledSegment:
         # one wave, posted together and done together.  Batches are numbered
         # by (rank, lane, wave), so a (rank, lane)'s batches are consecutive.
         link = (named >= 0).astype(np.int64)           # ``schedule.ops.lane_of``: a NIC named
-        wave = np.asarray(schedule.waves(), np.int64)[comm]
+        wave = cols.wave[comm]
         side_rank = np.concatenate([src, dst])
         side_lane = np.concatenate([link, link])
         side_wave = np.concatenate([wave, wave])
