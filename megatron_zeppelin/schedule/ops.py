@@ -177,6 +177,14 @@ class Schedule:
             self._arrays = OpArrays.of(self)
         return self._arrays
 
+    def rows(self, at: Sequence[int]) -> list[dict[str, Any]]:
+        """The fields of the ops ``at``, each as a mapping of field name to value
+        (a builder's ops name only the fields they set)."""
+        if self._fields is None:
+            return [vars(self._ops[i]) for i in at]
+        fields = self._fields
+        return [fields[i] for i in at]
+
     def deps(self) -> list[tuple[int, ...]]:
         """Every op's dependencies, in op order."""
         return self._deps
@@ -306,19 +314,24 @@ class OpArrays:
         is_comm = np.fromiter(map(COMM.__eq__, schedule.column("kind")), np.bool_, n)
         ids = np.arange(n, dtype=np.int64)
         compute, comm = ids[~is_comm].tolist(), ids[is_comm].tolist()
-        tiers = schedule.column("tier", compute)
-        fields = zip(tiers, *(schedule.column(f, compute) for f in ("backward", "tokens", "pairs", "block",
-                                                                     "lengths")))
+        # One pass over each compute op's fields (a builder's ops keep them as dicts);
+        # a generator, so the cyclic collector does not see 10^4 new tuples.
+        back, tokens, pairs, block, lengths = (_OP_DEFAULTS[f] for f in ("backward", "tokens", "pairs", "block",
+                                                                         "lengths"))
+        keys = ((f["tier"], f.get("backward", back), f.get("tokens", tokens), f.get("pairs", pairs),
+                 f.get("block", block), f.get("lengths", lengths)) for f in schedule.rows(compute))
         index: dict[tuple, int] = {}
         work = np.full(n, -1, np.int64)
-        work[compute] = [index.setdefault(key, len(index)) for key in fields]
+        work[compute] = [index.setdefault(key, len(index)) for key in keys]
         tier_index = {tier: i for i, tier in enumerate(TIERS)}
         tier = np.zeros(n, np.int64)
-        tier[compute] = [tier_index[t] for t in tiers]
+        tier[compute] = np.array([tier_index[key[0]] for key in index] + [0], np.int64)[work[compute]]
         nbytes = np.zeros(n, np.int64)
-        nbytes[comm] = schedule.column("nbytes", comm)
         nic = np.full(n, -1, np.int64)
-        nic[comm] = [-1 if x is None else x for x in schedule.column("nic", comm)]
+        if comm:
+            rows = schedule.rows(comm)
+            nbytes[comm] = [f.get("nbytes", 0) for f in rows]
+            nic[comm] = [-1 if (x := f.get("nic")) is None else x for f in rows]
         return cls(is_comm, np.fromiter(schedule.column("rank"), np.int64, n),
                    np.fromiter(schedule.column("peer"), np.int64, n), *schedule.dependency_arrays(),
                    np.asarray(schedule.waves(), np.int64), tier, work, list(index), nbytes, nic)
