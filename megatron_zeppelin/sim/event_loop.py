@@ -30,6 +30,9 @@ in flight, the batch in flight on each of its two lanes -- keyed (time, order
 << sbits | slot), the event itself in the slot's entry; a transfer end with no
 dependant on its rank queues no landing.  An event is one int64: (instance
 << wbits | what) << 3 | kind.
+
+A replay's state is one tuple of arrays (``_start``), which ``_run`` advances;
+chains that begin with the same instances share that start (``run_chains``).
 """
 
 from __future__ import annotations
