@@ -7,16 +7,54 @@ Sampling and planning are pure host code (Python + numpy), so they can run on a
 worker thread while the main thread runs the model; collectives stay on the
 main thread.  The worker releases nothing it does not own: it only advances the
 iterator it was given.
+
+Planning shares the interpreter lock with the thread that launches the step's
+kernels.  Each torch op releases the lock while it runs, and taking it back waits
+for the worker to give it up: up to the interpreter's switch interval, 5 ms by
+default, per op in the worst case.  While the worker produces an item the
+interval is :data:`PLANNING_SWITCH_INTERVAL_S` instead
+(``benchmarks/planning_interference.py`` measures both).
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Generic, Iterator, TypeVar
 
 T = TypeVar("T")
 
 _DONE = object()
+
+PLANNING_SWITCH_INTERVAL_S = 1e-3
+"""Interpreter switch interval while a worker plans: a launching thread waits at
+most this long for the lock after each op (the default 5 ms let a planning thread
+slow a launch-bound loop several times over; shorter intervals cost switching)."""
+
+_switch_lock = threading.Lock()
+_switch_users = 0
+_switch_saved = 0.0
+
+
+@contextmanager
+def planning_switch_interval():
+    """Shorten the interpreter's switch interval (process-wide) while in the
+    block; the first of overlapping blocks saves the caller's, the last restores it."""
+    global _switch_users, _switch_saved
+    with _switch_lock:
+        if _switch_users == 0:
+            _switch_saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch_saved, PLANNING_SWITCH_INTERVAL_S))
+        _switch_users += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_users -= 1
+            if _switch_users == 0:
+                sys.setswitchinterval(_switch_saved)
 
 
 class Prefetcher(Generic[T]):
@@ -30,7 +68,8 @@ class Prefetcher(Generic[T]):
         self._next: Future | None = None
 
     def _pull(self) -> object:
-        return next(self._items, _DONE)
+        with planning_switch_interval():
+            return next(self._items, _DONE)
 
     def __iter__(self) -> "Prefetcher[T]":
         return self

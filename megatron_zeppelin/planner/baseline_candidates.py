@@ -23,17 +23,20 @@ surrogate it compares them by (``planner/surrogate.py``):
 
 What does not carry over is how a baseline *executes* a plan: TE's ring sends
 dK/dV in the model dtype where the engine accumulates and sends them in fp32,
-and TE, FlexSP and DeepSpeed-Ulysses pack a group's sequences into one ring or
-one all-to-all where the engine runs one per sequence
-(``sim/timeline.py: PACKED_STRATEGIES``).  A candidate here is relabelled
-``zeppelin`` and is timed, and run, as the engine runs it.
+and FlexSP and DeepSpeed-Ulysses pack a group's sequences into one all-to-all
+where the engine runs one per sequence (``sim/timeline.py: PACKED_STRATEGIES``).
+TE's packing of a CP group's sequences into one ring does carry over: static
+CP's layouts are offered as they are and with every CP group's ring sequences
+in one packed ring (``Plan.packed_rings``, which the engine runs as TE does).
+A candidate here is relabelled ``zeppelin`` and is timed, and run, as the
+engine runs it.
 
 Above :data:`MAX_SEQUENCES_ALL_SOURCES` sequences only static CP's layouts
 are offered: building the others' plans costs seconds at 1,024 GPUs.
 
-A source lays out :class:`Draft`\s, placements without a Plan: the decision
-bounds each by the surrogate's floor of its layout and builds (and validates)
-only the plans it prices (:func:`baseline_drafts`); :func:`baseline_candidates`
+A source lays out :class:`Draft`\s, placements as columns without a Plan: the
+decision bounds and prices each from its columns and builds (and validates)
+only the plan that wins (:func:`baseline_drafts`); :func:`baseline_candidates`
 builds them all.
 
 Baselines run every crossing direct (NCCL p2p, each GPU through its own NIC):
@@ -49,14 +52,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.plan import Plan, SeqPlacement, attention_tokens
+from megatron_zeppelin.plan import Plan, rings_by_ranks
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.planner.flexsp import greedy_groups, group_placements, seq_time_fn, ulysses_sizes
+from megatron_zeppelin.planner.flexsp import greedy_groups, seq_time_fn, ulysses_sizes
+from megatron_zeppelin.planner.flexsp import group_layout as flexsp_layout
 from megatron_zeppelin.planner.hybrid_cp import HybridCpPlanner, hybrid_cp_schedule
-from megatron_zeppelin.planner.hybrid_cp import group_placements as cp_group_placements
+from megatron_zeppelin.planner.hybrid_cp import group_layout as cp_layout
 from megatron_zeppelin.planner.packing import check_lengths
-from megatron_zeppelin.planner.plan_arrays import PlanArrays, layout_arrays
+from megatron_zeppelin.planner.plan_arrays import PlanArrays, Placements, layout_arrays, pack_rings
 from megatron_zeppelin.planner.rounds import merge_rounds
 from megatron_zeppelin.planner.static_groups import StaticGroupPlanner
 from megatron_zeppelin.planner.te_cp import TeCpPlanner
@@ -73,9 +79,9 @@ STATIC_CP_SIZES = 2
 
 @dataclass
 class Draft:
-    """A baseline's one-pass layout of the batch; its Plan (the linear layout
-    equal to the attention layout, validated) is built on first use, so the
-    decision builds only the plans it prices."""
+    """A baseline's one-pass layout of the batch, as columns; its placements and
+    Plan (the linear layout equal to the attention layout, validated) are built
+    on first use, so the decision builds only the plans it prices by them or runs."""
 
     strategy: str
     """The baseline that laid it out."""
@@ -83,20 +89,26 @@ class Draft:
     """The cluster's ranks."""
     seq_lens: tuple[int, ...]
     """The batch."""
-    attention: tuple[SeqPlacement, ...]
-    """Every sequence's placement."""
+    layout: Placements
+    """Every sequence's placement, as columns."""
     token_cap: int
     """The per-GPU cap it holds."""
-    tokens: list[int] | None = field(default=None, repr=False)
-    """Every rank's tokens, in both layouts (None: not counted yet)."""
     built: Plan | None = field(default=None, repr=False)
     """The Plan once :meth:`plan` built it."""
-    layout: PlanArrays | None = field(default=None, repr=False)
+    read: PlanArrays | None = field(default=None, repr=False)
     """Its plan's arrays once :meth:`arrays` read them."""
+    unpacked: "Draft | None" = field(default=None, repr=False)
+    """Set on static CP's packed copy: the draft whose layout it runs with every
+    ring rank tuple's sequences in one packed ring (``Plan.packed_rings``, TE's
+    THD ring); its arrays are derived from that draft's."""
 
     def plan(self) -> Plan:
         if self.built is None:
-            self.built = merge_rounds(self.strategy, self.topology, self.seq_lens, [self.attention], self.token_cap)
+            built = merge_rounds(self.strategy, self.topology, self.seq_lens,
+                                 [self.layout.build(self.seq_lens)], self.token_cap)
+            if self.unpacked is not None:
+                built = dataclasses.replace(built, packed_rings=rings_by_ranks(built.attention)).validate()
+            self.built = built
         return self.built
 
     def candidate(self, routed: bool) -> Plan:
@@ -106,35 +118,41 @@ class Draft:
 
     def arrays(self) -> PlanArrays:
         """Its plan's :func:`~megatron_zeppelin.planner.plan_arrays.plan_arrays`,
-        read from the placements (the surrogate prices a draft without its plan)."""
-        if self.layout is None:
-            self.layout = layout_arrays(self.topology.world_size, self.seq_lens, self.attention, None)
-        return self.layout
+        read from the columns (the surrogate prices a draft without its plan)."""
+        if self.read is None:
+            self.read = (pack_rings(self.unpacked.arrays()) if self.unpacked is not None
+                         else layout_arrays(self.topology.world_size, self.seq_lens, self.layout, None))
+        return self.read
 
     def tokens_per_rank(self) -> list[int]:
         """Every rank's tokens, in both layouts."""
-        if self.tokens is None:
-            self.tokens = attention_tokens(self.topology.world_size, self.attention)
-        return self.tokens
+        return self.linear_tokens().astype(np.int64).tolist()
+
+    def linear_tokens(self) -> np.ndarray:
+        """Every rank's tokens in the linear layout, the attention layout's (float64)."""
+        return self.arrays().linear_tokens
 
     def crosses_nodes_in_a_ring(self) -> bool:
         """Whether routing changes any message of the plan: only rings route (an
         all-to-all and the remap it does not have run direct)."""
         g = self.topology.gpus_per_node
         nodes = [ranks // g for ranks, _ in self.arrays().rings.values()]
+        nodes += [ranks[None, :] // g for ranks, _ in self.arrays().packed]
         return any(bool((n.min(axis=1) != n.max(axis=1)).any()) for n in nodes)
 
 
-def _draft(strategy: str, ctx: PlanContext, lens: Sequence[int], attention: Sequence[SeqPlacement],
-           tokens: list[int] | None = None) -> Draft:
-    return Draft(strategy, ctx.topology, tuple(lens), tuple(attention), ctx.tokens_per_gpu, tokens)
+def _draft(strategy: str, ctx: PlanContext, lens: tuple[int, ...], layout: Placements) -> Draft:
+    return Draft(strategy, ctx.topology, lens, layout, ctx.tokens_per_gpu)
 
 
 def uniform_cp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
     """Static CP's layouts that hold the batch in one pass: the smallest such CP
-    size and the next (``c = 1``: every sequence whole on one rank)."""
-    return _static_drafts(TeCpPlanner(), seq_lens, ctx, sizes=_powers_of_two(1, ctx.topology.world_size),
-                          keep=STATIC_CP_SIZES)
+    size and the next (``c = 1``: every sequence whole on one rank), each as it
+    is and, where a CP group rings several sequences, packed as TE packs them."""
+    drafts = _static_drafts(TeCpPlanner(), seq_lens, ctx, sizes=_powers_of_two(1, ctx.topology.world_size),
+                            keep=STATIC_CP_SIZES)
+    packed = [dataclasses.replace(d, unpacked=d) for d in drafts]
+    return drafts + [p for p in packed if p.arrays().packed]
 
 
 def static_ulysses_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
@@ -163,7 +181,7 @@ def hybrid_cp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
         groups, more = next(hybrid_cp_schedule(lens, ctx.tokens_per_gpu, ctx.topology.world_size), ([], False))
         if more:
             return []
-        draft = _draft(HybridCpPlanner.name, ctx, lens, cp_group_placements(groups, lens))
+        draft = _draft(HybridCpPlanner.name, ctx, lens, cp_layout(groups, lens))
     except InfeasibleError:
         return []
     # One round of groups can hold more than the cap (sub-samples run one after another).
@@ -184,8 +202,7 @@ def flexsp_greedy_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draf
     # order, and a short sequence's arrives, and its compute starts, while a
     # long one's is still in flight.
     shortest_first = [(d, sorted(members, key=lambda i: (lens[i], i))) for d, members in groups]
-    attention = group_placements(shortest_first, range(len(lens)), lens)
-    return [_draft("flexsp", ctx, lens, attention)]
+    return [_draft("flexsp", ctx, lens, flexsp_layout(shortest_first, range(len(lens))))]
 
 
 #: Every source of candidates (``benchmarks/containment.py --latency`` times each).
@@ -222,9 +239,8 @@ def baseline_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[tuple[Dra
     sources = SOURCES.values() if len(seq_lens) <= MAX_SEQUENCES_ALL_SOURCES else (uniform_cp_drafts,)
     for source in sources:
         for draft in source(seq_lens, ctx):
-            # Compared, not hashed: two layouts differ in their first placements, and
-            # hashing one costs every placement.
-            if all(draft.attention != kept.attention for kept in layouts):
+            if not any((draft.unpacked is None) == (kept.unpacked is None) and draft.layout.same(kept.layout)
+                       for kept in layouts):
                 layouts.append(draft)
     out = []
     for draft in layouts:
@@ -248,11 +264,11 @@ def _static_drafts(planner: StaticGroupPlanner, seq_lens: Sequence[int], ctx: Pl
         if world % size or -(-longest // size) > cap:
             continue
         try:
-            packed = planner.one_pass(lens, dataclasses.replace(ctx, cp_size=size))
+            layout = planner.one_pass(lens, dataclasses.replace(ctx, cp_size=size))
         except InfeasibleError:
             continue
-        if packed is not None:
-            out.append(_draft(planner.name, ctx, lens, *packed))
+        if layout is not None:
+            out.append(_draft(planner.name, ctx, lens, layout))
     return out
 
 

@@ -2,7 +2,7 @@
 
 ``min(plans, key=step)`` prices every plan.  With a lower bound of ``step``
 per candidate (the surrogate's :func:`~megatron_zeppelin.planner.surrogate.layout_floor`,
-which a baseline's layout gets before its plan is built),
+which a draft -- a baseline's layout, a packing pass's -- gets before its plan is built),
 candidates are priced in order of their bounds, and the search stops once the
 next bound is above the best step found: the rest cannot win.  The pick is
 the one ``min`` makes, ties included (the first candidate of the least step).
@@ -11,12 +11,14 @@ the one ``min`` makes, ties included (the first candidate of the least step).
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Protocol, Sequence, TypeVar
+
+import numpy as np
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.plan import Plan
-from megatron_zeppelin.planner.plan_arrays import PlanArrays
-from megatron_zeppelin.planner.surrogate import StepSurrogate, layout_floor, step_floor
+from megatron_zeppelin.planner.plan_arrays import PlanArrays, plan_arrays
+from megatron_zeppelin.planner.surrogate import StepSurrogate, layout_floor
 
 T = TypeVar("T")
 #: A candidate: (lower bound of its step, what prices it: (step, result)).
@@ -48,31 +50,70 @@ def surrogate_cost(step: Callable[[Plan], float]) -> CostModel | None:
     return owner.cost if isinstance(owner, StepSurrogate) and step.__func__ is StepSurrogate.step_s else None
 
 
+#: A plan's arrays (``planner/plan_arrays.py``) by its layouts' identity, with
+#: the plan (it keeps them alive): a plan and its direct-crossings copy share
+#: their layouts, and a context's pick is priced under its model and the run's.
+#: Its packed rings are part of the key: a layout's packed copy shares its
+#: placements, but not its arrays nor its bound (a packed ring's larger kernels lower it).
+Reads = dict[tuple[int, int, int], tuple[Plan, PlanArrays]]
+
+
+def _read_key(plan: Plan) -> tuple[int, int, int]:
+    return id(plan.attention), id(plan.linear), id(plan.packed_rings)
+
+
+class LaidOut(Protocol):
+    """A plan not built yet: a baseline's or a packing pass's draft."""
+
+    def arrays(self) -> PlanArrays:
+        """The arrays of its attention layout."""
+
+    def linear_tokens(self) -> np.ndarray:
+        """Every rank's tokens in its linear layout."""
+
+
 class Floor:
     """A lower bound of a step model: the surrogate's (``surrogate.layout_floor``),
-    or none (-inf) for another step model."""
+    or none (-inf) for another step model.  It reads each plan's arrays once
+    (into ``reads``, which Floors of other cost models may share) and
+    :meth:`price` prices from them: one per decision, so what it keeps goes
+    with the decision."""
 
-    def __init__(self, step: Callable[[Plan], float]) -> None:
+    def __init__(self, step: Callable[[Plan], float], reads: Reads | None = None) -> None:
         self.cost = surrogate_cost(step)
-        #: Bounds by the layouts' identity (with a plan holding them): a plan
-        #: and its direct-crossings copy share their layouts and their bound.
-        self.known: dict[tuple[int, int], tuple[Plan, float]] = {}
+        self.reads: Reads = {} if reads is None else reads
+        self.bounds: dict[tuple[int, int, int], float] = {}
+
+    def arrays(self, plan: Plan) -> PlanArrays:
+        key = _read_key(plan)
+        hit = self.reads.get(key)
+        if hit is None:
+            hit = self.reads[key] = (plan, plan_arrays(plan))
+        return hit[1]
 
     def of_plan(self, plan: Plan) -> float:
         if self.cost is None:
             return -math.inf
-        key = (id(plan.attention), id(plan.linear))
-        if key not in self.known:
-            self.known[key] = (plan, step_floor(self.cost, plan))
-        return self.known[key][1]
+        key = _read_key(plan)
+        if key not in self.bounds:
+            # The arrays' linear tokens are the plan's, as step_floor reads them.
+            arrays = self.arrays(plan)
+            self.bounds[key] = layout_floor(self.cost, arrays, arrays.linear_tokens)
+        return self.bounds[key]
 
-    def of_layout(self, layout: Callable[[], PlanArrays]) -> float:
-        """Of the plan of ``layout()`` (its arrays, ``planner/plan_arrays.py``),
-        before it is built."""
+    def of_layout(self, draft: LaidOut) -> float:
+        """Of a plan before it is built, from its layout (``draft.arrays()``,
+        ``planner/plan_arrays.py``) and its linear layout's tokens per rank."""
         if self.cost is None:
             return -math.inf
-        arrays = layout()
-        return layout_floor(self.cost, arrays, arrays.linear_tokens)
+        return layout_floor(self.cost, draft.arrays(), draft.linear_tokens())
+
+    def price(self, step: Callable[[Plan], float], plan: Plan) -> float:
+        """``step(plan)``; the surrogate's from the arrays read once."""
+        if surrogate_cost(step) is None:
+            return step(plan)
+        clock: StepSurrogate = step.__self__      # type: ignore[attr-defined]
+        return clock.layout_step_s(self.arrays(plan), plan.world_size, plan.routed)
 
 
 def fastest(plans: Sequence[Plan], step: Callable[[Plan], float]) -> Plan:
@@ -80,4 +121,4 @@ def fastest(plans: Sequence[Plan], step: Callable[[Plan], float]) -> Plan:
     if len(plans) == 1:
         return plans[0]
     floor = Floor(step)
-    return first_least([(floor.of_plan(p), lambda p=p: (step(p), p)) for p in plans])
+    return first_least([(floor.of_plan(p), lambda p=p: (floor.price(step, p), p)) for p in plans])

@@ -38,6 +38,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import chain
 from typing import Callable, Sequence
 
 import highspy
@@ -45,10 +46,11 @@ import numpy as np
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, placement
+from megatron_zeppelin.plan import Mode, Plan, SeqPlacement
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.greedy_fit import bisect_first_fit
 from megatron_zeppelin.planner.packing import check_lengths
+from megatron_zeppelin.planner.plan_arrays import MODE_CODE, Placements
 from megatron_zeppelin.planner.rounds import RoundsPlan, build_rounds
 
 logger = logging.getLogger(__name__)
@@ -439,15 +441,19 @@ class FlexSpPlanner:
 def group_placements(groups: list[Group], seqs: Sequence[int], lens: Sequence[int]) -> list[SeqPlacement]:
     """Placements of SP groups over ``seqs`` (group members index into it): the
     groups as aligned consecutive rank blocks, largest first."""
-    attention, offset = [], 0
-    for d, local in sorted(groups, key=lambda g: -g[0]):
-        ranks = list(range(offset, offset + d))
-        offset += d
-        for i in local:
-            seq = seqs[i]
-            mode = Mode.LOCAL if d == 1 else Mode.ULYSSES
-            attention.append(placement(seq, lens[seq], mode, ranks[:1] if d == 1 else ranks))
-    return attention
+    return list(group_layout(groups, seqs).build(lens))
+
+
+def group_layout(groups: list[Group], seqs: Sequence[int]) -> Placements:
+    """:func:`group_placements` as columns (the per-batch decision builds the
+    placements of only the candidates it runs)."""
+    ordered = sorted(groups, key=lambda g: -g[0])
+    sizes = np.array([d for d, _ in ordered], np.int64)
+    count = [len(members) for _, members in ordered]
+    size = np.repeat(sizes, count)
+    first = np.repeat(np.cumsum(sizes) - sizes, count)
+    seq = np.asarray(seqs, np.int64)[np.fromiter(chain.from_iterable(m for _, m in ordered), np.int64, sum(count))]
+    return Placements.of_blocks(seq, np.where(size == 1, 0, MODE_CODE[Mode.ULYSSES]), first, size)
 
 
 def _split(lens: Sequence[int], parts: int) -> list[list[int]]:

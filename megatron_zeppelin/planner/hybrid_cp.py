@@ -33,13 +33,18 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from itertools import chain
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Iterator, Sequence
 
+import numpy as np
+
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.plan import Mode, SeqPlacement, placement
+from megatron_zeppelin.plan import Mode, SeqPlacement
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.packing import check_lengths
+from megatron_zeppelin.planner.plan_arrays import MODE_CODE, Placements
 from megatron_zeppelin.planner.rounds import MergedRounds, RoundsPlan, build_rounds
 
 #: ``next_hdp_group`` defaults: balance slack (5 %) and bucket overshoot (10 %).
@@ -63,6 +68,9 @@ class CpGroup:
     """Tokens per rank, ``sum(L / size)`` (dynamic CP's packing bound; unused here)."""
 
 
+# Cached: the scheduler asks it of every bucket's head at every step (thousands
+# of times a batch), and batches repeat lengths.
+@lru_cache(maxsize=1 << 16)
 def gpus_needed(length: int, cap: int) -> int:
     """``BalancedCPScheduler.gpus_needed``: next power of two of ``length / cap``."""
     return max(1, 2 ** math.ceil(math.log2(length / cap)))
@@ -94,16 +102,18 @@ def group_placements(groups: Sequence[CpGroup], lens: Sequence[int]) -> list[Seq
     """Each group's sequences zigzag-split over its ranks (a ring).  Megatron pads
     a sequence shorter than ``2*cp`` tokens; a Plan cannot, so such a
     (negligible) sequence runs on the group's first rank."""
-    out = []
-    for g in groups:
-        ranks = range(g.first_rank, g.first_rank + g.size)
-        for seq in g.seqs:
-            L = lens[seq]
-            if g.size == 1 or L < 2 * g.size:
-                out.append(placement(seq, L, Mode.LOCAL, [g.first_rank]))
-            else:
-                out.append(placement(seq, L, Mode.RING, ranks))
-    return out
+    return list(group_layout(groups, lens).build(lens))
+
+
+def group_layout(groups: Sequence[CpGroup], lens: Sequence[int]) -> Placements:
+    """:func:`group_placements` as columns (the per-batch decision builds the
+    placements of only the candidates it runs)."""
+    seq = np.fromiter(chain.from_iterable(g.seqs for g in groups), np.int64)
+    count = [len(g.seqs) for g in groups]
+    first = np.repeat([g.first_rank for g in groups], count).astype(np.int64)
+    size = np.repeat([g.size for g in groups], count).astype(np.int64)
+    local = (size == 1) | (np.asarray(lens, np.int64)[seq] < 2 * size)
+    return Placements.of_blocks(seq, np.where(local, 0, MODE_CODE[Mode.RING]), first, np.where(local, 1, size))
 
 
 def _workload(length: int, cap: int) -> float:

@@ -21,6 +21,7 @@ from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, SeqPlacement, placement
 from megatron_zeppelin.plan.shards import contiguous_shard_tokens, zigzag_shard_tokens
 from megatron_zeppelin.planner.packing_fit import place_in_order
+from megatron_zeppelin.planner.plan_arrays import MODE_CODE, Placements
 
 
 @dataclass(frozen=True)
@@ -82,21 +83,48 @@ def _longest_first(seq_lens: Sequence[int]) -> np.ndarray:
     return np.argsort(-np.asarray(seq_lens, dtype=np.int64), kind="stable")
 
 
-def _place(bins: Bins, seqs: np.ndarray, seq_lens: Sequence[int], shares: Shares,
-           stop_at_miss: bool) -> tuple[np.ndarray, int]:
+def _fit(bins: Bins, seqs: np.ndarray, seq_lens: Sequence[int], shares: Shares,
+         stop_at_miss: bool) -> tuple[np.ndarray, np.ndarray, int]:
     """Place ``seqs`` in order, each on the bin with the fewest tokens (ties: lower
-    bin) where it fits.  Returns every sequence's bin (-1: none) and how many
-    were tried (:func:`~megatron_zeppelin.planner.packing_fit.place_in_order`)."""
+    bin) where it fits, updating ``bins.loads``.  Returns every sequence's bin
+    (-1: none), its tokens per rank of the bin, and how many were tried
+    (:func:`~megatron_zeppelin.planner.packing_fit.place_in_order`)."""
     lens = np.asarray(seq_lens, dtype=np.int64)[seqs]
     distinct, row = np.unique(lens, return_inverse=True)     # batches repeat lengths
     one_rank, split = shares.rows(distinct, bins.width)
     loads = np.array(bins.loads, dtype=np.int64).reshape(bins.num_bins, bins.width)
     bin_of, tokens, tried = place_in_order(lens, one_rank[row], split[row], loads, bins.cap, stop_at_miss)
     bins.loads = loads.tolist()
+    return bin_of, tokens, tried
+
+
+def _place(bins: Bins, seqs: np.ndarray, seq_lens: Sequence[int], shares: Shares,
+           stop_at_miss: bool) -> tuple[np.ndarray, int]:
+    """:func:`_fit`, each placed sequence listed in its bin's ``items``."""
+    bin_of, tokens, tried = _fit(bins, seqs, seq_lens, shares, stop_at_miss)
     for seq, b, share in zip(seqs[:tried].tolist(), bin_of[:tried].tolist(), tokens[:tried].tolist()):
         if b >= 0:
             bins.items[b].append((seq, tuple(share)))
     return bin_of, tried
+
+
+def fit_in_one_pass(seq_lens: Sequence[int], bins: Bins, shares: Shares, mode: Mode) -> Placements | None:
+    """The placements of :func:`pack_longest_first` on bins of consecutive ranks
+    (bin ``b`` on ranks ``b * width + [0, width)``, as :func:`placements` lays
+    them out), as columns, or None when a sequence fits no bin: what a
+    candidate of the per-batch decision needs, without a Python object per
+    sequence."""
+    order = _longest_first(seq_lens)
+    bin_of, tokens, tried = _fit(bins, order, seq_lens, shares, stop_at_miss=True)
+    if tried and bin_of[tried - 1] < 0:
+        return None
+    # Bin by bin, each bin's sequences in placement order.
+    by_bin = np.argsort(bin_of, kind="stable")
+    held = tokens[by_bin] > 0
+    local = held.sum(axis=1) == 1           # one rank holds it all: local there
+    first = bin_of[by_bin] * bins.width + np.where(local, held.argmax(axis=1), 0)
+    return Placements.of_blocks(order[by_bin], np.where(local, 0, MODE_CODE[mode]), first,
+                                np.where(local, 1, bins.width))
 
 
 def pack_longest_first(seq_lens: Sequence[int], bins: Bins, shares: Shares, *, strategy: str,
@@ -169,9 +197,9 @@ def placements(bins: Bins, seq_lens: Sequence[int], mode: Mode,
 
 def check_lengths(seq_lens: Sequence[int]) -> tuple[int, ...]:
     """The batch as a tuple of positive ints (a Plan cannot hold empty sequences)."""
-    lens = tuple(int(L) for L in seq_lens)
-    bad = [i for i, L in enumerate(lens) if L < 1]
-    if bad:
-        raise InfeasibleError(f"sequence {bad[0]} has length {lens[bad[0]]}; every sequence "
+    lens = tuple(map(int, seq_lens))
+    if lens and min(lens) < 1:     # (builtins, not a generator: every baseline checks the batch)
+        bad = next(i for i, L in enumerate(lens) if L < 1)
+        raise InfeasibleError(f"sequence {bad} has length {lens[bad]}; every sequence "
                               "needs at least one token (drop empty documents)")
     return lens

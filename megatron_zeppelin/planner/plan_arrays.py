@@ -12,6 +12,7 @@ layouts as partitions of the batch's tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
@@ -19,9 +20,9 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, Span
+from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, Span, placement
 
-_MODE_CODE = {Mode.LOCAL: 0, Mode.RING: 1, Mode.ULYSSES: 2}
+MODE_CODE = {Mode.LOCAL: 0, Mode.RING: 1, Mode.ULYSSES: 2}
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ class PlanArrays:
     local_len: np.ndarray
     """Length of each local sequence (float64)."""
     rings: dict[int, tuple[np.ndarray, np.ndarray]]
-    """Ring size ``k`` -> ((rings, k) ranks by position, (rings,) lengths), sizes in order of first appearance."""
+    """Ring size ``k`` -> ((rings, k) ranks by position, (rings,) lengths), sizes in
+    order of first appearance; the plan's packed rings' members are not here."""
     group_ranks: np.ndarray
     """The Ulysses groups' ranks, group after group."""
     group_size: np.ndarray
@@ -45,6 +47,9 @@ class PlanArrays:
     pair in (sender, receiver) order; None when it moves nothing."""
     linear_tokens: np.ndarray
     """Tokens per rank in the linear layout (float64)."""
+    packed: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+    """The plan's packed rings (``Plan.packed_rings``): ((k,) ranks by position,
+    members' lengths in plan order) each (``planner/surrogate_packed.py`` prices them)."""
 
 
 def _slices(start: np.ndarray, size: np.ndarray) -> np.ndarray:
@@ -53,46 +58,91 @@ def _slices(start: np.ndarray, size: np.ndarray) -> np.ndarray:
     return np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(start - (ends - size), size)
 
 
-#: The arrays of the last plans read, by their layouts' identity (each with a
-#: plan holding those layouts alive): the decision prices a plan and its
-#: direct-crossings copy (``dataclasses.replace``), which share both layouts,
-#: and a context's pick again under the run's model.
-_RECENT: dict[tuple[int, int], tuple[Plan, PlanArrays]] = {}
-_RECENT_MAX = 8
-#: The plan's fields the arrays are of (besides its world size).
-_READ = ("attention", "linear", "seq_lens")
-
-
 def plan_arrays(plan: Plan) -> PlanArrays:
-    key = (id(plan.attention), id(plan.linear))
-    known = _RECENT.get(key)
-    if (known is not None and known[0].world_size == plan.world_size
-            and all(getattr(known[0], f) is getattr(plan, f) for f in _READ)):
-        return known[1]
-    arrays = layout_arrays(plan.world_size, plan.seq_lens, plan.attention, plan.linear)
-    for old in list(_RECENT)[:len(_RECENT) - _RECENT_MAX + 1]:     # the oldest (list(): one atomic copy,
-        _RECENT.pop(old, None)                                       # should a planning thread read too)
-    _RECENT[key] = (plan, arrays)
-    return arrays
+    """The arrays of ``plan`` (the decision reads each plan's once: ``planner/fastest.py: Floor``)."""
+    return layout_arrays(plan.world_size, plan.seq_lens, plan.attention, plan.linear, plan.packed_rings)
 
 
-def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement],
-                  linear: Sequence[Sequence[Span]] | None) -> PlanArrays:
+@dataclass(frozen=True)
+class Placements:
+    """An attention layout as columns, one row per placement in plan order: what
+    :func:`layout_arrays` reads of the :class:`SeqPlacement`\\s.  A baseline lays
+    its candidates out as columns (``planner/baseline_candidates.py``), and the
+    decision builds the placements of only those it runs."""
+
+    seq: np.ndarray
+    """Sequence of each placement."""
+    mode: np.ndarray
+    """Mode of each placement (``MODE_CODE``: 0 local, 1 ring, 2 Ulysses; int8)."""
+    size: np.ndarray
+    """Ranks of each placement."""
+    ranks: np.ndarray
+    """The placements' ranks, placement after placement (ring order for rings)."""
+
+    @classmethod
+    def of(cls, att: Sequence[SeqPlacement]) -> "Placements":
+        """The columns of built placements."""
+        n = len(att)
+        ranks = list(map(attrgetter("ranks"), att))
+        size = np.fromiter(map(len, ranks), np.int64, n)
+        return cls(np.fromiter(map(attrgetter("seq"), att), np.int64, n),
+                   np.fromiter(map(MODE_CODE.__getitem__, map(attrgetter("mode"), att)), np.int8, n),
+                   size, np.fromiter(chain.from_iterable(ranks), np.int64, int(size.sum())))
+
+    @classmethod
+    def of_blocks(cls, seq: np.ndarray, mode: np.ndarray, first: np.ndarray, size: np.ndarray) -> "Placements":
+        """Placements on consecutive ranks ``first .. first + size - 1``."""
+        return cls(seq, mode.astype(np.int8), size, _slices(first, size))
+
+    def build(self, seq_lens: Sequence[int]) -> tuple[SeqPlacement, ...]:
+        """The canonical :class:`SeqPlacement`\\s (``plan.placement``).  Local ones
+        (most of a batch) share their rank's tuple, and every placement its
+        shards (``plan.placement`` caches them): fewer objects for the cyclic
+        collector to scan while the plan lives."""
+        modes, out = tuple(MODE_CODE), []
+        alone: dict[int, tuple[int]] = {}
+        ends = np.cumsum(self.size).tolist()
+        flat = self.ranks.tolist()
+        for seq, code, end, size in zip(self.seq.tolist(), self.mode.tolist(), ends, self.size.tolist()):
+            if code == 0:
+                r = flat[end - 1]
+                ranks: Sequence[int] = alone.get(r) or alone.setdefault(r, (r,))
+            else:
+                ranks = flat[end - size:end]
+            out.append(placement(seq, seq_lens[seq], modes[code], ranks))
+        return tuple(out)
+
+    def same(self, other: "Placements") -> bool:
+        """Whether both are one layout (placements are canonical: seq, mode and ranks say all)."""
+        return all(np.array_equal(a, b) for a, b in ((self.seq, other.seq), (self.mode, other.mode),
+                                                      (self.size, other.size), (self.ranks, other.ranks)))
+
+
+def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement] | Placements,
+                  linear: Sequence[Sequence[Span]] | None,
+                  packed_rings: Sequence[Sequence[int]] = ()) -> PlanArrays:
     """:func:`plan_arrays` of the plan of ``att`` whose linear layout is
-    ``linear``, or the attention layout itself (None: no remap), before that
-    plan is built (building a baseline's plan, every span and its validation,
-    cost more than pricing it)."""
-    n = len(att)
+    ``linear``, or the attention layout itself (None: no remap), and whose
+    ``Plan.packed_rings`` are ``packed_rings``, before that plan is built
+    (building a baseline's plan, every span and its validation, cost more than
+    pricing it)."""
+    cols = att if isinstance(att, Placements) else Placements.of(att)
+    n = len(cols.seq)
     seq_len = np.asarray(seq_lens, np.int64)
-    seq = np.fromiter(map(attrgetter("seq"), att), np.int64, n)
-    mode = np.fromiter(map(_MODE_CODE.__getitem__, map(attrgetter("mode"), att)), np.int8, n)
-    ranks = list(map(attrgetter("ranks"), att))
-    size = np.fromiter(map(len, ranks), np.int64, n)
-    flat = np.fromiter(chain.from_iterable(ranks), np.int64, int(size.sum()))
+    seq, mode, size, flat = cols.seq, cols.mode, cols.size, cols.ranks
     first = np.cumsum(size) - size
     L = seq_len[seq]
 
     ring = np.flatnonzero(mode == 1)
+    packed = ()
+    if packed_rings:
+        in_packed = np.zeros(len(seq_len), bool)
+        in_packed[np.fromiter(chain.from_iterable(packed_rings), np.int64)] = True
+        ring = ring[~in_packed[seq[ring]]]
+        index_of = np.empty(len(seq_len), np.int64)
+        index_of[seq] = np.arange(n)
+        members = [np.sort(index_of[list(seqs)]) for seqs in packed_rings]     # placements in plan order
+        packed = tuple((flat[first[m[0]]:first[m[0]] + size[m[0]]], L[m]) for m in members)
     rings = {}
     sizes, at = np.unique(size[ring], return_index=True)
     for k in sizes[np.argsort(at)].tolist():
@@ -114,7 +164,7 @@ def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement],
     if linear is None:
         kept = np.flatnonzero(held)
         return _arrays(flat, first, size, mode, L, rings, None,
-                       np.bincount(owner[kept], weights=hi[kept] - lo[kept], minlength=w))
+                       np.bincount(owner[kept], weights=hi[kept] - lo[kept], minlength=w), packed)
     spans = np.fromiter(chain.from_iterable(map(attrgetter("seq", "start", "end"), chain.from_iterable(linear))),
                         np.int64).reshape(-1, 3)
     span_owner = np.repeat(np.arange(w), np.fromiter(map(len, linear), np.int64, w))
@@ -138,16 +188,16 @@ def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement],
         seq_start = np.cumsum(seq_len) - seq_len
         remap = _moves(seq_start[seq[of[order]]] + lo[order], owner[order],
                        seq_start[spans[:, 0]] + spans[:, 1], span_owner, int(seq_len.sum()), w)
-    return _arrays(flat, first, size, mode, L, rings, remap, linear_tokens)
+    return _arrays(flat, first, size, mode, L, rings, remap, linear_tokens, packed)
 
 
 def _arrays(flat: np.ndarray, first: np.ndarray, size: np.ndarray, mode: np.ndarray, L: np.ndarray,
             rings: dict[int, tuple[np.ndarray, np.ndarray]], remap: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
-            linear_tokens: np.ndarray) -> PlanArrays:
+            linear_tokens: np.ndarray, packed: tuple[tuple[np.ndarray, np.ndarray], ...]) -> PlanArrays:
     local, group = np.flatnonzero(mode == 0), np.flatnonzero(mode == 2)
     return PlanArrays(local_rank=flat[first[local]], local_len=L[local].astype(np.float64), rings=rings,
                       group_ranks=flat[_slices(first[group], size[group])], group_size=size[group],
-                      group_len=L[group], remap=remap, linear_tokens=linear_tokens)
+                      group_len=L[group], remap=remap, linear_tokens=linear_tokens, packed=packed)
 
 
 def _moves(a_lo: np.ndarray, a_owner: np.ndarray, b_lo: np.ndarray, b_owner: np.ndarray, total: int,
@@ -166,3 +216,25 @@ def _moves(a_lo: np.ndarray, a_owner: np.ndarray, b_lo: np.ndarray, b_owner: np.
     length = np.diff(np.r_[cuts, total])[moved]
     pair, of = np.unique(src[moved] * w + dst[moved], return_inverse=True)
     return pair // w, pair % w, np.bincount(of, weights=length).astype(np.int64)
+
+
+def pack_rings(layout: PlanArrays) -> PlanArrays:
+    """``layout`` with every ring rank tuple holding two or more sequences as one
+    packed ring (``plan.rings_by_ranks``), from its arrays alone: a static CP
+    layout's packed copy costs no second read of its placements.  Packed rings
+    come size by size, each size's by first appearance; members in plan order."""
+    rings, packed = {}, []
+    for k, (ranks, L) in layout.rings.items():
+        order = np.lexsort(ranks.T[::-1])               # stable: each tuple's rings in plan order
+        tuples = ranks[order]
+        start = np.flatnonzero(np.r_[True, (tuples[1:] != tuples[:-1]).any(axis=1)])
+        count = np.diff(np.r_[start, len(order)])
+        solo = np.zeros(len(order), bool)
+        solo[order[start[count == 1]]] = True
+        if solo.any():
+            rings[k] = (ranks[solo], L[solo])
+        multi = np.flatnonzero(count > 1)
+        multi = multi[np.argsort(order[start[multi]])]   # by first appearance
+        members = L[order]
+        packed += [(tuples[start[t]], members[start[t]:start[t] + count[t]]) for t in multi.tolist()]
+    return dataclasses.replace(layout, rings=rings, packed=tuple(packed))

@@ -16,8 +16,8 @@ from typing import Sequence
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, Plan, SeqPlacement
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.planner.packing import (Bins, Shares, check_lengths, pack_in_rounds, pack_longest_first,
-                                               placements)
+from megatron_zeppelin.planner.packing import Bins, Shares, check_lengths, fit_in_one_pass, pack_in_rounds, placements
+from megatron_zeppelin.planner.plan_arrays import Placements
 from megatron_zeppelin.planner.rounds import RoundsPlan, build_rounds
 
 
@@ -45,19 +45,13 @@ class StaticGroupPlanner(ABC):
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         return self.plan_rounds(seq_lens, ctx).merged
 
-    def one_pass(self, seq_lens: Sequence[int], ctx: PlanContext) -> tuple[list[SeqPlacement], list[int]] | None:
-        """The placements of :meth:`plan` and every rank's tokens when the batch
-        fits one pass, else None, without packing the rounds that would follow
-        or building a Plan.  Raises :class:`InfeasibleError` as
-        :meth:`group_size` does."""
+    def one_pass(self, seq_lens: Sequence[int], ctx: PlanContext) -> Placements | None:
+        """The placements of :meth:`plan` when the batch fits one pass, as
+        columns, else None, without packing the rounds that would follow or
+        building a Plan.  Raises :class:`InfeasibleError` as :meth:`group_size` does."""
         lens = check_lengths(seq_lens)
         d = self.group_size(lens, ctx)
-        try:    # the first round as pack_in_rounds packs it, when nothing waits for a second
-            bins = pack_longest_first(lens, self._bins(d, ctx), type(self).shares, strategy=self.name,
-                                      what=self._what(d))
-        except InfeasibleError:
-            return None
-        return self._placements(bins, lens, d), [tokens for loads in bins.loads for tokens in loads]
+        return fit_in_one_pass(lens, self._bins(d, ctx), type(self).shares, self.mode)
 
     def _bins(self, d: int, ctx: PlanContext) -> Bins:
         return Bins(ctx.topology.world_size // d, d, ctx.tokens_per_gpu)

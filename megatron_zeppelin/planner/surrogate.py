@@ -47,6 +47,7 @@ from megatron_zeppelin.cost.step_sync import forward_backward_split, grad_sync_s
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.shards import chunk_sizes
 from megatron_zeppelin.planner.plan_arrays import PlanArrays, layout_arrays, plan_arrays
+from megatron_zeppelin.planner.surrogate_packed import packed_floor_pairs, packed_ring_batches
 from megatron_zeppelin.planner.surrogate_ulysses import UlyssesGroups
 from megatron_zeppelin.schedule.routing import min_routed_bytes
 
@@ -243,7 +244,8 @@ class StepSurrogate:
         # per rank when its Ulysses inputs landed, when its outputs left, and
         # its Ulysses kernels' seconds (``gate``; 0 without Ulysses).
         gate = np.zeros((3, w))
-        batches = [self._ring_batch(k, ranks, lens, backward, routed, w) for k, (ranks, lens) in layout.rings.items()]
+        batches = ([self._ring_batch(k, ranks, lens, backward, routed, w) for k, (ranks, lens) in layout.rings.items()]
+                   + packed_ring_batches(self, layout, backward, routed, w))
         pending = []
         if groups is not None:
             # The compute lane runs a rank's ring kernels of steps 0 and 1 before
@@ -560,7 +562,7 @@ def surrogate_clock(cost: CostModel) -> Callable[[Plan], float]:
 
 def step_floor(cost: CostModel, plan: Plan) -> float:
     """A lower bound of ``StepSurrogate(cost).step_s(plan)`` (:func:`layout_floor`)."""
-    return layout_floor(cost, layout_arrays(plan.world_size, plan.seq_lens, plan.attention, None),
+    return layout_floor(cost, layout_arrays(plan.world_size, plan.seq_lens, plan.attention, None, plan.packed_rings),
                         plan.linear_tokens_per_rank())
 
 
@@ -584,6 +586,7 @@ def layout_floor(cost: CostModel, layout: PlanArrays, linear_tokens: Sequence[in
     L, d = layout.group_len, layout.group_size
     share = (L * (L + 1) // 2) // d * (1 + half / L)
     pairs += np.bincount(layout.group_ranks, weights=np.repeat(share, d), minlength=w)
+    pairs += packed_floor_pairs(layout, half, w)
     for k, (ranks, L) in layout.rings.items():
         # Position i of a zigzag ring holds chunks i and 2k - 1 - i of 2k.
         b = np.arange(2 * k + 1) * L[:, None] // (2 * k)

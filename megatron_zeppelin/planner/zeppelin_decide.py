@@ -17,10 +17,13 @@ so Zeppelin is not modeled slower than its variants beyond the surrogate's
 misorderings (``docs/results/surrogate.md`` measures them against the replay).
 The candidates come from :func:`decision_candidates`; a new kind of candidate
 is one more list there.  :func:`decide` prices only those that can win: in
-order of the surrogate's lower bound (``surrogate.step_floor``), each context's
-packing passes one by one where the step model is the surrogate its planner
-picks a pass by, stopping once the next bound is above the best step
-(``planner/fastest.py``); the pick is ``min``'s, ties included.
+order of the surrogate's lower bound (``surrogate.layout_floor`` of each
+candidate's layout, read before its plan is built), each context's packing
+passes one by one where the step model is the surrogate its planner picks a
+pass by, stopping once the next bound is above the best step
+(``planner/fastest.py``); the pick is ``min``'s, ties included.  It builds a
+candidate's plan only when it prices one with a remap, or runs it
+(docs/planner.md: "What the decision costs").
 
 The baselines' layouts of the batch -- static CP's and Ulysses SP's uniform
 groups, Megatron's hybrid CP groups, FlexSP's heterogeneous Ulysses groups --
@@ -42,9 +45,10 @@ from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.baseline_candidates import Draft, baseline_drafts
 from megatron_zeppelin.planner.fastest import Floor, fastest, first_least, surrogate_cost
+from megatron_zeppelin.planner.plan_arrays import PlanArrays
 from megatron_zeppelin.planner.surrogate import StepSurrogate
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
-from megatron_zeppelin.planner.zeppelin.planner import gc_paused
+from megatron_zeppelin.planner.zeppelin.planner import PassDraft, gc_paused
 
 
 def candidate_contexts(ctx: PlanContext) -> list[PlanContext]:
@@ -65,11 +69,14 @@ class DecidingZeppelinPlanner:
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         if ctx.step_model is None:
             return self.inner.plan(seq_lens, ctx)
-        # One pause of the cyclic collector for every candidate (ZeppelinPlanner's
-        # reason): each pass_plans ending its own pause ran a full collection
-        # over the plans built so far (~80 ms a context at 4,096 GPUs).
+        # One pause of the cyclic collector for every candidate, on the main
+        # thread (gc_paused): each pass_drafts ending its own pause ran a full
+        # collection over the plans built so far (~80 ms a context at 4,096
+        # GPUs).  A fresh inner planner (decide's default): its plans of the
+        # batch and the decision's arrays are freed before the collector
+        # resumes, which then scans only the plan that runs.
         with gc_paused():
-            return decide(seq_lens, ctx, self.inner)
+            return decide(seq_lens, ctx)
 
 
 def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None = None) -> Plan:
@@ -77,36 +84,65 @@ def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | N
     (ties: the run's own choice), pricing only candidates that can win
     (``planner/fastest.py``): a context's passes are priced one by one when the
     step model is the surrogate its planner picks a pass by, else the pass it
-    picks is priced as one candidate whose bound is its passes' least."""
+    picks is priced as one candidate whose bound is its passes' least.  Every
+    candidate is bounded by its layout, unbuilt; a plan is built when it is
+    priced with a remap (the surrogate reads the remap's messages from its
+    spans) or when it wins (without a remap it is priced from its layout)."""
     contexts, baselines = _candidate_plans(seq_lens, ctx, inner)
     step = ctx.step_model
     floor, own = Floor(step), surrogate_cost(step)
 
-    # A candidate's result is what builds its plan: a baseline's is built only if it wins.
-    def priced(build: Callable[[], Plan]) -> Callable[[], tuple[float, Callable[[], Plan]]]:
-        def price() -> tuple[float, Callable[[], Plan]]:
-            plan = build()
-            return step(plan), lambda: plan
-        return price
-
-    def drafted(draft: Draft, routed: bool) -> Callable[[], tuple[float, Callable[[], Plan]]]:
-        if own is None:
-            return priced(functools.partial(draft.candidate, routed))
-        # The surrogate prices the draft's placements, its plan unbuilt.
-        clock: StepSurrogate = step.__self__      # type: ignore[attr-defined]
-        return lambda: (clock.layout_step_s(draft.arrays(), draft.topology.world_size, routed),
-                        functools.partial(draft.candidate, routed))
+    def picked(option: PlanContext, drafts: list[PassDraft], routed: bool) -> Plan:
+        """The pass its context's planner keeps: the least step under its own model."""
+        clock = StepSurrogate(option.cost).step_s
+        return first_least(_pass_candidates(drafts, routed, Floor(clock, floor.reads), clock))()
 
     candidates: list = []
-    for option, plans in contexts:
-        if len(plans) == 1 or option.cost == own:
-            candidates += [(floor.of_plan(p), priced(lambda p=p: p)) for p in plans]
+    for option, drafts, routed in contexts:
+        if len(drafts) == 1 or option.cost == own:
+            candidates += _pass_candidates(drafts, routed, floor, step)
         else:
-            pick = functools.partial(fastest, plans, StepSurrogate(option.cost).step_s)
-            candidates.append((min(floor.of_plan(p) for p in plans), priced(pick)))
-    candidates += [(floor.of_layout(d.arrays), drafted(d, routed))
+            candidates.append((min(floor.of_layout(d) for d in drafts),
+                               _priced(floor, step, functools.partial(picked, option, drafts, routed))))
+    candidates += [(floor.of_layout(d), _drafted(floor, step, d.arrays, d.topology.world_size, routed,
+                                                 functools.partial(d.candidate, routed)))
                    for d, routed in baselines]
     return first_least(candidates)()
+
+
+#: A candidate's price: its step, and what builds its plan.
+Priced = Callable[[], tuple[float, Callable[[], Plan]]]
+
+
+def _priced(floor: Floor, step: Callable[[Plan], float], build: Callable[[], Plan]) -> Priced:
+    """Builds the plan, then prices it."""
+    def price() -> tuple[float, Callable[[], Plan]]:
+        plan = build()
+        return floor.price(step, plan), lambda: plan
+    return price
+
+
+def _drafted(floor: Floor, step: Callable[[Plan], float], arrays: Callable[[], PlanArrays], world: int,
+             routed: bool, build: Callable[[], Plan]) -> Priced:
+    """Prices the plan of a layout whose linear layout is its attention layout
+    from the layout's arrays (the plan has those arrays), unbuilt: it is built
+    only if it wins."""
+    if floor.cost is None:
+        return _priced(floor, step, build)
+    clock: StepSurrogate = step.__self__      # type: ignore[attr-defined]
+    return lambda: (clock.layout_step_s(arrays(), world, routed), build)
+
+
+def _pass_candidates(drafts: list[PassDraft], routed: bool, floor: Floor, step: Callable[[Plan], float]) -> list:
+    """Zeppelin's passes as candidates, bounded by their layouts and built only
+    if priced (with the remap: its messages are read from the plan's spans) or,
+    without, only if they win."""
+    out = []
+    for d in drafts:
+        build = functools.partial(d.plan, routed)
+        out.append((floor.of_layout(d), _priced(floor, step, build) if d.remap
+                    else _drafted(floor, step, d.arrays, d.world_size, routed, build)))
+    return out
 
 
 def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext,
@@ -115,29 +151,29 @@ def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext,
     Zeppelin's plan under each of :func:`candidate_contexts`, then the baselines'.
     Raises the first planning error when no candidate can be planned."""
     contexts, baselines = _candidate_plans(seq_lens, ctx, inner)
-    return ([fastest(plans, StepSurrogate(option.cost).step_s) for option, plans in contexts]
+    return ([fastest([d.plan(routed) for d in drafts], StepSurrogate(option.cost).step_s)
+             for option, drafts, routed in contexts]
             + [draft.candidate(routed) for draft, routed in baselines])
 
 
 def _candidate_plans(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None
-                     ) -> tuple[list[tuple[PlanContext, list[Plan]]], list[tuple[Draft, bool]]]:
-    """(each context Zeppelin could plan the batch under, with its passes' plans;
-    the baselines' candidates, unbuilt: :func:`baseline_drafts`).  Raises the
-    first planning error when there is none."""
+                     ) -> tuple[list[tuple[PlanContext, list[PassDraft], bool]], list[tuple[Draft, bool]]]:
+    """(each context Zeppelin could plan the batch under, with its passes,
+    unbuilt, and whether their plans run routed; the baselines' candidates,
+    unbuilt: :func:`baseline_drafts`).  Raises the first planning error when
+    there is none."""
     inner = inner or ZeppelinPlanner()
     contexts, errors = [], []
     for option in candidate_contexts(ctx):
         try:
-            plans = inner.pass_plans(seq_lens, option)
+            drafts = inner.pass_drafts(seq_lens, option)
         except InfeasibleError as exc:    # e.g. remap's balanced layout has no room; others may
             errors.append(exc)
             continue
         # A plan made for direct crossings also runs them direct: routing's
         # dispatch and combine legs share NVLink with the other traffic, and
         # on some batches they cost more than they save.
-        if option.cost.routing != ctx.cost.routing:
-            plans = [dataclasses.replace(p, routed=False) for p in plans]
-        contexts.append((option, plans))
+        contexts.append((option, drafts, option.cost.routing == ctx.cost.routing))
     baselines = baseline_drafts(seq_lens, ctx)   # so no baseline's plan is faster
     if not contexts and not baselines:
         raise errors[0]

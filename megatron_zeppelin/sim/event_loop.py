@@ -11,15 +11,28 @@ in the order they name it, so a replay is a pure function of its inputs, bit
 for bit.
 
 Events are ordered by (time, push order), a total order, so any correct
-queue pops them in the same sequence.  Only an op's end (a compute op's, a
-transfer's) lies ahead of the event that schedules it; an op becoming ready, a
-batch being posted, a transfer landing with the rest of its batch and a rank
-entering a segment happen at the instant that causes them.  So ends go to a heap, and the others
+queue pops them in the same sequence, and leaving out an event that changes
+nothing leaves the others' order alone.  Only an op's end lies ahead of the
+event that schedules it; an op becoming ready, a batch being posted, a
+transfer landing with the rest of its batch and a rank entering a segment
+happen at the instant that causes them.  So ends go to a heap, and the others
 to a FIFO of the current instant, which holds the latest orders at that time:
 the next event is the first of the two by (time, order).  An op that ends frees
 its rank's compute lane at the same instant, right after its dependants are
 released (nothing can come between the two: no other event has that time and
 an order in between).
+
+A transfer takes two orders when it starts (its move ending on its sender's
+batch, then on its receiver's), but only a batch's last move does anything:
+the heap gets that one, under its order, once every transfer of the batch has
+started.  So the heap holds at most one event per slot -- a rank's compute op
+in flight, the batch in flight on each of its two lanes -- keyed (time, order
+<< sbits | slot), the event itself in the slot's entry; a transfer end with no
+dependant on its rank queues no landing.  An event is one int64: (instance
+<< wbits | what) << 3 | kind.
+
+A replay's state is one tuple of arrays (``_start``), which ``_run`` advances;
+chains that begin with the same instances share that start (``run_chains``).
 """
 
 from __future__ import annotations
@@ -71,31 +84,32 @@ def _key_pop(heap, base, n):
 
 
 @njit(cache=True)
-def _soon(now, tail, ev_kind, ev_inst, ev_what, counter, kind, k, what):
-    """Queue event (``kind``, instance ``k``, ``what``) at the current instant;
-    returns the FIFO's new tail and the event counter."""
+def _soon(now_c, now_ev, tail, counter, sbits, ev):
+    """Queue event ``ev`` (packed by ``_event``) at the current instant; returns
+    the FIFO's new tail and the event counter."""
     counter += 1
-    ev_kind[counter], ev_inst[counter], ev_what[counter] = kind, k, what
-    now[tail] = counter
+    now_c[tail], now_ev[tail] = counter << sbits, ev
     return tail + 1, counter
 
 
 @njit(cache=True)
-def _one_done(remaining, left, k, r, t, now, tail, ev_kind, ev_inst, ev_what, counter):
-    """One more op of rank ``r`` in instance ``k`` is done; the last one lets the
-    rank enter the next instance now.  Returns the FIFO's tail and the counter."""
-    remaining[k, r] -= 1
+def _done(remaining, left, k, r, n, t, now_c, now_ev, tail, counter, sbits, wbits):
+    """``n`` more ops of rank ``r`` in instance ``k`` are done; the last one lets
+    the rank enter the next instance now.  Returns the FIFO's tail and the counter."""
+    remaining[k, r] -= n
     if remaining[k, r] == 0:
         left[k, r] = t
-        return _soon(now, tail, ev_kind, ev_inst, ev_what, counter, ENTER, k + 1, r)
+        return _soon(now_c, now_ev, tail, counter, sbits, ((k + 1) << wbits | r) << 3 | ENTER)
     return tail, counter
 
 
 @njit(cache=True)
-def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps,
-              users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx,
-              op_lane, op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports):
-    """Replay the chain ``chain_seg`` (segment ids) from time 0.
+def _start(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps,
+           users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx,
+           op_lane, op_lands, op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports,
+           record):
+    """The state of a replay of the chain ``chain_seg`` (segment ids) at time 0,
+    every rank about to enter its first instance.
 
     Static data, per distinct segment ``s`` (op ``i`` of it at ``seg_base[s] + i``):
     ``op_*`` per op, ``users_*`` the ops depending on each op (CSR, segment-local
@@ -103,16 +117,15 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
     op's place in its lane; per ``s * world + r``: ``onr_*`` every op on rank
     ``r``'s lanes, its compute lane first (CSR, segment-local ids).  Batches
     (ids global over the distinct segments, segment ``s``'s from ``bat_base[s]``):
-    ``op_lane`` a transfer's lane, ``op_bsend``/``op_brecv`` its batch at its
+    ``op_lane`` a transfer's lane, ``op_lands`` which of its ends (bit 0: the
+    sender's, bit 1: the receiver's) has dependants on its rank,
+    ``op_bsend``/``op_brecv`` its batch at its
     sender and at its receiver, ``bat_*`` each batch's transfers (CSR,
     segment-local op ids) and how many of them its rank sends, and per
     ``(s * world + r) * 2 + lane`` the rank's batches on that lane in order
     (``rl_ptr``, a range of batch ids).
 
-    Returns (finish per rank, busy seconds [rank, tier], first-use order of
-    each busy entry, entered [instance, rank], left [instance, rank],
-    op start and end per instance op, instance base offsets, ops still
-    unfinished per [instance, rank], whether each instance was entered)."""
+    :func:`_run` runs it (see :func:`run_chains` for the results)."""
     n_inst = len(chain_seg)
     inst_base = np.zeros(n_inst + 1, np.int64)
     inst_bat = np.zeros(n_inst + 1, np.int64)     # each instance's first batch
@@ -126,6 +139,13 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
                 compute_cap[op_rank[i]] += 1
     total = inst_base[n_inst]
     total_bat = inst_bat[n_inst]
+    # An event is packed as (instance << wbits | what) << 3 | kind.
+    widest = world
+    for s in range(len(seg_base) - 1):
+        widest = max(widest, 2 * (seg_base[s + 1] - seg_base[s]), bat_base[s + 1] - bat_base[s])
+    wbits = 1
+    while (1 << wbits) <= widest:
+        wbits += 1
 
     waiting = np.empty(total, np.int64)
     for k in range(n_inst):
@@ -134,16 +154,20 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
             waiting[inst_base[k] + i] = op_ndeps[sb + i]
     released = np.zeros(total, np.bool_)
     posted_ends = np.zeros(total, np.int64)     # a transfer's ends whose batch is posted (0, 1, 2)
-    op_start = np.zeros(total)
-    op_end = np.zeros(total)
-    # Per instance batch: sends whose data is not there yet, transfers not yet moved.
+    op_start = np.zeros(total if record else 0)
+    op_end = np.zeros(total if record else 0)
+    # Per instance batch: sends whose data is not there yet, transfers not yet
+    # started, and the (end, order) of the last to move among those started.
     need = np.empty(total_bat, np.int64)
-    moving = np.empty(total_bat, np.int64)
+    unstarted = np.empty(total_bat, np.int64)
     for k in range(n_inst):
         bb = bat_base[chain_seg[k]]
         for b in range(inst_bat[k + 1] - inst_bat[k]):
             need[inst_bat[k] + b] = bat_need[bb + b]
-            moving[inst_bat[k] + b] = bat_ptr[bb + b + 1] - bat_ptr[bb + b]
+            unstarted[inst_bat[k] + b] = bat_ptr[bb + b + 1] - bat_ptr[bb + b]
+    last_t = np.full(total_bat, -np.inf)
+    last_c = np.zeros(total_bat, np.int64)
+    last_ev = np.zeros(total_bat, np.int64)
     entered = np.full((n_inst, world), -1.0)
     left = np.zeros((n_inst, world))
     remaining = np.empty((n_inst, world), np.int64)
@@ -163,6 +187,9 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
     busy = np.zeros((world, n_tiers))
     busy_order = np.full((world, n_tiers), -1, np.int64)
     n_busy = 0
+    lbits = 0                        # a lane key is instance << lbits | lane position
+    while (1 << lbits) < lane_width:
+        lbits += 1
     # Per rank, a heap of ready compute ops keyed by instance x lane width + lane position.
     lane_heap = np.empty(max(compute_cap.sum(), 1), np.int64)
     lane_base = np.zeros(world, np.int64)
@@ -171,31 +198,68 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
     lane_n = np.zeros(world, np.int64)
     port_free = np.zeros(n_ports)       # when each port has carried every transfer charged to it
 
-    # Events: the heap holds (time, order); what an event is lives at its order.
-    # Each op is ready once and done once (a transfer: moved once, done on each
-    # end once), each instance batch is posted once, each (instance, rank)
-    # entered once.
-    cap = 4 * total + total_bat + (n_inst + 1) * world + 1
-    heap_t = np.empty(cap)
-    heap_c = np.empty(cap, np.int64)
-    ev_kind = np.empty(cap + 1, np.int64)
-    ev_inst = np.empty(cap + 1, np.int64)
-    ev_what = np.empty(cap + 1, np.int64)
+    # Events in the future are a rank's compute op ending and the last move of
+    # a rank's batch on each lane: at most one each per rank at a time, so the
+    # heap holds (time, order << sbits | slot) and the event sits at its slot.
+    # The current instant's events are a FIFO of (order << sbits, event).
+    # Each op is ready once and done once (a transfer: two orders when it
+    # starts, done on each end once), each instance batch is posted once, each
+    # (instance, rank) entered once: that bounds the FIFO.
+    sbits = 2
+    while (1 << sbits) < 3 * world:
+        sbits += 1
+    slots = 1 << sbits
+    heap_t = np.empty(slots)
+    heap_c = np.empty(slots, np.int64)
+    slot_ev = np.empty(slots, np.int64)
     n_events = 0
-    now = np.empty(cap, np.int64)       # the orders of the current instant's events, first to last
+    cap = 3 * total + total_bat + (n_inst + 1) * world + 1
+    now_c = np.empty(cap, np.int64)
+    now_ev = np.empty(cap, np.int64)
     now_head = now_tail = 0
     counter = 0
     for r in range(world):           # every rank enters segment 0 at time 0, rank by rank
-        now_tail, counter = _soon(now, now_tail, ev_kind, ev_inst, ev_what, counter, ENTER, 0, r)
-    t = 0.0
+        now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits, r << 3 | ENTER)
+    return (inst_base, inst_bat, waiting, released, posted_ends, op_start, op_end, need, unstarted, last_t,
+            last_c, last_ev, entered, left, remaining, created, cursor, cursor_end, compute_free, compute_busy,
+            finish, busy, busy_order, lane_heap, lane_base, lane_n, port_free, heap_t, heap_c, slot_ev, now_c,
+            now_ev, np.array([0.0]), np.array([n_events, now_head, now_tail, counter, n_busy, wbits, sbits, lbits]))
+
+
+@njit(cache=True)
+def _run(state, world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps,
+         users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx,
+         op_lane, op_lands, op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports,
+         record, stop):
+    """Run the replay in ``state`` until no event is left, or (``stop`` > 0)
+    until the next event is the first to touch an instance from ``stop`` on:
+    then it returns True, that event not taken, and ``state`` is where every
+    chain that runs the same first ``stop`` instances stands at that point."""
+    (inst_base, inst_bat, waiting, released, posted_ends, op_start, op_end, need, unstarted, last_t,
+     last_c, last_ev, entered, left, remaining, created, cursor, cursor_end, compute_free, compute_busy,
+     finish, busy, busy_order, lane_heap, lane_base, lane_n, port_free, heap_t, heap_c, slot_ev, now_c,
+     now_ev, clock, ints) = state
+    n_events, now_head, now_tail, counter, n_busy, wbits, sbits, lbits = (
+        ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], ints[7])
+    n_inst = len(chain_seg)
+    wmask = (1 << wbits) - 1
+    slots = 1 << sbits
+    t = clock[0]
+    paused = False
 
     while n_events or now_head < now_tail:
-        if now_head < now_tail and (n_events == 0 or heap_t[0] > t or heap_c[0] > now[now_head]):
-            c = now[now_head]
+        soon = now_head < now_tail and (n_events == 0 or heap_t[0] > t or heap_c[0] > now_c[now_head])
+        ev = now_ev[now_head] if soon else slot_ev[heap_c[0] & (slots - 1)]
+        kind, what, k = ev & 7, ev >> 3 & wmask, ev >> (3 + wbits)
+        if stop > 0 and _reaches(kind, what, k, stop, chain_seg, onr_ptr, world):
+            paused = True
+            break
+        if soon:
             now_head += 1
+            if now_head == now_tail:
+                now_head = now_tail = 0
         else:
             t, c, n_events = _pop(heap_t, heap_c, n_events)
-        kind, k, what = ev_kind[c], ev_inst[c], ev_what[c]
         start_rank = -1                  # a rank whose compute lane may start its next op
         at = -1                          # LANDED: the end whose dependants it releases
         cands, lo, hi = users_idx, 0, 0  # ops of instance ``k`` that may have become ready
@@ -213,7 +277,8 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
                             cursor[r, lane] = b
                             cursor_end[r, lane] = b + rl_ptr[jl + 1] - rl_ptr[jl]
                             if need[b] == 0:
-                                now_tail, counter = _soon(now, now_tail, ev_kind, ev_inst, ev_what, counter, POST, k, b)
+                                now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits,
+                                                          ((k << wbits | b - inst_bat[k]) << 3) | POST)
                     cands, lo, hi = onr_idx, onr_ptr[j], onr_ptr[j + 1]
                     break
                 left[k, r] = t                    # nothing of ours here: pass straight through
@@ -224,19 +289,20 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
             sb = seg_base[chain_seg[k]]
             r = op_rank[sb + what]
             if not op_comm[sb + what]:
-                lane_n[r] = _key_push(lane_heap, lane_base[r], lane_n[r], k * lane_width + lane_pos[sb + what])
+                lane_n[r] = _key_push(lane_heap, lane_base[r], lane_n[r], k << lbits | lane_pos[sb + what])
                 start_rank = r
             else:                                # its data is there: one send fewer for its batch
                 b = inst_bat[k] + op_bsend[sb + what] - bat_base[chain_seg[k]]
                 need[b] -= 1
                 if need[b] == 0 and cursor[r, op_lane[sb + what]] == b:
-                    now_tail, counter = _soon(now, now_tail, ev_kind, ev_inst, ev_what, counter, POST, k, b)
+                    now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits,
+                                              ((k << wbits | b - inst_bat[k]) << 3) | POST)
         elif kind == POST:
             # A batch is posted: each of its transfers whose other end is posted
             # too is charged to its two ports, each carrying its transfers one
             # after another from now on; it has moved once both have carried it.
             sb, bb = seg_base[chain_seg[k]], bat_base[chain_seg[k]]
-            b = what - inst_bat[k] + bb
+            b = bb + what
             for x in range(bat_ptr[b], bat_ptr[b + 1]):
                 op = bat_idx[x]
                 g = inst_base[k] + op
@@ -248,32 +314,46 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
                 start, at_in = max(t, port_free[a]), max(t, port_free[z])
                 port_free[a], port_free[z] = start + dur, at_in + dur
                 start = max(start, at_in)
-                op_start[g] = start
-                op_end[g] = start + dur
-                counter += 1
-                ev_kind[counter], ev_inst[counter], ev_what[counter] = MOVED, k, op
-                n_events = _push(heap_t, heap_c, n_events, start + dur, counter)
+                if record:
+                    op_start[g] = start
+                    op_end[g] = start + dur
+                # Its move is over at (end, order) on its sender's batch, then on its
+                # receiver's.  Only a batch's last move does anything, so the heap
+                # holds that one alone, once every transfer of the batch has started.
+                counter += 2
+                end = start + dur
+                for side in range(2):
+                    bs = inst_bat[k] + (op_brecv[sb + op] if side else op_bsend[sb + op]) - bb
+                    if end >= last_t[bs]:
+                        last_t[bs], last_c[bs] = end, counter - 1 + side
+                        last_ev[bs] = ((k << wbits | 2 * op + side) << 3) | MOVED
+                    unstarted[bs] -= 1
+                    if unstarted[bs] == 0:
+                        r = op_peer[sb + op] if side else op_rank[sb + op]
+                        slot = 3 * r + 1 + op_lane[sb + op]
+                        slot_ev[slot] = last_ev[bs]
+                        n_events = _push(heap_t, heap_c, n_events, last_t[bs], last_c[bs] << sbits | slot)
         elif kind == MOVED:
-            # A transfer is over; a batch whose transfers are all over is done on
-            # its rank: what it received lands, and the lane posts its next batch.
+            # The last transfer of a batch is over on one end: the batch is done on
+            # that rank, what it received lands, and the lane posts its next batch.
             sb, bb = seg_base[chain_seg[k]], bat_base[chain_seg[k]]
-            lane = op_lane[sb + what]
-            for side in range(2):
-                r = op_peer[sb + what] if side else op_rank[sb + what]
-                b = inst_bat[k] + (op_brecv[sb + what] if side else op_bsend[sb + what]) - bb
-                moving[b] -= 1
-                if moving[b]:
-                    continue
-                for x in range(bat_ptr[b - inst_bat[k] + bb], bat_ptr[b - inst_bat[k] + bb + 1]):
-                    op = bat_idx[x]
-                    end = 2 * op + (op_peer[sb + op] == r)          # the end it is done on
-                    now_tail, counter = _soon(now, now_tail, ev_kind, ev_inst, ev_what, counter, LANDED, k, end)
-                    now_tail, counter = _one_done(remaining, left, k, r, t, now, now_tail, ev_kind, ev_inst,
-                                                  ev_what, counter)
-                cursor[r, lane] += 1
-                b = cursor[r, lane]
-                if b < cursor_end[r, lane] and need[b] == 0:
-                    now_tail, counter = _soon(now, now_tail, ev_kind, ev_inst, ev_what, counter, POST, k, b)
+            x, side = what >> 1, what & 1
+            lane = op_lane[sb + x]
+            r = op_peer[sb + x] if side else op_rank[sb + x]
+            b = (op_brecv[sb + x] if side else op_bsend[sb + x])
+            for y in range(bat_ptr[b], bat_ptr[b + 1]):
+                op = bat_idx[y]
+                end = 1 if op_peer[sb + op] == r else 0          # the end it is done on
+                if op_lands[sb + op] >> end & 1:
+                    now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits,
+                                              ((k << wbits | 2 * op + end) << 3) | LANDED)
+            now_tail, counter = _done(remaining, left, k, r, bat_ptr[b + 1] - bat_ptr[b], t, now_c, now_ev,
+                                      now_tail, counter, sbits, wbits)
+            cursor[r, lane] += 1
+            b = cursor[r, lane]
+            if b < cursor_end[r, lane] and need[b] == 0:
+                now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits,
+                                          ((k << wbits | b - inst_bat[k]) << 3) | POST)
         elif kind == LANDED:
             # A transfer is done on one end (its batch there is done): the ops
             # of that end depending on it may be ready.
@@ -296,12 +376,11 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
                 if released[g] or waiting[g] != 0 or entered[k, op_rank[sb + op]] < 0:
                     continue
                 released[g] = True               # ready now (an op's dependencies end by now)
-                now_tail, counter = _soon(now, now_tail, ev_kind, ev_inst, ev_what, counter, READY, k, op)
+                now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits, ((k << wbits | op) << 3) | READY)
         if kind == DONE:                                         # its compute lane is free again
             sb = seg_base[chain_seg[k]]
             r = op_rank[sb + what]
-            now_tail, counter = _one_done(remaining, left, k, r, t, now, now_tail, ev_kind, ev_inst, ev_what,
-                                          counter)
+            now_tail, counter = _done(remaining, left, k, r, 1, t, now_c, now_ev, now_tail, counter, sbits, wbits)
             start_rank = r
             compute_busy[r] = False
         r = start_rank
@@ -309,9 +388,9 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
             continue
         key = _key_pop(lane_heap, lane_base[r], lane_n[r])
         lane_n[r] -= 1
-        k = key // lane_width
+        k = key >> lbits
         j = chain_seg[k] * world + r
-        op = onr_idx[onr_ptr[j] + key % lane_width]       # the compute lane heads the rank's ops
+        op = onr_idx[onr_ptr[j] + (key & ((1 << lbits) - 1))]       # the compute lane heads the rank's ops
         sb = seg_base[chain_seg[k]]
         start = max(t, compute_free[r])
         dur = op_sec[sb + op]
@@ -322,9 +401,111 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
             busy_order[r, tier] = n_busy
             n_busy += 1
         busy[r, tier] += dur
-        op_start[inst_base[k] + op] = start
-        op_end[inst_base[k] + op] = start + dur
+        if record:
+            op_start[inst_base[k] + op] = start
+            op_end[inst_base[k] + op] = start + dur
         counter += 1
-        ev_kind[counter], ev_inst[counter], ev_what[counter] = DONE, k, op
-        n_events = _push(heap_t, heap_c, n_events, start + dur, counter)
-    return finish, busy, busy_order, entered, left, op_start, op_end, inst_base, remaining, created
+        slot_ev[3 * r] = ((k << wbits | op) << 3) | DONE
+        n_events = _push(heap_t, heap_c, n_events, start + dur, counter << sbits | 3 * r)
+    clock[0] = t
+    ints[0], ints[1], ints[2], ints[3], ints[4] = n_events, now_head, now_tail, counter, n_busy
+    return paused
+
+
+@njit(cache=True)
+def _reaches(kind, what, k, stop, chain_seg, onr_ptr, world):
+    """Whether event (``kind``, ``what``, ``k``) touches an instance from ``stop`` on:
+    one of them, or a rank entering instance ``k`` with nothing of its own until
+    ``stop`` (it passes straight through to there)."""
+    if k >= stop:
+        return True
+    if kind != ENTER:
+        return False
+    while k < stop:
+        j = chain_seg[k] * world + what
+        if onr_ptr[j + 1] > onr_ptr[j]:
+            return False
+        k += 1
+    return True
+
+
+@njit(cache=True)
+def _carry(dst, src, stop, record):
+    """Put the replay ``src``, paused before instance ``stop`` (``_run``), into the
+    fresh state ``dst`` of a chain with the same first ``stop`` instances: their
+    ops and batches are numbered alike in both."""
+    ops, bats = src[0][stop], src[1][stop]          # instance ops and batches before ``stop``
+    dst[2][:ops] = src[2][:ops]                     # waiting, released, posted ends
+    dst[3][:ops] = src[3][:ops]
+    dst[4][:ops] = src[4][:ops]
+    if record:                                      # op starts and ends
+        dst[5][:ops] = src[5][:ops]
+        dst[6][:ops] = src[6][:ops]
+    dst[7][:bats] = src[7][:bats]                   # need, unstarted, last move (t, order, event)
+    dst[8][:bats] = src[8][:bats]
+    dst[9][:bats] = src[9][:bats]
+    dst[10][:bats] = src[10][:bats]
+    dst[11][:bats] = src[11][:bats]
+    dst[12][:stop] = src[12][:stop]                 # entered, left, remaining, created
+    dst[13][:stop] = src[13][:stop]
+    dst[14][:stop] = src[14][:stop]
+    dst[15][:stop] = src[15][:stop]
+    dst[16][:] = src[16]                            # lane cursors
+    dst[17][:] = src[17]
+    dst[18][:] = src[18]                            # compute lanes, finish, busy sums and their order
+    dst[19][:] = src[19]
+    dst[20][:] = src[20]
+    dst[21][:] = src[21]
+    dst[22][:] = src[22]
+    heap, base, n = src[23], src[24], src[25]       # each rank's ready compute ops, at its base here
+    for r in range(len(n)):
+        dst[23][dst[24][r]:dst[24][r] + n[r]] = heap[base[r]:base[r] + n[r]]
+    dst[25][:] = n
+    dst[26][:] = src[26]                            # ports, the heap and its slots' events
+    dst[27][:] = src[27]
+    dst[28][:] = src[28]
+    dst[29][:] = src[29]
+    head, tail = src[33][1], src[33][2]             # the current instant's FIFO
+    dst[30][head:tail] = src[30][head:tail]
+    dst[31][head:tail] = src[31][head:tail]
+    dst[32][:] = src[32]                            # clock, counters
+    dst[33][:5] = src[33][:5]
+
+
+def run_chains(world, chains, segments, record):
+    """Replay each chain of ``chains`` (arrays of segment ids) from time 0;
+    ``segments``: the static arrays (``_start``'s arguments after the chain).
+
+    Chains that begin with the same instances replay them once: every event
+    before the first that touches an instance where the chains differ is the
+    same in all of them, so the first chain runs to that event, the others
+    start from where it stands, and all run on from there.
+
+    Returns, per chain: (finish per rank, busy seconds [rank, tier], first-use
+    order of each busy entry, entered [instance, rank], left [instance, rank],
+    op start and end per instance op (if ``record``, else empty), instance
+    base offsets, ops still unfinished per [instance, rank], whether each
+    instance was entered)."""
+    first = chains[0]
+    shared = min((_common(first, chain) for chain in chains[1:]), default=0)
+    states = [_start(world, first, *segments, record)]
+    paused = shared > 0 and _run(states[0], world, first, *segments, record, shared)
+    for chain in chains[1:]:
+        state = _start(world, chain, *segments, record)
+        if paused:
+            _carry(state, states[0], shared, record)
+        states.append(state)
+    out = []
+    for chain, state in zip(chains, states):
+        _run(state, world, chain, *segments, record, 0)
+        (inst_base, _, _, _, _, op_start, op_end, _, _, _, _, _, entered, left, remaining, created, _, _, _, _,
+         finish, busy, busy_order, *_) = state
+        out.append((finish, busy, busy_order, entered, left, op_start, op_end, inst_base, remaining, created))
+    return out
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading entries ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n

@@ -52,8 +52,8 @@ from typing import Sequence
 import numpy as np
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
-from megatron_zeppelin.schedule.ops import COMM, TIERS, Schedule
-from megatron_zeppelin.sim.event_loop import run_chain
+from megatron_zeppelin.schedule.ops import TIERS, Schedule
+from megatron_zeppelin.sim.event_loop import run_chains
 
 
 @dataclass
@@ -87,42 +87,37 @@ class CompiledSegment:
     def __init__(self, schedule: Schedule, cost: CostModel, name: str = "") -> None:
         world = schedule.world_size
         topo = cost.cluster.topology
+        cols = schedule.arrays()
         self.name = name
         self.n = n = len(schedule)
-        self.is_comm = np.fromiter((kind == COMM for kind in schedule.column("kind")), np.bool_, n)
-        self.rank = np.fromiter(schedule.column("rank"), np.int64, n)
-        self.peer = np.fromiter(schedule.column("peer"), np.int64, n)
-        tier_index = {tier: i for i, tier in enumerate(TIERS)}
-        self.tier = np.fromiter(map(tier_index.__getitem__, schedule.column("tier")), np.int64, n)
-        self.ndeps, dep = schedule.dependency_arrays()
+        self.is_comm, self.rank, self.peer, self.ndeps = cols.is_comm, cols.rank, cols.peer, cols.ndeps
+        dep = cols.dep
         # Who depends on each op, in op order (the order the replay releases them).
         user = np.repeat(np.arange(n, dtype=np.int64), self.ndeps)
         by_dep = np.argsort(dep, kind="stable")
         self.users_idx = user[by_dep]
         self.users_ptr = _offsets(dep, n)
+        # Which ends of a transfer have a dependant on their rank (bit 0: its
+        # sender, bit 1: its receiver): only those release anything when it lands.
+        needed = dep[by_dep]
+        self.lands = np.zeros(n, np.int64)
+        np.bitwise_or.at(self.lands, needed, np.where(self.rank[self.users_idx] == self.rank[needed], 1, 0)
+                         | np.where(self.rank[self.users_idx] == self.peer[needed], 2, 0))
         ids = np.arange(n, dtype=np.int64)
         compute = ids[~self.is_comm]
         comm = ids[self.is_comm]
-        self.seconds = np.zeros(n)
+        self.tier = cols.tier                      # a compute op's: the replay sums busy time by it
         # Many compute ops share their fields (a ring's steps over equal shards,
         # equal linear shares): each distinct set of fields is priced once.
-        at = compute.tolist()
-        fields = zip(*(schedule.column(f, at) for f in ("tier", "backward", "tokens", "pairs", "block", "lengths")))
-        priced: dict[tuple, float] = {}
-        seconds = []
-        for key in fields:
-            if (s := priced.get(key)) is None:
-                s = priced[key] = compute_seconds(*key, cost)
-            seconds.append(s)
-        self.seconds[compute] = seconds
+        priced = np.array([compute_seconds(*key, cost) for key in cols.works] + [0.0])
+        self.seconds = priced[cols.work]           # a transfer's (-1: the 0.0) is set below
         # A transfer holds NVLink inside a node, else a NIC: the one the op names
         # (a routed leg), or its sender's.  Durations and ports for all at once.
         gpn, nics = topo.gpus_per_node, topo.nics_per_node
         affinity = np.array(topo.nic_affinity, np.int64)
         src, dst = self.rank[comm], self.peer[comm]
-        at = comm.tolist()
-        named = np.fromiter((-1 if x is None else x for x in schedule.column("nic", at)), np.int64, len(comm))
-        nbytes = np.fromiter(schedule.column("nbytes", at), np.float64, len(comm))
+        named = cols.nic[comm]                                            # -1: no NIC named
+        nbytes = cols.nbytes[comm].astype(np.float64)
         inside = src // gpn == dst // gpn
         nvlink = inside & (named < 0)
         self.seconds[comm] = np.where(nvlink, cost.cluster.nvlink.transfer_s(nbytes),
@@ -145,22 +140,24 @@ class CompiledSegment:
         # one wave, posted together and done together.  Batches are numbered
         # by (rank, lane, wave), so a (rank, lane)'s batches are consecutive.
         link = (named >= 0).astype(np.int64)           # ``schedule.ops.lane_of``: a NIC named
-        wave = np.asarray(schedule.waves(), np.int64)[comm]
+        wave = cols.wave[comm]
         side_rank = np.concatenate([src, dst])
         side_lane = np.concatenate([link, link])
         side_wave = np.concatenate([wave, wave])
         side_op = np.concatenate([comm, comm])
         side_sends = np.concatenate([np.ones(len(comm), np.int64), np.zeros(len(comm), np.int64)])
-        order = np.lexsort((side_op, side_wave, side_lane, side_rank))
-        key = np.stack([side_rank, side_lane, side_wave])[:, order]
+        waves = int(wave.max(initial=0)) + 1
+        key = (side_rank * 2 + side_lane) * waves + side_wave        # (rank, lane, wave), then op: unique
+        order = np.argsort(key * n + side_op)
+        key = key[order]
         first = np.ones(len(order), np.bool_)
-        first[1:] = (key[:, 1:] != key[:, :-1]).any(axis=0)
+        first[1:] = key[1:] != key[:-1]
         batch_of = np.cumsum(first) - 1                     # each sorted side's batch
         self.n_batches = nb = int(first.sum())
         self.bat_idx = side_op[order]
         self.bat_ptr = np.concatenate([np.flatnonzero(first), [len(order)]]).astype(np.int64)
         self.bat_need = np.bincount(batch_of, weights=side_sends[order], minlength=nb).astype(np.int64)
-        self.rl_ptr = _offsets(key[0, first] * 2 + key[1, first], 2 * world)
+        self.rl_ptr = _offsets(key[first] // waves, 2 * world)
         side_batch = np.empty(len(order), np.int64)
         side_batch[order] = batch_of
         self.op_lane = np.zeros(n, np.int64)
@@ -173,7 +170,7 @@ class CompiledSegment:
         who = np.concatenate([crank, src, dst])
         lane = np.concatenate([np.zeros(len(compute), np.int64), np.ones(2 * len(comm), np.int64)])
         what = np.concatenate([compute, comm, comm])
-        order = np.lexsort((what, lane, who))
+        order = np.argsort((who * 2 + lane) * n + what)            # unique: a transfer's ends differ
         self.onr_idx = what[order]
         self.onr_ptr = _offsets(who, world)
         self.lane_width = int(np.bincount(crank, minlength=1).max()) if len(compute) else 1
@@ -203,49 +200,70 @@ class ChainReplay:
         return max(self.finish_s, default=0.0)
 
 
-def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool = False) -> ChainReplay:
-    """Replay ``chain`` from time 0 (every rank enters segment 0 at once)."""
-    distinct: dict[int, int] = {}
-    segs: list[CompiledSegment] = []
-    for seg in chain:
-        if id(seg) not in distinct:
-            distinct[id(seg)] = len(segs)
-            segs.append(seg)
-    chain_seg = np.array([distinct[id(seg)] for seg in chain], np.int64)
-    sizes = [seg.n for seg in segs]
-    seg_base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+class SegmentSet:
+    """Distinct segments laid end to end: the static arrays ``run_chains`` reads
+    (op ``i`` of segment ``s`` at ``seg_base[s] + i``), built once for every
+    chain of them (``replay_step`` replays two)."""
 
-    def joined(field: str) -> np.ndarray:
-        return np.concatenate([getattr(seg, field) for seg in segs])
+    def __init__(self, segs: Sequence[CompiledSegment]) -> None:
+        self.index = {id(seg): s for s, seg in enumerate(segs)}
+        seg_base = np.concatenate([[0], np.cumsum([seg.n for seg in segs])]).astype(np.int64)
 
-    def csr(ptr: str, size) -> np.ndarray:
-        """Segments' CSR offsets joined: each shifted by the ``size`` of the ones before."""
-        ptrs, shift = [np.zeros(1, np.int64)], 0
-        for seg in segs:
-            ptrs.append(getattr(seg, ptr)[1:] + shift)
-            shift += size(seg)
-        return np.concatenate(ptrs)
+        def joined(field: str) -> np.ndarray:
+            return np.concatenate([getattr(seg, field) for seg in segs])
 
-    def rows(idx: str) -> tuple[np.ndarray, np.ndarray]:
-        return csr(f"{idx[:-4]}_ptr", lambda seg: len(getattr(seg, idx))), joined(idx)
+        def csr(ptr: str, size) -> np.ndarray:
+            """Segments' CSR offsets joined: each shifted by the ``size`` of the ones before."""
+            ptrs, shift = [np.zeros(1, np.int64)], 0
+            for seg in segs:
+                ptrs.append(getattr(seg, ptr)[1:] + shift)
+                shift += size(seg)
+            return np.concatenate(ptrs)
 
-    # Batch ids made global over the distinct segments (``bat_base[s]`` is segment s's first).
-    bat_base = np.concatenate([[0], np.cumsum([seg.n_batches for seg in segs])]).astype(np.int64)
+        def rows(idx: str) -> tuple[np.ndarray, np.ndarray]:
+            return csr(f"{idx[:-4]}_ptr", lambda seg: len(getattr(seg, idx))), joined(idx)
 
-    def batch_ids(field: str) -> np.ndarray:
-        return np.concatenate([np.where(getattr(seg, field) >= 0, getattr(seg, field) + bat_base[s], -1)
-                               for s, seg in enumerate(segs)])
+        # Batch ids made global over the distinct segments (``bat_base[s]`` is segment s's first).
+        bat_base = np.concatenate([[0], np.cumsum([seg.n_batches for seg in segs])]).astype(np.int64)
 
-    users_ptr, users_idx = rows("users_idx")
-    onr_ptr, onr_idx = rows("onr_idx")
-    bat_ptr, bat_idx = rows("bat_idx")
-    rl_ptr = csr("rl_ptr", lambda seg: seg.n_batches)
-    finish, busy, order, entered, left, start, end, base, remaining, created = run_chain(
-        world, chain_seg, seg_base, joined("is_comm"), joined("rank"), joined("peer"), joined("tier"),
-        joined("seconds"), joined("ndeps"), users_ptr, users_idx, joined("port_out"), joined("port_in"),
-        joined("lane_pos"), max(seg.lane_width for seg in segs), onr_ptr, onr_idx, joined("op_lane"),
-        batch_ids("op_bsend"), batch_ids("op_brecv"), bat_base, bat_ptr, bat_idx, joined("bat_need"), rl_ptr,
-        len(TIERS), max(max(seg.n_ports for seg in segs), 1))
+        def batch_ids(field: str) -> np.ndarray:
+            return np.concatenate([np.where(getattr(seg, field) >= 0, getattr(seg, field) + bat_base[s], -1)
+                                   for s, seg in enumerate(segs)])
+
+        users_ptr, users_idx = rows("users_idx")
+        onr_ptr, onr_idx = rows("onr_idx")
+        bat_ptr, bat_idx = rows("bat_idx")
+        rl_ptr = csr("rl_ptr", lambda seg: seg.n_batches)
+        self.arrays = (
+            seg_base, joined("is_comm"), joined("rank"), joined("peer"), joined("tier"), joined("seconds"),
+            joined("ndeps"), users_ptr, users_idx, joined("port_out"), joined("port_in"), joined("lane_pos"),
+            max(seg.lane_width for seg in segs), onr_ptr, onr_idx, joined("op_lane"), joined("lands"),
+            batch_ids("op_bsend"), batch_ids("op_brecv"), bat_base, bat_ptr, bat_idx, joined("bat_need"), rl_ptr,
+            len(TIERS), max(max(seg.n_ports for seg in segs), 1))
+        """The static arrays ``run_chains`` reads, in ``event_loop._start``'s order."""
+
+
+def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool = False,
+                 segments: SegmentSet | None = None) -> ChainReplay:
+    """Replay ``chain`` from time 0 (every rank enters segment 0 at once);
+    ``segments``: its distinct segments, laid out already."""
+    return replay_chains([chain], world, record=record, segments=segments)[0]
+
+
+def replay_chains(chains: Sequence[Sequence[CompiledSegment]], world: int, *, record: bool = False,
+                  segments: SegmentSet | None = None) -> list[ChainReplay]:
+    """Replay each of ``chains`` from time 0, as :func:`replay_chain` does; the
+    instances they begin with alike are replayed once (``event_loop.run_chains``).
+    ``segments``: their distinct segments, laid out already."""
+    if segments is None:
+        segments = SegmentSet(list({id(seg): seg for chain in chains for seg in chain}.values()))
+    chain_segs = [np.array([segments.index[id(seg)] for seg in chain], np.int64) for chain in chains]
+    return [_chain_replay(len(chain), record, *out)
+            for chain, out in zip(chains, run_chains(world, chain_segs, segments.arrays, record))]
+
+
+def _chain_replay(n_inst: int, record: bool, finish, busy, order, entered, left, start, end, base, remaining,
+                  created) -> ChainReplay:
     stuck = [(k, r) for k, r in zip(*np.nonzero(remaining > 0)) if created[k]]
     if stuck or not created.all():
         raise RuntimeError(f"replay: segment/rank pairs {stuck[:6]} never finished")
@@ -256,7 +274,7 @@ def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool =
     if record:
         starts, ends = start.tolist(), end.tolist()
         timings = [[OpTiming(s, e) for s, e in zip(starts[base[k]:base[k + 1]], ends[base[k]:base[k + 1]])]
-                   for k in range(len(chain))]
+                   for k in range(n_inst)]
     return ChainReplay(finish.tolist(), busy_s, inside, timings)
 
 
@@ -308,19 +326,23 @@ def replay_step(parts: Sequence[tuple[str, Schedule, Schedule]], num_layers: int
     bwd = [CompiledSegment(b, cost, name) for name, _, b in parts]
     names = [name for name, _, _ in parts]
 
-    def run(layers: int) -> StepReplay:
-        chain = fwd * layers + list(reversed(bwd)) * layers
-        result = replay_chain(chain, world_size)
-        segment_s = {name: [0.0] * world_size for name in names}
-        for seg, inside in zip(chain, result.inside_s):
-            for r, x in enumerate(inside):
-                segment_s[seg.name][r] += x
-        return StepReplay(result.step_s, result.finish_s, result.busy_s, segment_s)
+    segments = SegmentSet(fwd + bwd)
+
+    def run(*depths: int) -> list[StepReplay]:
+        chains = [fwd * layers + list(reversed(bwd)) * layers for layers in depths]
+        out = []
+        for chain, result in zip(chains, replay_chains(chains, world_size, segments=segments)):
+            segment_s = {name: [0.0] * world_size for name in names}
+            for seg, inside in zip(chain, result.inside_s):
+                for r, x in enumerate(inside):
+                    segment_s[seg.name][r] += x
+            out.append(StepReplay(result.step_s, result.finish_s, result.busy_s, segment_s))
+        return out
 
     m = max(replayed_layers, 2)
     if exact or num_layers <= m:
-        return run(num_layers)
-    big, small = run(m), run(m - 1)
+        return run(num_layers)[0]
+    small, big = run(m - 1, m)        # their first m - 1 forward layers replay once
     extra = num_layers - m
 
     def grow(a: float, b: float) -> float:

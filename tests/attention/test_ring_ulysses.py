@@ -20,14 +20,14 @@ HQ, HK, D = 8, 4, 4
 world = world_fixture(8)
 
 
-def run_plan(rank, plan, topo, seed, dtype=torch.float32):
+def run_plan(rank, plan, topo, seed, dtype=torch.float32, backend="torch"):
     """This rank's (out, dq, dk, dv, expected..., counters) for ``plan`` on the world."""
     seqs = random_sequences(plan, HQ, HK, D, dtype, seed)
     q, k, v, dout = (shard_sequences(plan, rank, [s[i] for s in seqs]) for i in range(4))
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     comm = DirectCommunicator(None, topology=topo)
     counter = AttentionCounter()
-    out = plan_attention(q, k, v, plan=plan, rank=rank, comm=comm, backend="torch", counter=counter)
+    out = plan_attention(q, k, v, plan=plan, rank=rank, comm=comm, backend=backend, counter=counter)
     fwd_bytes = (comm.counters.intra_node, dict(comm.counters.inter_node_per_nic))
     comm.counters.reset()
     out.backward(dout)

@@ -4,13 +4,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.planner import plan_arrays
 from megatron_zeppelin.planner.baseline_candidates import baseline_candidates, baseline_drafts
 from megatron_zeppelin.planner.fastest import Floor, first_least, surrogate_cost
 from megatron_zeppelin.planner.surrogate import StepSurrogate, layout_floor, step_floor, surrogate_clock
@@ -55,8 +55,15 @@ def test_the_decision_picks_the_exhaustive_pick_pricing_fewer_plans(monkeypatch)
         for draft, routed in baseline_drafts(case.lens, ctx):
             plan = draft.candidate(routed)
             assert (layout_floor(ctx.cost, draft.arrays(), draft.tokens_per_rank())
-                    == Floor(surrogate.step_s).of_layout(draft.arrays) == step_floor(ctx.cost, plan))
+                    == Floor(surrogate.step_s).of_layout(draft) == step_floor(ctx.cost, plan))
             assert surrogate.layout_step_s(draft.arrays(), plan.world_size, routed) == surrogate.step_s(plan)
+        # So does a packing pass's (its plan priced unbuilt only without the remap).
+        for option in candidate_contexts(ctx):
+            for draft in ZeppelinPlanner().pass_drafts(case.lens, option):
+                plan = draft.plan()
+                assert Floor(surrogate.step_s).of_layout(draft) == step_floor(ctx.cost, plan)
+                assert draft.remap or surrogate.layout_step_s(draft.arrays(), plan.world_size, True) \
+                    == surrogate.step_s(plan)
         exhaustive = min(plans, key=surrogate.step_s)
         with monkeypatch.context() as m:
             m.setattr(StepSurrogate, "layout_step_s", counted)
@@ -67,7 +74,6 @@ def test_the_decision_picks_the_exhaustive_pick_pricing_fewer_plans(monkeypatch)
         # min() over the candidates priced every pass of every context, then every candidate.
         every = sum(len(ZeppelinPlanner().pass_plans(case.lens, o)) for o in candidate_contexts(ctx))
         assert 0 < len(calls) < every + len(baseline_candidates(case.lens, ctx))
-        assert len(plan_arrays._RECENT) <= plan_arrays._RECENT_MAX     # the arrays kept stay few
 
 
 def test_the_surrogate_clock_has_a_floor_and_other_step_models_none():
@@ -75,6 +81,24 @@ def test_the_surrogate_clock_has_a_floor_and_other_step_models_none():
     assert surrogate_cost(surrogate_clock(cost)) == cost
     assert surrogate_cost(lambda plan: 0.0) is None
     assert Floor(lambda plan: 0.0).of_plan(None) == -math.inf
+
+
+def test_a_floor_keeps_a_packed_copy_apart_from_its_unpacked_twin():
+    """Static CP's packed copy shares its twin's placements, not its arrays: the
+    Floor bounds and prices each as its own, whichever it reads first (a packed
+    ring's larger kernels lower the bound)."""
+    case = latency_case(16, 5)
+    ctx = case.context()
+    surrogate = StepSurrogate(ctx.cost)
+    packed = [d.candidate(routed) for d, routed in baseline_drafts(case.lens, ctx) if d.unpacked is not None]
+    assert packed
+    floor = Floor(surrogate.step_s)
+    for plan in packed:
+        twin = dataclasses.replace(plan, packed_rings=())
+        for p in (plan, twin, plan):
+            assert floor.of_plan(p) == step_floor(ctx.cost, p)
+            assert floor.price(surrogate.step_s, p) == surrogate.step_s(p)
+        assert floor.of_plan(plan) < floor.of_plan(twin)
 
 
 def test_the_floor_is_below_the_surrogate_on_random_batches():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import threading
 import time
 
 import numpy as np
@@ -19,6 +21,7 @@ from megatron_zeppelin.planner.surrogate import StepSurrogate, surrogate_clock
 from megatron_zeppelin.planner.zeppelin_decide import DecidingZeppelinPlanner
 from megatron_zeppelin.plan.shards import zigzag_shard_tokens
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner, min_ring_size
+from megatron_zeppelin.planner.zeppelin.planner import gc_paused
 from megatron_zeppelin.sim.timeline import step_shape, step_timeline
 from megatron_zeppelin.topology import Topology, load_cluster
 from tests.planner.placement_oracle import as_plan, find_placement
@@ -284,7 +287,7 @@ def test_the_passes_plans_are_compared_by_the_surrogate():
     order = np.argsort(-arr, kind="stable")
     heavy, light_seqs = order[~light[order]].tolist(), order[light[order]]
     budget = max(1, zeppelin.PASS_BUDGET // max(len(heavy), 1))
-    plans = [zeppelin._built("zeppelin", tuple(lens), r.assign, r.remap, ctx)
+    plans = [zeppelin._built("zeppelin", tuple(lens), zeppelin._layout(r.assign), r.remap, ctx)
              for r in (zeppelin._one_pass(packer, heavy, light_seqs, float(local_s[light].sum()), mean_s, p)
                        for p in zeppelin.PASSES if p.remap)][:budget]
     assert len(plans) > 1
@@ -492,3 +495,27 @@ def test_the_placement_oracle_tells_full_batches_with_and_without_a_placement():
     lens, nodes, gpn, cap, _ = FULL_16_RANKS
     found = as_plan(lens, cap, nodes * gpn, gpn, find_placement(lens, cap, nodes * gpn, _ulysses_sizes(ctx)))
     assert max(found.validate().attention_tokens_per_rank()) <= cap
+
+
+def test_the_collector_pauses_on_the_main_thread_only_and_is_left_as_found():
+    """The collector is the interpreter's: a plan built on the trainer's
+    planning thread must not stop it for the training thread, nor re-enable one
+    the training thread disabled (Megatron's --manual-gc)."""
+    seen = []
+
+    def build():
+        with gc_paused():
+            seen.append(gc.isenabled())
+
+    assert gc.isenabled()
+    build()
+    planner_thread = threading.Thread(target=build)
+    planner_thread.start()
+    planner_thread.join()
+    gc.disable()
+    try:
+        build()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert seen == [False, True, False] and gc.isenabled()

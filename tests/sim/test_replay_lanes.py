@@ -1,8 +1,10 @@
 """The replay's communication lanes are the engine's (``comm/lanes.py`` on NCCL):
 per rank one lane per link class, posting a wave's transfers as one batch once
 every send of it has its data; a batch's received bytes land when the whole
-batch is done, and the lane's next batch waits for it.  Hand-built schedules on
-two nodes of two GPUs (ranks 0, 1 on node 0; 2, 3 on node 1)."""
+batch is done, and the lane's next batch waits for it; a port carries its
+transfers back to back, as NCCL's grouped sends and receives share it.
+Hand-built schedules on two nodes of two GPUs (ranks 0, 1 on node 0; 2, 3 on
+node 1), the all-to-alls on two nodes of four."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.plan.shards import zigzag_shard_tokens
+from megatron_zeppelin.plan.shards import contiguous_shard_tokens, zigzag_shard_tokens
 from megatron_zeppelin.planner.zeppelin.loads import _Assign, _Loads, _TierTimes, min_ring_size
 from megatron_zeppelin.planner.zeppelin.search import _first_fit, _lower, _Ranked
 from megatron_zeppelin.planner.zeppelin.settings import _Pass
@@ -16,7 +16,7 @@ from megatron_zeppelin.planner.zeppelin.settings import _Pass
 class _Packer:
     """Places sequences on ranks, updating :class:`_Loads` (one packing pass)."""
 
-    def __init__(self, lens: np.ndarray, ctx: PlanContext, times: _TierTimes) -> None:
+    def __init__(self, lens: np.ndarray, ctx: PlanContext, times: _TierTimes, memo_of: "_Packer | None" = None) -> None:
         topo = ctx.topology
         self.lens, self.times = lens, times
         self.w, self.g, self.nodes = topo.world_size, topo.gpus_per_node, topo.nodes
@@ -35,8 +35,12 @@ class _Packer:
         cost = times.cost
         self.linear_per_token = cost.linear_s(1.0)
         """Linear-module seconds per token (``CostModel.linear_s`` is linear in tokens)."""
-        self._shards: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
-        self._k_lo: dict[int, int] = {}
+        # Shard sizes by (length, ring size; minus the group size: Ulysses) and
+        # least ring sizes by length depend on the lengths and the cap alone:
+        # ``memo_of``, a packer of the same batch and cap, shares its own.
+        same = memo_of is not None and memo_of.cap == self.cap
+        self._shards: dict[tuple[int, int], tuple[np.ndarray, int]] = memo_of._shards if same else {}
+        self._k_lo: dict[int, int] = memo_of._k_lo if same else {}
 
     # ----------------------------------------------------------- cost view
     def _is_inter(self, ranks: tuple[int, ...]) -> bool:
@@ -47,13 +51,15 @@ class _Packer:
         total, compute = self.times.get(length, k, k > self.g)
         return total if k > 1 else compute
 
-    def _shard_tokens(self, length: int, k: int) -> tuple[np.ndarray, int]:
-        """Memoised :func:`zigzag_shard_tokens` and its largest shard (every pass
-        asks for the same ones)."""
-        hit = self._shards.get((length, k))
+    def _shard_tokens(self, length: int, k: int, ulysses: bool = False) -> tuple[np.ndarray, int]:
+        """Memoised :func:`zigzag_shard_tokens` (``ulysses``: a group's
+        :func:`contiguous_shard_tokens`) and its largest shard (every pass asks
+        for the same ones)."""
+        key = (length, -k if ulysses else k)
+        hit = self._shards.get(key)
         if hit is None:
-            sizes = zigzag_shard_tokens(length, k)
-            hit = self._shards[(length, k)] = (sizes, int(sizes.max()))
+            sizes = (contiguous_shard_tokens if ulysses else zigzag_shard_tokens)(length, k)
+            hit = self._shards[key] = (sizes, int(sizes.max()))
         return hit
 
     def _largest_shard(self, length: int, k: int) -> int:
@@ -70,8 +76,7 @@ class _Packer:
         length = int(self.lens[seq])
         if ulysses:
             d = len(ranks)
-            shards = np.diff((np.arange(d + 1, dtype=np.int64) * length) // d)
-            return loads.add(ranks, 0.0, 0.0, shards,
+            return loads.add(ranks, 0.0, 0.0, self._shard_tokens(length, d, ulysses=True)[0],
                              self.times.ulysses(length, d, self._is_inter(ranks)))
         total, compute = self.times.get(length, len(ranks), self._is_inter(ranks))
         shards = self._shard_tokens(length, len(ranks))[0] if len(ranks) > 1 else length

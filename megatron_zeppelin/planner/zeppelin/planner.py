@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import gc
+import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.plan import Mode, Plan, SeqPlacement, placement
+from megatron_zeppelin.plan import Mode, Plan
 from megatron_zeppelin.planner.base import PlanContext, same_layout_linear
 from megatron_zeppelin.planner.fastest import fastest
-from megatron_zeppelin.planner.linear_layout import balance_linear
+from megatron_zeppelin.planner.linear_layout import balance_linear, linear_targets
+from megatron_zeppelin.planner.plan_arrays import MODE_CODE, PlanArrays, Placements, layout_arrays
 from megatron_zeppelin.planner.surrogate import StepSurrogate
 from megatron_zeppelin.planner.zeppelin.exact import exact_fill
 from megatron_zeppelin.planner.zeppelin.loads import _Assign, _Loads, _TierTimes, min_ring_size
@@ -27,39 +31,50 @@ class ZeppelinPlanner:
     name = "zeppelin"
 
     def __init__(self) -> None:
-        #: The last batch's plans by assignment: the decision plans a batch under
-        #: several contexts (remap on and off, routed and direct crossings), and
-        #: the routed and direct ones mostly place it alike (every batch of
-        #: ``benchmarks/planner_latency.py`` at 64 GPUs): each plan is built once.
-        self._built: tuple[tuple, dict[tuple, Plan]] = ((), {})
-        #: The last batch's passes that asked nothing across nodes, by what they ran under (see _pass_plans).
+        #: The last batch's passes' drafts by assignment: the decision plans a
+        #: batch under several contexts (remap on and off, routed and direct
+        #: crossings), and the routed and direct ones mostly place it alike
+        #: (every batch of ``benchmarks/planner_latency.py`` at 64 GPUs): each
+        #: plan is laid out, and built, once.
+        self._drafts: tuple[tuple, dict[tuple, PassDraft]] = ((), {})
+        #: The last batch's passes that asked nothing across nodes, by what they ran under (see _pass_drafts).
         self._within_nodes: tuple[tuple[int, ...], dict[tuple, list[_Result]]] = ((), {})
+        #: The last batch's packers by what they pack under: the decision's
+        #: contexts with and without the remap share one, and its memos of
+        #: tier times and shard sizes.
+        self._packers: tuple[tuple[int, ...], dict[tuple, _Packer]] = ((), {})
 
     def plan(self, seq_lens: Sequence[int], ctx: PlanContext) -> Plan:
         # The passes' plans compared by the project's clock (the replay's step,
         # through its certified surrogate): ties keep the first pass.
         with gc_paused():
-            plans = self._pass_plans(seq_lens, ctx)
+            plans = [d.plan() for d in self._pass_drafts(seq_lens, ctx)]
             return plans[0] if len(plans) == 1 else fastest(plans, StepSurrogate(ctx.cost).step_s)
 
     def pass_plans(self, seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
         """The plans of the packing passes the batch allows, in pass order (the
         last resort's alone when every pass stranded a sequence): :meth:`plan`
-        keeps the one of least surrogate step, the per-batch decision compares
-        them with its other candidates."""
+        keeps the one of least surrogate step."""
+        return [d.plan() for d in self.pass_drafts(seq_lens, ctx)]
+
+    def pass_drafts(self, seq_lens: Sequence[int], ctx: PlanContext) -> list[PassDraft]:
+        """:meth:`pass_plans` before they are built: the per-batch decision
+        bounds each by its layout and builds only those it prices."""
         # A plan allocates tens of thousands of small objects (placements,
         # spans) and none of them forms a cycle: the cyclic collector's passes
-        # over the whole heap would be pure overhead (~20 % at 1024 GPUs).
+        # over the whole heap would be pure overhead (on the main thread; see
+        # gc_paused for why not elsewhere).
         with gc_paused():
-            return self._pass_plans(seq_lens, ctx)
+            return self._pass_drafts(seq_lens, ctx)
 
-    def _pass_plans(self, seq_lens: Sequence[int], ctx: PlanContext) -> list[Plan]:
+    def _pass_drafts(self, seq_lens: Sequence[int], ctx: PlanContext) -> list[PassDraft]:
         topo = ctx.topology
         w, g, cap = topo.world_size, topo.gpus_per_node, ctx.tokens_per_gpu
         lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
         check_feasible(lens, w, cap)
-        times = _TierTimes(ctx.cost, g, topo.nodes)
-        packer = _Packer(lens, ctx, times)
+        lens_t = tuple(lens.tolist())
+        packer = self._packer(lens_t, lens, ctx)
+        times = packer.times
         order = np.argsort(-lens, kind="stable")
         local_s = packer.local_s
         mean_s = max(float(local_s.sum()) / w, 1e-12)
@@ -76,7 +91,6 @@ class ZeppelinPlanner:
         # a remap moves nothing).  Only then the last resort's token-only
         # packing: on a 99.95 %-full batch of 9 python-dirs sequences at 32 GPUs
         # it ran 3.5x slower than the one remap-off pass that held the batch.
-        lens_t = tuple(lens.tolist())
         # Costs that differ only in routing answer every question within a node
         # alike (NVLink, compute): passes that never asked about a crossing
         # run the same under either, so the decision's direct-crossings context
@@ -87,6 +101,7 @@ class ZeppelinPlanner:
             self._within_nodes = (lens_t, {})
         results = self._within_nodes[1].get(run)
         if results is None:
+            times.crossed = False
             budget = max(1, PASS_BUDGET // max(len(heavy), 1))
             results = []
             for layout in (ctx.remap_enabled, not ctx.remap_enabled):
@@ -100,32 +115,96 @@ class ZeppelinPlanner:
             if not times.crossed:
                 self._within_nodes[1][run] = results
         if not results:
-            return [self._plan_of(lens_t, _last_resort(packer, order), ctx.remap_enabled, ctx)]
-        return [self._plan_of(lens_t, r.assign, r.remap and ctx.remap_enabled, ctx) for r in results]
+            return [self._draft_of(lens_t, _last_resort(packer, order), ctx.remap_enabled, ctx)]
+        return [self._draft_of(lens_t, r.assign, r.remap and ctx.remap_enabled, ctx) for r in results]
 
-    def _plan_of(self, seq_lens: tuple[int, ...], out: _Assign, remap: bool, ctx: PlanContext) -> Plan:
-        """:func:`_built`, once per batch and assignment."""
+    def _packer(self, lens_t: tuple[int, ...], lens: np.ndarray, ctx: PlanContext) -> _Packer:
+        if self._packers[0] != lens_t:
+            self._packers = (lens_t, {})
+        key = (ctx.topology, ctx.tokens_per_gpu, ctx.local_heads, ctx.cost)
+        packer = self._packers[1].get(key)
+        if packer is None:
+            times = _TierTimes(ctx.cost, ctx.topology.gpus_per_node, ctx.topology.nodes)
+            other = next(iter(self._packers[1].values()), None)
+            packer = self._packers[1][key] = _Packer(lens, ctx, times, memo_of=other)
+        return packer
+
+    def _draft_of(self, seq_lens: tuple[int, ...], out: _Assign, remap: bool, ctx: PlanContext) -> PassDraft:
+        """The :class:`PassDraft` of an assignment, once per batch."""
         batch = (seq_lens, ctx.topology.world_size, ctx.topology.gpus_per_node, ctx.tokens_per_gpu)
-        if self._built[0] != batch:
-            self._built = (batch, {})
-        known = self._built[1]
+        if self._drafts[0] != batch:
+            self._drafts = (batch, {})
+        known = self._drafts[1]
         key = (out.local.tobytes(), tuple(sorted(out.groups.items())), remap)
-        plan = known.get(key)
-        if plan is None:
-            plan = known[key] = _built(self.name, seq_lens, out, remap, ctx)
-        return plan
+        draft = known.get(key)
+        if draft is None:
+            layout = _layout(out)
+            draft = known[key] = PassDraft(layout, seq_lens, ctx.topology.world_size, remap,
+                                           functools.partial(_built, self.name, seq_lens, layout, remap, ctx))
+        return draft
 
 
-def _built(name: str, seq_lens: tuple[int, ...], out: _Assign, remap: bool, ctx: PlanContext) -> Plan:
-    """The Plan of an assignment (its linear layout token-balanced when ``remap``)."""
+@dataclass
+class PassDraft:
+    """One packing pass's plan before it is built: its layout, what the per-batch
+    decision bounds it by (``planner/fastest.py``), and its build."""
+
+    layout: Placements
+    """Every sequence's placement, in sequence order."""
+    seq_lens: tuple[int, ...]
+    """The batch."""
+    world_size: int
+    """Ranks."""
+    remap: bool
+    """Whether the linear layout is token-balanced (else the attention layout)."""
+    build: Callable[[], Plan]
+    """Builds the Plan."""
+    built: dict[bool, Plan] = field(default_factory=dict, repr=False)
+    """The Plan as built (True) and as run direct (False), once asked for."""
+    read: PlanArrays | None = field(default=None, repr=False)
+    """The attention layout's arrays, once read."""
+
+    def plan(self, routed: bool = True) -> Plan:
+        """The Plan; ``routed=False``: a copy that runs every crossing direct."""
+        if routed not in self.built:
+            self.built[routed] = (self.build() if routed
+                                  else dataclasses.replace(self.plan(), routed=False))
+        return self.built[routed]
+
+    def arrays(self) -> PlanArrays:
+        """The arrays of the attention layout (``plan_arrays.layout_arrays`` of no linear layout)."""
+        if self.read is None:
+            self.read = layout_arrays(self.world_size, self.seq_lens, self.layout, None)
+        return self.read
+
+    def linear_tokens(self) -> np.ndarray:
+        """Every rank's tokens in the linear layout (balance_linear's targets with the remap)."""
+        held = self.arrays().linear_tokens
+        if not self.remap:
+            return held
+        return np.asarray(linear_targets(held.astype(np.int64), int(sum(self.seq_lens))), np.float64)
+
+
+def _layout(out: _Assign) -> Placements:
+    """An assignment's placements in sequence order, as columns (most sequences
+    are local: one vectorised row each)."""
+    local, split = out.local, sorted(out.groups.items())
+    size = np.ones(len(local), np.int64)
+    mode = np.zeros(len(local), np.int8)
+    for i, (ranks, ulysses) in split:
+        size[i], mode[i] = len(ranks), MODE_CODE[Mode.ULYSSES if ulysses else Mode.RING]
+    flat = np.repeat(local, size)
+    starts = np.cumsum(size) - size
+    for i, (ranks, _) in split:
+        flat[starts[i]:starts[i] + size[i]] = ranks
+    return Placements(np.arange(len(local)), mode, size, flat)
+
+
+def _built(name: str, seq_lens: tuple[int, ...], layout: Placements, remap: bool, ctx: PlanContext) -> Plan:
+    """The Plan of a pass's layout (its linear layout token-balanced when ``remap``)."""
     topo = ctx.topology
     w, g, cap = topo.world_size, topo.gpus_per_node, ctx.tokens_per_gpu
-    # Most sequences are local: build those directly, not via the shard builder.
-    local_mode, groups = Mode.LOCAL, out.groups
-    attention = tuple(
-        SeqPlacement(i, local_mode, (r,), (((0, n),),)) if r >= 0 else
-        placement(i, n, Mode.ULYSSES if groups[i][1] else Mode.RING, groups[i][0])
-        for i, (n, r) in enumerate(zip(seq_lens, out.local.tolist())))
+    attention = layout.build(seq_lens)
     lens = np.asarray(seq_lens, dtype=np.int64)
     return Plan(strategy=name, world_size=w, gpus_per_node=g, seq_lens=seq_lens, attention=attention,
                 linear=(balance_linear(attention, lens, w, g, cap) if remap
@@ -153,15 +232,24 @@ def _brief(lens: np.ndarray) -> str:
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector (reference counting still frees
-    everything); restore it only if it was on, so nested or concurrent callers
-    never leave it off."""
-    was_enabled = gc.isenabled()
+    everything) while a plan is built on the main thread; restore it only if it
+    was on, so nested callers never leave it off.
+
+    The collector is the interpreter's, not the thread's: a pause on the
+    trainer's planning thread (``integration/hooks.py``'s prefetch) would stop
+    it for the training thread too, and re-enabling it at the end would undo a
+    ``gc.disable()`` the training thread made meanwhile (Megatron's
+    ``--manual-gc``).  So off the main thread the collector keeps running: the
+    plan costs more CPU there (docs/planner.md measures it), off the training
+    loop's critical path."""
+    if not gc.isenabled() or threading.current_thread() is not threading.main_thread():
+        yield
+        return
     gc.disable()
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        gc.enable()
 
 
 @dataclass(frozen=True)

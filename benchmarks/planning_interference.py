@@ -1,0 +1,135 @@
+"""What planning one batch ahead on a thread costs the training loop's host work.
+
+The loader plans batch ``k + 1`` on a worker thread while step ``k`` trains
+(``prefetch.py``).  Planning is host Python, so it shares the interpreter lock
+with the thread that launches the step's kernels.  Every torch op releases the
+lock while it runs (on a GPU: while it launches), and taking it back waits for
+the planning thread to give it up, at most the interpreter's switch interval
+(5 ms by default).  This measures that: the main thread runs a launch-bound
+loop (``--ops`` small torch ops, a stand-in for a step's kernel launches) while
+the worker thread plans the benchmark's batches back to back (the worst case:
+planning takes a fraction of each real step), with the interpreter's default
+switch interval and with the interval the prefetcher uses while it plans.
+
+    python benchmarks/planning_interference.py --gpus 64,1024
+
+Rounds interleave the cases, and each case's figure is the median over rounds,
+so load from other jobs on the machine spreads over all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks import each other by name
+from planner_latency import batch, context  # noqa: E402
+
+from megatron_zeppelin.cost import CostModel  # noqa: E402
+from megatron_zeppelin.errors import exit_on_user_error  # noqa: E402
+from megatron_zeppelin.model_config import load_model  # noqa: E402
+from megatron_zeppelin.planner.base import get_planner  # noqa: E402
+from megatron_zeppelin.prefetch import PLANNING_SWITCH_INTERVAL_S, planning_switch_interval  # noqa: E402
+from megatron_zeppelin.sampler.batch_sampler import PieceTable  # noqa: E402
+from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths  # noqa: E402
+from megatron_zeppelin.topology import load_cluster  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def host_loop(ops: int, x: torch.Tensor) -> float:
+    """Seconds the main thread takes for ``ops`` small torch ops."""
+    t0 = time.perf_counter()
+    for _ in range(ops):
+        x = x + 1
+    return time.perf_counter() - t0
+
+
+def with_planning(plan_once, loop, shorter_switch: bool) -> float:
+    """``loop()``'s seconds while a worker thread plans back to back."""
+    stop = threading.Event()
+
+    def planning() -> None:
+        while not stop.is_set():
+            if shorter_switch:
+                with planning_switch_interval():
+                    plan_once()
+            else:
+                plan_once()
+
+    worker = threading.Thread(target=planning, daemon=True)
+    worker.start()
+    time.sleep(0.02)            # the worker is planning when the loop starts
+    try:
+        return loop()
+    finally:
+        stop.set()
+        worker.join()
+
+
+def run(args: argparse.Namespace) -> str:
+    cluster = load_cluster(args.cluster)
+    model = load_model(args.model)
+    pieces = PieceTable.from_lengths(load_lengths(resolve_lengths(args.lengths)), args.max_seq_len).lengths
+    x = torch.zeros(64, 64)
+    loop = lambda: host_loop(args.ops, x)  # noqa: E731
+    rows = []
+    for world in args.gpus:
+        cost = CostModel(cluster.with_nodes(max(world // cluster.topology.gpus_per_node, 1)), model)
+        lens = batch(pieces, world, np.random.default_rng(args.seed))
+        cap = max(int(1.05 * sum(lens) / world), -(-args.max_seq_len // world))
+        ctx = context(argparse.Namespace(decide=True), cost, cap)
+        planner = get_planner("zeppelin")
+        plan_once = lambda: planner.plan(lens, ctx)  # noqa: E731
+        plan_once()                                  # compiled loops loaded, caches warm
+        t0 = time.process_time()
+        plan_once()
+        plan_ms = (time.process_time() - t0) * 1e3
+        cases: dict[str, list[float]] = {"alone": [], "default": [], "shorter": []}
+        for r in range(args.rounds):
+            cases["alone"].append(loop())
+            cases["default"].append(with_planning(plan_once, loop, shorter_switch=False))
+            cases["shorter"].append(with_planning(plan_once, loop, shorter_switch=True))
+            print(f"  {world} GPUs, round {r + 1}/{args.rounds}: "
+                  + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in cases.items()), file=sys.stderr)
+        alone, default, shorter = (statistics.median(cases[k]) * 1e3 for k in ("alone", "default", "shorter"))
+        rows.append(f"| {world} | {plan_ms:.0f} | {alone:.1f} | {default:.1f} ({default / alone:.1f}x) "
+                    f"| {shorter:.1f} ({shorter / alone:.1f}x) |")
+    command = "python benchmarks/planning_interference.py " + shlex.join(sys.argv[1:])
+    head = ("| GPUs | one decision, CPU ms | host loop alone, ms | while planning, default switch interval "
+            f"(5 ms) | while planning, {PLANNING_SWITCH_INTERVAL_S * 1e3:g} ms switch interval (the prefetcher's) |")
+    return (f"# Planning on a thread: what it costs the host loop\n\nCommand: `{command.strip()}`\n\n"
+            f"{args.model} on {cluster.name}, Zeppelin's planner with its decision (as `pretrain_gpt.py "
+            f"--zeppelin`), the batch of `benchmarks/planner_latency.py`; the host loop is {args.ops} torch ops "
+            f"on a 64x64 tensor (each releases the interpreter lock while it runs, as a kernel launch does); "
+            f"median of {args.rounds} interleaved rounds, wall-clock on a shared 2-core box.\n\n"
+            f"{head}\n| --- | --- | --- | --- | --- |\n" + "\n".join(rows) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpus", type=lambda s: [int(v) for v in s.split(",")], default=[64, 1024])
+    p.add_argument("--cluster", default="h100-8x400g")
+    p.add_argument("--model", default="llama-7b")
+    p.add_argument("--lengths", default="synthetic-longtail")
+    p.add_argument("--max-seq-len", type=int, default=524288)
+    p.add_argument("--ops", type=int, default=5000, help="torch ops in the host loop")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "planning_interference.md")
+    args = p.parse_args()
+    report = exit_on_user_error(lambda: run(args))
+    print(report)
+    args.out.write_text(report, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
