@@ -149,10 +149,11 @@ def _inter_link(cost: CostModel, rank: int) -> tuple[int, int]:
 
 def step_shape(cost: CostModel, remap: bool) -> StepShape:
     """The step shape of ``cost``'s model: heads and dtypes as the engine sends them
-    (K/V and outputs in the model dtype, dK/dV in fp32)."""
+    (K/V and outputs in the model dtype, dK/dV as ``cost.ring_grad_dtype`` says)."""
     m = cost.model
     return StepShape(num_layers=m.num_layers,
-                     attn=AttnShape(m.num_attention_heads, m.num_query_groups, m.head_dim, m.dtype_bytes, 4),
+                     attn=AttnShape(m.num_attention_heads, m.num_query_groups, m.head_dim, m.dtype_bytes,
+                                    cost.ring_grad_bytes),
                      hidden_size=m.hidden_size, remap=remap)
 
 

@@ -188,6 +188,7 @@ def _bad_inputs(tmp: Path, lengths_file: Path) -> dict[str, tuple[list[str], str
         "same-outputs": ([*ok, "--json", str(tmp / "r.png"), "--plot", str(tmp / "r.png")], "both write"),
         "micro-zero": ([*ok, "--micro-batches", "0"], "--micro-batches"),
         "micro-empty": ([*ok, "--tokens-per-batch", "16384", "--micro-batches", "200"], "empty"),
+        "ring-grad-dtype": ([*ok, "--ring-grad-dtype", "bf16"], "'model', 'fp32'"),
     }
 
 
@@ -195,7 +196,7 @@ def _bad_inputs(tmp: Path, lengths_file: Path) -> dict[str, tuple[list[str], str
                                   "model", "strategy", "cap", "nics", "steps", "fill", "plot-step", "flag",
                                   "not-a-number",
                                   "json-dir", "micro-zero", "micro-empty", "json-input", "one-token",
-                                  "same-outputs"])
+                                  "same-outputs", "ring-grad-dtype"])
 def test_bad_inputs_exit_2_with_one_line(case, lengths_file, tmp_path, capsys):
     """In-process for speed: any exception but SystemExit(2) fails the test."""
     args, fragment = _bad_inputs(tmp_path, lengths_file)[case]
