@@ -41,7 +41,8 @@ def check_rank(plan, topo, rank, got, expected, bytes_, counter, itemsize=4, tol
     for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
         torch.testing.assert_close(g, e.to(g.dtype), atol=tol, rtol=tol, msg=lambda m: f"rank {rank} {name}: {m}")
     for backward, (intra, inter) in enumerate(bytes_):
-        want = expected_bytes(plan, topo, rank, HQ, HK, D, itemsize, bool(backward))
+        # the default ring_grad_dtype (model): dK/dV travel in the K/V dtype
+        want = expected_bytes(plan, topo, rank, HQ, HK, D, itemsize, bool(backward), grad_itemsize=itemsize)
         assert (intra, {n: b for n, b in inter.items() if b}) == (want.intra_node, want.inter_node_per_nic)
     pairs = plan.attn_pairs_per_rank()[rank]
     assert (counter.forward_pairs, counter.backward_pairs) == (pairs, pairs)
@@ -78,7 +79,8 @@ def _bf16_case(rank, world_size, plan):
 
 
 def test_ring_bf16_inputs(world):
-    """bf16 in and out, fp32 accumulation: close to the fp32 reference at bf16 precision."""
+    """bf16 in and out, fp32 accumulation within a rank, dK/dV in bf16 between
+    ranks: close to the fp32 reference at bf16 precision."""
     plan = make_plan(8, 4, [24], [placement(0, 24, Mode.RING, [0, 1, 4, 5])])
     for rank, (got, expected, bytes_, counter) in enumerate(world.run(_bf16_case, plan)):
         assert got[0].dtype == torch.bfloat16
