@@ -5,7 +5,11 @@ llama-7b: Zeppelin with and without its decision, hybrid CP, and 78 CP=8 rings b
 unpacked).  For each, the best CPU time of:
 
 * ``loop``: ``replay_chain`` of one 4-layer chain (4 layers forward, then backward);
-* ``replay_step``: compile the step's segments, then replay the 4- and 3-layer chains;
+* ``replay_step``: compile the step's segments, then replay the 4- and 3-layer chains
+  (the same schedules each time: what a schedule keeps once read, such as its
+  columnar view, is not rebuilt);
+* ``fresh``: ``replay_step`` of schedules just built, untimed (what a simulator
+  run pays per replay: each schedule is replayed once);
 * ``step_timeline``: build the schedules too (``reuse=False``; not for the unpacked rings,
   which ``step_timeline`` would pack).
 
@@ -46,6 +50,14 @@ def best_cpu_ms(run, repeat: int) -> tuple[float, object]:
     return min(times), result
 
 
+def fresh_replay_ms(build, replay) -> float:
+    """CPU time of ``replay(build())``, in ms, the build untimed."""
+    parts = build()
+    c0 = time.process_time()
+    replay(parts)
+    return (time.process_time() - c0) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plans", default="", help="comma-separated plan names (default: all four)")
@@ -60,24 +72,30 @@ def main() -> None:
         print(f"replay_speed: no plan {', '.join(unknown)}; --plans takes {','.join(plans)}", file=sys.stderr)
         sys.exit(2)
     print(f"tree: {Path(megatron_zeppelin.__file__).parent.parent}")
-    print("| plan | ops in the chain | loop | replay_step | step_timeline | step (s) |\n| --- | --- | --- | --- | --- | --- |")
+    print("| plan | ops in the chain | loop | replay_step | fresh | step_timeline | step (s) |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
         case = plans[name]
         cost = CostModel(load_cluster(case["cluster"], nodes=case["nodes"]), load_model(case["model"]),
                          routing=case["routing"])
         plan = Plan.from_dict(case["plan"])
         world = plan.world_size
-        parts = step_parts(plan, cost, pack=plan.strategy in PACKED_STRATEGIES and name != UNPACKED)
+        parts_packed = plan.strategy in PACKED_STRATEGIES and name != UNPACKED
+        parts = step_parts(plan, cost, pack=parts_packed)
         fwd = [CompiledSegment(f, cost, n) for n, f, _ in parts]
         bwd = [CompiledSegment(b, cost, n) for n, _, b in parts]
         chain = fwd * 4 + list(reversed(bwd)) * 4
         replay_chain(chain, world)                               # compiles the loop on a cold cache
+        replay_step(parts, cost.model.num_layers, cost, world)   # and what a step replay adds to it
         loop, _ = best_cpu_ms(lambda: replay_chain(chain, world), args.repeat)
         few = max(args.repeat // 3, 1)
         step_ms, step = best_cpu_ms(lambda: replay_step(parts, cost.model.num_layers, cost, world), few)
+        fresh_ms = min(fresh_replay_ms(lambda: step_parts(plan, cost, pack=parts_packed),
+                                       lambda new: replay_step(new, cost.model.num_layers, cost, world))
+                       for _ in range(few))
         timeline = ("-" if name == UNPACKED else
                     f"{best_cpu_ms(lambda: step_timeline(plan, cost, reuse=False), few)[0]:.1f}")
-        print(f"| {name} | {sum(seg.n for seg in chain):,} | {loop:.2f} | {step_ms:.1f} | {timeline} | "
+        print(f"| {name} | {sum(seg.n for seg in chain):,} | {loop:.2f} | {step_ms:.1f} | {fresh_ms:.1f} | {timeline} | "
               f"{step.step_s!r} |", flush=True)
 
 

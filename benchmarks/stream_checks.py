@@ -65,11 +65,12 @@ class Case:
     remap: bool = False
 
 
-def _plan(world: int, gpn: int, spec: list[tuple[int, Mode, list[int]]], balanced: bool = False) -> Plan:
+def _plan(world: int, gpn: int, spec: list[tuple[int, Mode, list[int]]], balanced: bool = False,
+          packed_rings: tuple[tuple[int, ...], ...] = ()) -> Plan:
     lens = [n for n, _, _ in spec]
     att = tuple(placement(i, n, mode, ranks) for i, (n, mode, ranks) in enumerate(spec))
     linear = balance_linear(att, lens, world, gpn) if balanced else same_layout_linear(world, att)
-    return Plan("stream_checks", world, gpn, tuple(lens), att, linear).validate()
+    return Plan("stream_checks", world, gpn, tuple(lens), att, linear, packed_rings=packed_rings).validate()
 
 
 def cases(scale: int) -> list[Case]:
@@ -92,6 +93,12 @@ def cases(scale: int) -> list[Case]:
         Case("2 nodes, routed, remap both ways", _plan(4, 2, [
             (8 * n, Mode.RING, [0, 1, 2, 3]), (3 * n, Mode.LOCAL, [0]), (n, Mode.LOCAL, [1]),
             (n, Mode.LOCAL, [3])], balanced=True), two_nodes, 0.0, remap=True),
+        # TE's THD ring: three sequences in one ring across nodes (one message per
+        # step), beside an unpacked ring on the same ranks and local work.
+        Case("2 nodes, packed ring + ring", _plan(4, 2, [
+            (8 * n, Mode.RING, [0, 2, 1, 3]), (5 * n + 3, Mode.RING, [0, 2, 1, 3]), (n, Mode.LOCAL, [1]),
+            (3 * n + 5, Mode.RING, [0, 2, 1, 3]), (4 * n + 4, Mode.RING, [0, 2, 1, 3])],
+            packed_rings=((0, 1, 3),)), two_nodes),
     ]
 
 

@@ -8,8 +8,9 @@ local sequences run while transfers are in flight.  The simulator replays the
 same schedule (``sim/replay.py``).
 
 This module binds the schedule's ops to tensors: a compute op runs its ring
-step, Ulysses head block or packed local sequences; a message's send tensor
-and receive buffer come from the ring or Ulysses position that owns it.
+step (a packed ring's: all its members' blocks, ``attention/packed_ring.py``),
+Ulysses head block or packed local sequences; a message's send tensor and
+receive buffer come from the ring or Ulysses position that owns it.
 :func:`plan_attention` is differentiable through one ``autograd.Function``
 whose backward executes the backward schedule of the same layer.
 """
@@ -24,6 +25,7 @@ import torch
 
 from megatron_zeppelin.attention.backends import AttentionBackend, get_backend
 from megatron_zeppelin.attention.layout import Piece, rank_pieces
+from megatron_zeppelin.attention.packed_ring import PackedRing, PackedRingBackward, PackedRingForward
 from megatron_zeppelin.attention.ring import RingBackward, RingForward, ring_grad_wire_dtype
 from megatron_zeppelin.attention.ulysses import UlyssesBackward, UlyssesForward, check_heads
 from megatron_zeppelin.comm.lanes import run_without_transfers
@@ -183,7 +185,7 @@ class _Binding:
         self.mids = run.layer.message_ids(backward)
         self.bindings = (run.layer.backward if backward else run.layer.forward).messages
         self.landed: dict[int, torch.Tensor] = {}     # message id -> its receive tensor
-        self.rings: dict[int, RingForward | RingBackward] = {}
+        self.rings: dict[int, RingForward | RingBackward | PackedRing] = {}
         self.groups: dict[int, UlyssesForward | UlyssesBackward] = {}
 
     def compute(self, op: Op) -> None:
@@ -200,6 +202,17 @@ class _Binding:
             run.counter.backward_pairs += op.pairs
         else:
             run.counter.forward_pairs += op.pairs
+
+    def _pack_rings(self, packed: type[PackedRing]) -> None:
+        """Members of the plan's packed rings (``Plan.packed_rings``) run as one
+        ring each, under their first member's index, as the schedule names it."""
+        leads = self.plan.packed_ring_leads()
+        rings: dict[int, list] = {}
+        for index in [i for i in self.rings if i in leads]:      # plan order (the buffer's)
+            rings.setdefault(leads[index], []).append(self.rings.pop(index))
+        cu = self.run.layer.cu_seqlens
+        for lead, members in rings.items():
+            self.rings[lead] = packed(lead, members, self.received, cu)
 
     def received(self, binding: tuple) -> torch.Tensor:
         return self.landed[self.mids[binding]]
@@ -247,6 +260,7 @@ class _ForwardBinding(_Binding):
                 self.rings[index] = RingForward(index, p, piece.pos, q[rows], k[rows], v[rows], self.received)
             elif p.mode is Mode.ULYSSES:
                 self.groups[index] = UlyssesForward(index, p, piece.pos, self.received, q[rows], k[rows], v[rows])
+        self._pack_rings(PackedRingForward)
 
     def _local(self, indices: list[int]) -> None:
         pieces = [self.pieces[i] for i in indices]
@@ -263,9 +277,10 @@ class _ForwardBinding(_Binding):
     def finish(self) -> dict[int, tuple]:
         """Write ring and Ulysses outputs; return what backward needs per placement."""
         saved = {}
-        for index, ring in self.rings.items():
-            self.out[self.pieces[index].rows] = ring.acc.to(self.q.dtype)
-            saved[index] = ring.lse
+        for ring in self.rings.values():
+            for m in ring.members:
+                self.out[self.pieces[m.index].rows] = m.acc.to(self.q.dtype)
+                saved[m.index] = m.lse
         for index, group in self.groups.items():
             self.out[self.pieces[index].rows] = group.output()
             saved[index] = group.saved
@@ -286,6 +301,7 @@ class _BackwardBinding(_Binding):
                                                  dout[rows], out[rows], saved[index], run.grad_wire)
             elif p.mode is Mode.ULYSSES:
                 self.groups[index] = UlyssesBackward(index, p, piece.pos, self.received, dout[rows], saved[index])
+        self._pack_rings(PackedRingBackward)
 
     def _local(self, indices: list[int]) -> None:
         pieces = [self.pieces[i] for i in indices]
@@ -298,7 +314,8 @@ class _BackwardBinding(_Binding):
             _unpack(pieces, packed, dest)
 
     def finish(self) -> None:
-        for index, part in (*self.rings.items(), *self.groups.items()):
+        parts = [(m.index, m) for ring in self.rings.values() for m in ring.members]
+        for index, part in (*parts, *self.groups.items()):
             rows = self.pieces[index].rows
             self.dq[rows], self.dk[rows], self.dv[rows] = part.grads()
 

@@ -56,6 +56,11 @@ class RingPosition:
         self.received = received
         self.k = placement.size
 
+    @property
+    def members(self) -> list["RingPosition"]:
+        """The sequences this position runs: itself (a packed ring's are several)."""
+        return [self]
+
     def kv(self, step: int) -> torch.Tensor:
         """The K/V this position holds at ``step`` (those of owner ``pos - step``)."""
         if step == 0:

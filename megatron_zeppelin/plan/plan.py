@@ -1,7 +1,8 @@
 """The Plan: what runs where in one training step.
 
 A Plan holds, for every sequence of the global batch, its attention placement
-(``local`` on one rank, a zigzag ``ring``, or a ``ulysses`` group) and, for every
+(``local`` on one rank, a zigzag ``ring``, or a ``ulysses`` group; rings on the
+same ranks may run as one packed ring) and, for every
 rank, the token spans it holds in the *linear* layout (projections and MLP).
 The remap schedule between the two layouts is derived from them.  Plans are
 plain data: JSON round trip, ``validate()``, no torch.
@@ -112,6 +113,12 @@ class Plan:
     (Zeppelin decides per batch: routing's dispatch and combine legs share
     NVLink with the other traffic and may cost more than they save).  False:
     every message goes direct, whatever the run's routing threshold."""
+    packed_rings: tuple[tuple[int, ...], ...] = ()
+    """Sets of ring sequences (by index into ``seq_lens``) on the same ranks, in
+    the same order, that run as ONE packed ring, as TransformerEngine's THD ring
+    runs a CP group's sequences: each ring step sends all members' K/V chunks in
+    one message (members in plan order, back to back) and computes all their
+    blocks at once.  Ring sequences in none of them run one ring each."""
 
     # ------------------------------------------------------------------ views
     def attention_spans(self, rank: int) -> list[Span]:
@@ -124,6 +131,21 @@ class Plan:
         if cached is None:
             cached = attention_buffers(self.world_size, self.attention)
             object.__setattr__(self, "_attn_index", cached)
+        return cached
+
+    def packed_ring_leads(self) -> dict[int, int]:
+        """Placement index of every packed ring's member -> the index of its ring's
+        first member in plan order (the ring's name in the schedule); members of
+        no packed ring are absent."""
+        cached = self.__dict__.get("_ring_leads")
+        if cached is None:
+            cached = {}
+            if self.packed_rings:
+                index_of = {p.seq: i for i, p in enumerate(self.attention)}
+                for members in self.packed_rings:
+                    indices = sorted(index_of[s] for s in members)
+                    cached.update((i, indices[0]) for i in indices)
+            object.__setattr__(self, "_ring_leads", cached)
         return cached
 
     def attention_tokens_per_rank(self) -> list[int]:
@@ -222,6 +244,7 @@ class Plan:
         missing = set(range(len(self.seq_lens))) - seen
         if missing:
             raise PlanError(f"plan: sequence {min(missing)} has no attention placement")
+        self._validate_packed_rings()
         if len(self.linear) != w:
             raise PlanError(f"plan: linear layout lists {len(self.linear)} ranks, world size is {w}")
         by_seq: dict[int, list[tuple[int, int]]] = {}
@@ -254,6 +277,31 @@ class Plan:
                                     f"layout, over the cap of {self.token_cap} (sequences {seqs[:8]})")
         return self
 
+    def _validate_packed_rings(self) -> None:
+        """Every packed ring: at least two sequences, each in one packed ring
+        only, each a ring placement, all on the same ranks in the same order."""
+        by_seq = {p.seq: p for p in self.attention}
+        packed: set[int] = set()
+        for n, members in enumerate(self.packed_rings):
+            if len(members) < 2:
+                raise PlanError(f"plan: packed ring {n} lists {len(members)} sequence(s); a packed ring "
+                                "needs 2 or more (run a single sequence as an ordinary ring)")
+            ranks = None
+            for seq in members:
+                self._seq_len(seq, f"packed ring {n} of the attention")
+                if seq in packed:
+                    raise PlanError(f"plan: sequence {seq} is in two packed rings (or twice in one)")
+                packed.add(seq)
+                p = by_seq[seq]
+                if p.mode is not Mode.RING:
+                    raise PlanError(f"plan: packed ring {n} lists sequence {seq}, placed {p.mode.value}; "
+                                    "only ring placements can be packed")
+                if ranks is None:
+                    ranks = p.ranks
+                elif p.ranks != ranks:
+                    raise PlanError(f"plan: packed ring {n} mixes ranks {list(ranks)} and {list(p.ranks)} "
+                                    f"(sequence {seq}); its members must share one ring, ranks in the same order")
+
     def _seq_len(self, seq: int, where: str) -> int:
         if not 0 <= seq < len(self.seq_lens):
             raise PlanError(f"plan: {where} layout names sequence {seq}, but the batch has "
@@ -263,7 +311,7 @@ class Plan:
     # -------------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
         """The Plan JSON (``--dump-plans``): stable keys, readable outside the project."""
-        return {
+        out = {
             "strategy": self.strategy,
             "world_size": self.world_size,
             "gpus_per_node": self.gpus_per_node,
@@ -276,6 +324,9 @@ class Plan:
             "remap": [[t.src, t.dst, t.seq, t.start, t.end] for t in self.remap_schedule()],
             "routed": self.routed,
         }
+        if self.packed_rings:       # absent when none: such a plan's JSON is as before packed rings
+            out["packed_rings"] = [list(members) for members in self.packed_rings]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
@@ -290,7 +341,8 @@ class Plan:
                                 for a in d["attention"]),
                 linear=tuple(tuple(Span(int(q), int(s), int(e)) for q, s, e in spans)
                              for spans in d["linear"]),
-                routed=_flag(d.get("routed", True), "routed"))
+                routed=_flag(d.get("routed", True), "routed"),
+                packed_rings=tuple(tuple(int(s) for s in members) for members in d.get("packed_rings", ())))
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"plan JSON is malformed ({exc!r}); see 'The Plan' in docs/architecture.md") from None
 
@@ -365,3 +417,14 @@ def placement(seq: int, length: int, mode: Mode, ranks: Sequence[int]) -> SeqPla
     """The canonical placement of a sequence in ``mode`` over ``ranks``."""
     ranks = tuple(ranks)
     return SeqPlacement(seq, mode, ranks, _shards(mode, length, len(ranks)))
+
+
+def rings_by_ranks(attention: Sequence[SeqPlacement]) -> tuple[tuple[int, ...], ...]:
+    """``Plan.packed_rings`` that pack every ring rank tuple's sequences into one
+    ring, as TransformerEngine's THD ring runs a CP group (tuples holding one
+    ring sequence stay ordinary rings)."""
+    by_ranks: dict[tuple[int, ...], list[int]] = {}
+    for p in attention:
+        if p.mode is Mode.RING:
+            by_ranks.setdefault(p.ranks, []).append(p.seq)
+    return tuple(tuple(seqs) for seqs in by_ranks.values() if len(seqs) > 1)

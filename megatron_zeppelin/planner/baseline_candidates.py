@@ -23,10 +23,13 @@ surrogate it compares them by (``planner/surrogate.py``):
 
 What does not carry over is how a baseline *executes* a plan: TE's ring sends
 dK/dV in the model dtype where the engine accumulates and sends them in fp32,
-and TE, FlexSP and DeepSpeed-Ulysses pack a group's sequences into one ring or
-one all-to-all where the engine runs one per sequence
-(``sim/timeline.py: PACKED_STRATEGIES``).  A candidate here is relabelled
-``zeppelin`` and is timed, and run, as the engine runs it.
+and FlexSP and DeepSpeed-Ulysses pack a group's sequences into one all-to-all
+where the engine runs one per sequence (``sim/timeline.py: PACKED_STRATEGIES``).
+TE's packing of a CP group's sequences into one ring does carry over: static
+CP's layouts are offered as they are and with every CP group's ring sequences
+in one packed ring (``Plan.packed_rings``, which the engine runs as TE does).
+A candidate here is relabelled ``zeppelin`` and is timed, and run, as the
+engine runs it.
 
 Above :data:`MAX_SEQUENCES_ALL_SOURCES` sequences only static CP's layouts
 are offered: building the others' plans costs seconds at 1,024 GPUs.
@@ -52,14 +55,14 @@ from typing import Callable, Sequence
 import numpy as np
 
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.plan import Plan, rings_by_ranks
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.flexsp import greedy_groups, seq_time_fn, ulysses_sizes
 from megatron_zeppelin.planner.flexsp import group_layout as flexsp_layout
 from megatron_zeppelin.planner.hybrid_cp import HybridCpPlanner, hybrid_cp_schedule
 from megatron_zeppelin.planner.hybrid_cp import group_layout as cp_layout
 from megatron_zeppelin.planner.packing import check_lengths
-from megatron_zeppelin.planner.plan_arrays import PlanArrays, Placements, layout_arrays
+from megatron_zeppelin.planner.plan_arrays import PlanArrays, Placements, layout_arrays, pack_rings
 from megatron_zeppelin.planner.rounds import merge_rounds
 from megatron_zeppelin.planner.static_groups import StaticGroupPlanner
 from megatron_zeppelin.planner.te_cp import TeCpPlanner
@@ -94,11 +97,18 @@ class Draft:
     """The Plan once :meth:`plan` built it."""
     read: PlanArrays | None = field(default=None, repr=False)
     """Its plan's arrays once :meth:`arrays` read them."""
+    unpacked: "Draft | None" = field(default=None, repr=False)
+    """Set on static CP's packed copy: the draft whose layout it runs with every
+    ring rank tuple's sequences in one packed ring (``Plan.packed_rings``, TE's
+    THD ring); its arrays are derived from that draft's."""
 
     def plan(self) -> Plan:
         if self.built is None:
-            self.built = merge_rounds(self.strategy, self.topology, self.seq_lens,
-                                      [self.layout.build(self.seq_lens)], self.token_cap)
+            built = merge_rounds(self.strategy, self.topology, self.seq_lens,
+                                 [self.layout.build(self.seq_lens)], self.token_cap)
+            if self.unpacked is not None:
+                built = dataclasses.replace(built, packed_rings=rings_by_ranks(built.attention)).validate()
+            self.built = built
         return self.built
 
     def candidate(self, routed: bool) -> Plan:
@@ -110,7 +120,8 @@ class Draft:
         """Its plan's :func:`~megatron_zeppelin.planner.plan_arrays.plan_arrays`,
         read from the columns (the surrogate prices a draft without its plan)."""
         if self.read is None:
-            self.read = layout_arrays(self.topology.world_size, self.seq_lens, self.layout, None)
+            self.read = (pack_rings(self.unpacked.arrays()) if self.unpacked is not None
+                         else layout_arrays(self.topology.world_size, self.seq_lens, self.layout, None))
         return self.read
 
     def tokens_per_rank(self) -> list[int]:
@@ -126,6 +137,7 @@ class Draft:
         all-to-all and the remap it does not have run direct)."""
         g = self.topology.gpus_per_node
         nodes = [ranks // g for ranks, _ in self.arrays().rings.values()]
+        nodes += [ranks[None, :] // g for ranks, _ in self.arrays().packed]
         return any(bool((n.min(axis=1) != n.max(axis=1)).any()) for n in nodes)
 
 
@@ -135,9 +147,12 @@ def _draft(strategy: str, ctx: PlanContext, lens: tuple[int, ...], layout: Place
 
 def uniform_cp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
     """Static CP's layouts that hold the batch in one pass: the smallest such CP
-    size and the next (``c = 1``: every sequence whole on one rank)."""
-    return _static_drafts(TeCpPlanner(), seq_lens, ctx, sizes=_powers_of_two(1, ctx.topology.world_size),
-                          keep=STATIC_CP_SIZES)
+    size and the next (``c = 1``: every sequence whole on one rank), each as it
+    is and, where a CP group rings several sequences, packed as TE packs them."""
+    drafts = _static_drafts(TeCpPlanner(), seq_lens, ctx, sizes=_powers_of_two(1, ctx.topology.world_size),
+                            keep=STATIC_CP_SIZES)
+    packed = [dataclasses.replace(d, unpacked=d) for d in drafts]
+    return drafts + [p for p in packed if p.arrays().packed]
 
 
 def static_ulysses_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
@@ -224,7 +239,8 @@ def baseline_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[tuple[Dra
     sources = SOURCES.values() if len(seq_lens) <= MAX_SEQUENCES_ALL_SOURCES else (uniform_cp_drafts,)
     for source in sources:
         for draft in source(seq_lens, ctx):
-            if not any(draft.layout.same(kept.layout) for kept in layouts):
+            if not any((draft.unpacked is None) == (kept.unpacked is None) and draft.layout.same(kept.layout)
+                       for kept in layouts):
                 layouts.append(draft)
     out = []
     for draft in layouts:

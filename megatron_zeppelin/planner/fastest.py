@@ -53,7 +53,13 @@ def surrogate_cost(step: Callable[[Plan], float]) -> CostModel | None:
 #: A plan's arrays (``planner/plan_arrays.py``) by its layouts' identity, with
 #: the plan (it keeps them alive): a plan and its direct-crossings copy share
 #: their layouts, and a context's pick is priced under its model and the run's.
-Reads = dict[tuple[int, int], tuple[Plan, PlanArrays]]
+#: Its packed rings are part of the key: a layout's packed copy shares its
+#: placements, but not its arrays nor its bound (a packed ring's larger kernels lower it).
+Reads = dict[tuple[int, int, int], tuple[Plan, PlanArrays]]
+
+
+def _read_key(plan: Plan) -> tuple[int, int, int]:
+    return id(plan.attention), id(plan.linear), id(plan.packed_rings)
 
 
 class LaidOut(Protocol):
@@ -76,10 +82,10 @@ class Floor:
     def __init__(self, step: Callable[[Plan], float], reads: Reads | None = None) -> None:
         self.cost = surrogate_cost(step)
         self.reads: Reads = {} if reads is None else reads
-        self.bounds: dict[tuple[int, int], float] = {}
+        self.bounds: dict[tuple[int, int, int], float] = {}
 
     def arrays(self, plan: Plan) -> PlanArrays:
-        key = (id(plan.attention), id(plan.linear))
+        key = _read_key(plan)
         hit = self.reads.get(key)
         if hit is None:
             hit = self.reads[key] = (plan, plan_arrays(plan))
@@ -88,7 +94,7 @@ class Floor:
     def of_plan(self, plan: Plan) -> float:
         if self.cost is None:
             return -math.inf
-        key = (id(plan.attention), id(plan.linear))
+        key = _read_key(plan)
         if key not in self.bounds:
             # The arrays' linear tokens are the plan's, as step_floor reads them.
             arrays = self.arrays(plan)

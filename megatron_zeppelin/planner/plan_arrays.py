@@ -12,6 +12,7 @@ layouts as partitions of the batch's tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
@@ -33,7 +34,8 @@ class PlanArrays:
     local_len: np.ndarray
     """Length of each local sequence (float64)."""
     rings: dict[int, tuple[np.ndarray, np.ndarray]]
-    """Ring size ``k`` -> ((rings, k) ranks by position, (rings,) lengths), sizes in order of first appearance."""
+    """Ring size ``k`` -> ((rings, k) ranks by position, (rings,) lengths), sizes in
+    order of first appearance; the plan's packed rings' members are not here."""
     group_ranks: np.ndarray
     """The Ulysses groups' ranks, group after group."""
     group_size: np.ndarray
@@ -45,6 +47,9 @@ class PlanArrays:
     pair in (sender, receiver) order; None when it moves nothing."""
     linear_tokens: np.ndarray
     """Tokens per rank in the linear layout (float64)."""
+    packed: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+    """The plan's packed rings (``Plan.packed_rings``): ((k,) ranks by position,
+    members' lengths in plan order) each (``planner/surrogate_packed.py`` prices them)."""
 
 
 def _slices(start: np.ndarray, size: np.ndarray) -> np.ndarray:
@@ -55,7 +60,7 @@ def _slices(start: np.ndarray, size: np.ndarray) -> np.ndarray:
 
 def plan_arrays(plan: Plan) -> PlanArrays:
     """The arrays of ``plan`` (the decision reads each plan's once: ``planner/fastest.py: Floor``)."""
-    return layout_arrays(plan.world_size, plan.seq_lens, plan.attention, plan.linear)
+    return layout_arrays(plan.world_size, plan.seq_lens, plan.attention, plan.linear, plan.packed_rings)
 
 
 @dataclass(frozen=True)
@@ -114,11 +119,13 @@ class Placements:
 
 
 def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement] | Placements,
-                  linear: Sequence[Sequence[Span]] | None) -> PlanArrays:
+                  linear: Sequence[Sequence[Span]] | None,
+                  packed_rings: Sequence[Sequence[int]] = ()) -> PlanArrays:
     """:func:`plan_arrays` of the plan of ``att`` whose linear layout is
-    ``linear``, or the attention layout itself (None: no remap), before that
-    plan is built (building a baseline's plan, every span and its validation,
-    cost more than pricing it)."""
+    ``linear``, or the attention layout itself (None: no remap), and whose
+    ``Plan.packed_rings`` are ``packed_rings``, before that plan is built
+    (building a baseline's plan, every span and its validation, cost more than
+    pricing it)."""
     cols = att if isinstance(att, Placements) else Placements.of(att)
     n = len(cols.seq)
     seq_len = np.asarray(seq_lens, np.int64)
@@ -127,6 +134,15 @@ def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement] |
     L = seq_len[seq]
 
     ring = np.flatnonzero(mode == 1)
+    packed = ()
+    if packed_rings:
+        in_packed = np.zeros(len(seq_len), bool)
+        in_packed[np.fromiter(chain.from_iterable(packed_rings), np.int64)] = True
+        ring = ring[~in_packed[seq[ring]]]
+        index_of = np.empty(len(seq_len), np.int64)
+        index_of[seq] = np.arange(n)
+        members = [np.sort(index_of[list(seqs)]) for seqs in packed_rings]     # placements in plan order
+        packed = tuple((flat[first[m[0]]:first[m[0]] + size[m[0]]], L[m]) for m in members)
     rings = {}
     sizes, at = np.unique(size[ring], return_index=True)
     for k in sizes[np.argsort(at)].tolist():
@@ -148,7 +164,7 @@ def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement] |
     if linear is None:
         kept = np.flatnonzero(held)
         return _arrays(flat, first, size, mode, L, rings, None,
-                       np.bincount(owner[kept], weights=hi[kept] - lo[kept], minlength=w))
+                       np.bincount(owner[kept], weights=hi[kept] - lo[kept], minlength=w), packed)
     spans = np.fromiter(chain.from_iterable(map(attrgetter("seq", "start", "end"), chain.from_iterable(linear))),
                         np.int64).reshape(-1, 3)
     span_owner = np.repeat(np.arange(w), np.fromiter(map(len, linear), np.int64, w))
@@ -172,16 +188,16 @@ def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement] |
         seq_start = np.cumsum(seq_len) - seq_len
         remap = _moves(seq_start[seq[of[order]]] + lo[order], owner[order],
                        seq_start[spans[:, 0]] + spans[:, 1], span_owner, int(seq_len.sum()), w)
-    return _arrays(flat, first, size, mode, L, rings, remap, linear_tokens)
+    return _arrays(flat, first, size, mode, L, rings, remap, linear_tokens, packed)
 
 
 def _arrays(flat: np.ndarray, first: np.ndarray, size: np.ndarray, mode: np.ndarray, L: np.ndarray,
             rings: dict[int, tuple[np.ndarray, np.ndarray]], remap: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
-            linear_tokens: np.ndarray) -> PlanArrays:
+            linear_tokens: np.ndarray, packed: tuple[tuple[np.ndarray, np.ndarray], ...]) -> PlanArrays:
     local, group = np.flatnonzero(mode == 0), np.flatnonzero(mode == 2)
     return PlanArrays(local_rank=flat[first[local]], local_len=L[local].astype(np.float64), rings=rings,
                       group_ranks=flat[_slices(first[group], size[group])], group_size=size[group],
-                      group_len=L[group], remap=remap, linear_tokens=linear_tokens)
+                      group_len=L[group], remap=remap, linear_tokens=linear_tokens, packed=packed)
 
 
 def _moves(a_lo: np.ndarray, a_owner: np.ndarray, b_lo: np.ndarray, b_owner: np.ndarray, total: int,
@@ -200,3 +216,25 @@ def _moves(a_lo: np.ndarray, a_owner: np.ndarray, b_lo: np.ndarray, b_owner: np.
     length = np.diff(np.r_[cuts, total])[moved]
     pair, of = np.unique(src[moved] * w + dst[moved], return_inverse=True)
     return pair // w, pair % w, np.bincount(of, weights=length).astype(np.int64)
+
+
+def pack_rings(layout: PlanArrays) -> PlanArrays:
+    """``layout`` with every ring rank tuple holding two or more sequences as one
+    packed ring (``plan.rings_by_ranks``), from its arrays alone: a static CP
+    layout's packed copy costs no second read of its placements.  Packed rings
+    come size by size, each size's by first appearance; members in plan order."""
+    rings, packed = {}, []
+    for k, (ranks, L) in layout.rings.items():
+        order = np.lexsort(ranks.T[::-1])               # stable: each tuple's rings in plan order
+        tuples = ranks[order]
+        start = np.flatnonzero(np.r_[True, (tuples[1:] != tuples[:-1]).any(axis=1)])
+        count = np.diff(np.r_[start, len(order)])
+        solo = np.zeros(len(order), bool)
+        solo[order[start[count == 1]]] = True
+        if solo.any():
+            rings[k] = (ranks[solo], L[solo])
+        multi = np.flatnonzero(count > 1)
+        multi = multi[np.argsort(order[start[multi]])]   # by first appearance
+        members = L[order]
+        packed += [(tuples[start[t]], members[start[t]:start[t] + count[t]]) for t in multi.tolist()]
+    return dataclasses.replace(layout, rings=rings, packed=tuple(packed))

@@ -44,6 +44,7 @@ from megatron_zeppelin.cost.step_sync import forward_backward_split, grad_sync_s
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.shards import chunk_sizes
 from megatron_zeppelin.planner.plan_arrays import PlanArrays, layout_arrays, plan_arrays
+from megatron_zeppelin.planner.surrogate_packed import packed_floor_pairs, packed_ring_batches
 from megatron_zeppelin.planner.surrogate_ulysses import UlyssesGroups
 from megatron_zeppelin.schedule.routing import min_routed_bytes
 
@@ -218,8 +219,9 @@ class StepSurrogate:
         gate = np.zeros(w)
         pending = [groups.price(backward, work, load, gate)] if groups is not None else []
         pending += [self._rings([self._ring_batch(k, ranks, lens, backward, routed, w)
-                                 for k, (ranks, lens) in layout.rings.items()],
-                                backward, work, load, w, gate)] if layout.rings else []
+                                 for k, (ranks, lens) in layout.rings.items()]
+                                + packed_ring_batches(self, layout, backward, routed, w),
+                                backward, work, load, w, gate)] if layout.rings or layout.packed else []
         chains = [finish(load) for finish in pending]
         return _Segment(work, chains)
 
@@ -461,7 +463,7 @@ def surrogate_clock(cost: CostModel) -> Callable[[Plan], float]:
 
 def step_floor(cost: CostModel, plan: Plan) -> float:
     """A lower bound of ``StepSurrogate(cost).step_s(plan)`` (:func:`layout_floor`)."""
-    return layout_floor(cost, layout_arrays(plan.world_size, plan.seq_lens, plan.attention, None),
+    return layout_floor(cost, layout_arrays(plan.world_size, plan.seq_lens, plan.attention, None, plan.packed_rings),
                         plan.linear_tokens_per_rank())
 
 
@@ -485,6 +487,7 @@ def layout_floor(cost: CostModel, layout: PlanArrays, linear_tokens: Sequence[in
     L, d = layout.group_len, layout.group_size
     share = (L * (L + 1) // 2) // d * (1 + half / L)
     pairs += np.bincount(layout.group_ranks, weights=np.repeat(share, d), minlength=w)
+    pairs += packed_floor_pairs(layout, half, w)
     for k, (ranks, L) in layout.rings.items():
         # Position i of a zigzag ring holds chunks i and 2k - 1 - i of 2k.
         b = np.arange(2 * k + 1) * L[:, None] // (2 * k)

@@ -14,13 +14,15 @@ spans nodes only when it outgrows a node).  Each replica packs whole sequences
 into its THD buffer (longest first onto the replica with the fewest tokens,
 at most ``c * tokens_per_gpu`` of them), and TE's THD attention cuts *every*
 packed sequence into ``2c`` chunks (DualChunkSwap) and runs one p2p ring over
-the group carrying all of them -- short sequences pay ring traffic too.  No
+the group carrying all of them (``Plan.packed_rings``) -- short sequences pay
+ring traffic too.  No
 routing: TE's p2p sends go through each GPU's own NIC.  What does not fit one
 pass waits for the next micro-batch (gradient accumulation).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -28,9 +30,10 @@ from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.cost.memory import memory_problem
 from megatron_zeppelin.cost.tp import tp_problem
 from megatron_zeppelin.errors import ConfigError, InfeasibleError
-from megatron_zeppelin.plan import Mode
+from megatron_zeppelin.plan import Mode, rings_by_ranks
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.packing import zigzag_or_one_rank
+from megatron_zeppelin.planner.rounds import RoundsPlan
 from megatron_zeppelin.planner.static_groups import StaticGroupPlanner
 
 #: TP sizes a Megatron user tries (TP stays inside a node's NVLink).
@@ -113,12 +116,29 @@ def te_cp_size(seq_lens: Sequence[int], tokens_per_gpu: int, world_size: int,
 
 
 class TeCpPlanner(StaticGroupPlanner):
-    """DP replicas of one fixed CP group size; every sequence zigzag-split over its group."""
+    """DP replicas of one fixed CP group size; every sequence zigzag-split over
+    its group, a group's ring sequences of a pass in one packed ring."""
 
     name = "te_cp"
     mode = Mode.RING
     shares = zigzag_or_one_rank
     group = "CP group"
+
+    def plan_rounds(self, seq_lens: Sequence[int], ctx: PlanContext) -> RoundsPlan:
+        """As static groups plan them, each pass's CP groups' ring sequences in
+        one packed ring each (``Plan.packed_rings``), as TE's THD ring carries
+        them: the engine runs the plans as TE runs them (but for its fp32
+        dK/dV), and the simulator times them so (``add_attention(pack=True)``)."""
+        planned = super().plan_rounds(seq_lens, ctx)
+        rounds = tuple(dataclasses.replace(r, packed_rings=rings_by_ranks(r.attention)) for r in planned.rounds)
+        if len(rounds) == 1:
+            return RoundsPlan(rounds[0], rounds)
+        # The merged plan lists every round's placements, round after round: each round packs its own.
+        merged, start, packed = planned.merged, 0, []
+        for r in planned.rounds:
+            packed += rings_by_ranks(merged.attention[start:start + len(r.attention)])
+            start += len(r.attention)
+        return RoundsPlan(dataclasses.replace(merged, packed_rings=tuple(packed)), rounds)
 
     def group_size(self, lens: tuple[int, ...], ctx: PlanContext) -> int:
         cap = ctx.tokens_per_gpu

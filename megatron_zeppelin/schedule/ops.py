@@ -137,6 +137,7 @@ class Schedule:
         else:
             self._fields, self._deps = rows
         self._columns: dict[str, list] = {}
+        self._arrays: OpArrays | None = None
         self._dep_arrays: tuple[np.ndarray, np.ndarray] | None = None
         self._lanes: dict[int, RankOps] = {}
         self._waves: list[int] = []
@@ -169,6 +170,20 @@ class Schedule:
         if at is None:
             self._columns[name] = values
         return values
+
+    def arrays(self) -> "OpArrays":
+        """The fields the replay reads, as numpy columns (built once)."""
+        if self._arrays is None:
+            self._arrays = OpArrays.of(self)
+        return self._arrays
+
+    def rows(self, at: Sequence[int]) -> list[dict[str, Any]]:
+        """The fields of the ops ``at``, each as a mapping of field name to value
+        (a builder's ops name only the fields they set)."""
+        if self._fields is None:
+            return [vars(self._ops[i]) for i in at]
+        fields = self._fields
+        return [fields[i] for i in at]
 
     def deps(self) -> list[tuple[int, ...]]:
         """Every op's dependencies, in op order."""
@@ -261,6 +276,65 @@ class Schedule:
         """The ops renumbered by ``offset`` (to concatenate schedules)."""
         return tuple(replace(op, id=op.id + offset, deps=tuple(d + offset for d in op.deps))
                      for op in self.ops)
+
+
+@dataclass(frozen=True)
+class OpArrays:
+    """A schedule's ops as numpy columns, in op order: what a replay reads
+    (``sim/replay.py: CompiledSegment``), read from the rows once per schedule
+    (a schedule is replayed for every cost model and chain it is timed in)."""
+
+    is_comm: np.ndarray
+    """bool: a transfer."""
+    rank: np.ndarray
+    """A compute op's rank, a transfer's sender."""
+    peer: np.ndarray
+    """A transfer's receiver (-1: a compute op)."""
+    ndeps: np.ndarray
+    """Each op's number of dependencies."""
+    dep: np.ndarray
+    """All dependencies, op after op (``Schedule.dependency_arrays``)."""
+    wave: np.ndarray
+    """Each op's wave (:meth:`Schedule.waves`)."""
+    tier: np.ndarray
+    """A compute op's tier, as its index in :data:`TIERS` (0: a transfer)."""
+    work: np.ndarray
+    """A compute op's index in :attr:`works` (-1: a transfer)."""
+    works: list[tuple]
+    """The distinct ``(tier, backward, tokens, pairs, block, lengths)`` of the
+    compute ops, in order of first use: what prices a compute op."""
+    nbytes: np.ndarray
+    """A transfer's bytes (0: a compute op)."""
+    nic: np.ndarray
+    """A transfer's named NIC (-1: none named, or a compute op)."""
+
+    @classmethod
+    def of(cls, schedule: "Schedule") -> "OpArrays":
+        n = len(schedule)
+        is_comm = np.fromiter(map(COMM.__eq__, schedule.column("kind")), np.bool_, n)
+        ids = np.arange(n, dtype=np.int64)
+        compute, comm = ids[~is_comm].tolist(), ids[is_comm].tolist()
+        # One pass over each compute op's fields (a builder's ops keep them as dicts);
+        # a generator, so the cyclic collector does not see 10^4 new tuples.
+        back, tokens, pairs, block, lengths = (_OP_DEFAULTS[f] for f in ("backward", "tokens", "pairs", "block",
+                                                                         "lengths"))
+        keys = ((f["tier"], f.get("backward", back), f.get("tokens", tokens), f.get("pairs", pairs),
+                 f.get("block", block), f.get("lengths", lengths)) for f in schedule.rows(compute))
+        index: dict[tuple, int] = {}
+        work = np.full(n, -1, np.int64)
+        work[compute] = [index.setdefault(key, len(index)) for key in keys]
+        tier_index = {tier: i for i, tier in enumerate(TIERS)}
+        tier = np.zeros(n, np.int64)
+        tier[compute] = np.array([tier_index[key[0]] for key in index] + [0], np.int64)[work[compute]]
+        nbytes = np.zeros(n, np.int64)
+        nic = np.full(n, -1, np.int64)
+        if comm:
+            rows = schedule.rows(comm)
+            nbytes[comm] = [f.get("nbytes", 0) for f in rows]
+            nic[comm] = [-1 if (x := f.get("nic")) is None else x for f in rows]
+        return cls(is_comm, np.fromiter(schedule.column("rank"), np.int64, n),
+                   np.fromiter(schedule.column("peer"), np.int64, n), *schedule.dependency_arrays(),
+                   np.asarray(schedule.waves(), np.int64), tier, work, list(index), nbytes, nic)
 
 
 _OP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Op) if f.default is not MISSING}

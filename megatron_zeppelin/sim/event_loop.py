@@ -30,6 +30,9 @@ in flight, the batch in flight on each of its two lanes -- keyed (time, order
 << sbits | slot), the event itself in the slot's entry; a transfer end with no
 dependant on its rank queues no landing.  An event is one int64: (instance
 << wbits | what) << 3 | kind.
+
+A replay's state is one tuple of arrays (``_start``), which ``_run`` advances;
+chains that begin with the same instances share that start (``run_chains``).
 """
 
 from __future__ import annotations
@@ -101,11 +104,12 @@ def _done(remaining, left, k, r, n, t, now_c, now_ev, tail, counter, sbits, wbit
 
 
 @njit(cache=True)
-def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps,
-              users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx,
-              op_lane, op_lands, op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports,
-              record):
-    """Replay the chain ``chain_seg`` (segment ids) from time 0.
+def _start(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps,
+           users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx,
+           op_lane, op_lands, op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports,
+           record):
+    """The state of a replay of the chain ``chain_seg`` (segment ids) at time 0,
+    every rank about to enter its first instance.
 
     Static data, per distinct segment ``s`` (op ``i`` of it at ``seg_base[s] + i``):
     ``op_*`` per op, ``users_*`` the ops depending on each op (CSR, segment-local
@@ -121,11 +125,7 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
     ``(s * world + r) * 2 + lane`` the rank's batches on that lane in order
     (``rl_ptr``, a range of batch ids).
 
-    Returns (finish per rank, busy seconds [rank, tier], first-use order of
-    each busy entry, entered [instance, rank], left [instance, rank],
-    op start and end per instance op (if ``record``, else empty), instance
-    base offsets, ops still unfinished per [instance, rank], whether each
-    instance was entered)."""
+    :func:`_run` runs it (see :func:`run_chains` for the results)."""
     n_inst = len(chain_seg)
     inst_base = np.zeros(n_inst + 1, np.int64)
     inst_bat = np.zeros(n_inst + 1, np.int64)     # each instance's first batch
@@ -146,7 +146,6 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
     wbits = 1
     while (1 << wbits) <= widest:
         wbits += 1
-    wmask = (1 << wbits) - 1
 
     waiting = np.empty(total, np.int64)
     for k in range(n_inst):
@@ -221,18 +220,46 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
     counter = 0
     for r in range(world):           # every rank enters segment 0 at time 0, rank by rank
         now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits, r << 3 | ENTER)
-    t = 0.0
+    return (inst_base, inst_bat, waiting, released, posted_ends, op_start, op_end, need, unstarted, last_t,
+            last_c, last_ev, entered, left, remaining, created, cursor, cursor_end, compute_free, compute_busy,
+            finish, busy, busy_order, lane_heap, lane_base, lane_n, port_free, heap_t, heap_c, slot_ev, now_c,
+            now_ev, np.array([0.0]), np.array([n_events, now_head, now_tail, counter, n_busy, wbits, sbits, lbits]))
+
+
+@njit(cache=True)
+def _run(state, world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps,
+         users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx,
+         op_lane, op_lands, op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports,
+         record, stop):
+    """Run the replay in ``state`` until no event is left, or (``stop`` > 0)
+    until the next event is the first to touch an instance from ``stop`` on:
+    then it returns True, that event not taken, and ``state`` is where every
+    chain that runs the same first ``stop`` instances stands at that point."""
+    (inst_base, inst_bat, waiting, released, posted_ends, op_start, op_end, need, unstarted, last_t,
+     last_c, last_ev, entered, left, remaining, created, cursor, cursor_end, compute_free, compute_busy,
+     finish, busy, busy_order, lane_heap, lane_base, lane_n, port_free, heap_t, heap_c, slot_ev, now_c,
+     now_ev, clock, ints) = state
+    n_events, now_head, now_tail, counter, n_busy, wbits, sbits, lbits = (
+        ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], ints[7])
+    n_inst = len(chain_seg)
+    wmask = (1 << wbits) - 1
+    slots = 1 << sbits
+    t = clock[0]
+    paused = False
 
     while n_events or now_head < now_tail:
-        if now_head < now_tail and (n_events == 0 or heap_t[0] > t or heap_c[0] > now_c[now_head]):
-            ev = now_ev[now_head]
+        soon = now_head < now_tail and (n_events == 0 or heap_t[0] > t or heap_c[0] > now_c[now_head])
+        ev = now_ev[now_head] if soon else slot_ev[heap_c[0] & (slots - 1)]
+        kind, what, k = ev & 7, ev >> 3 & wmask, ev >> (3 + wbits)
+        if stop > 0 and _reaches(kind, what, k, stop, chain_seg, onr_ptr, world):
+            paused = True
+            break
+        if soon:
             now_head += 1
             if now_head == now_tail:
                 now_head = now_tail = 0
         else:
             t, c, n_events = _pop(heap_t, heap_c, n_events)
-            ev = slot_ev[c & (slots - 1)]
-        kind, what, k = ev & 7, ev >> 3 & wmask, ev >> (3 + wbits)
         start_rank = -1                  # a rank whose compute lane may start its next op
         at = -1                          # LANDED: the end whose dependants it releases
         cands, lo, hi = users_idx, 0, 0  # ops of instance ``k`` that may have become ready
@@ -380,4 +407,105 @@ def run_chain(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op
         counter += 1
         slot_ev[3 * r] = ((k << wbits | op) << 3) | DONE
         n_events = _push(heap_t, heap_c, n_events, start + dur, counter << sbits | 3 * r)
-    return finish, busy, busy_order, entered, left, op_start, op_end, inst_base, remaining, created
+    clock[0] = t
+    ints[0], ints[1], ints[2], ints[3], ints[4] = n_events, now_head, now_tail, counter, n_busy
+    return paused
+
+
+@njit(cache=True)
+def _reaches(kind, what, k, stop, chain_seg, onr_ptr, world):
+    """Whether event (``kind``, ``what``, ``k``) touches an instance from ``stop`` on:
+    one of them, or a rank entering instance ``k`` with nothing of its own until
+    ``stop`` (it passes straight through to there)."""
+    if k >= stop:
+        return True
+    if kind != ENTER:
+        return False
+    while k < stop:
+        j = chain_seg[k] * world + what
+        if onr_ptr[j + 1] > onr_ptr[j]:
+            return False
+        k += 1
+    return True
+
+
+@njit(cache=True)
+def _carry(dst, src, stop, record):
+    """Put the replay ``src``, paused before instance ``stop`` (``_run``), into the
+    fresh state ``dst`` of a chain with the same first ``stop`` instances: their
+    ops and batches are numbered alike in both."""
+    ops, bats = src[0][stop], src[1][stop]          # instance ops and batches before ``stop``
+    dst[2][:ops] = src[2][:ops]                     # waiting, released, posted ends
+    dst[3][:ops] = src[3][:ops]
+    dst[4][:ops] = src[4][:ops]
+    if record:                                      # op starts and ends
+        dst[5][:ops] = src[5][:ops]
+        dst[6][:ops] = src[6][:ops]
+    dst[7][:bats] = src[7][:bats]                   # need, unstarted, last move (t, order, event)
+    dst[8][:bats] = src[8][:bats]
+    dst[9][:bats] = src[9][:bats]
+    dst[10][:bats] = src[10][:bats]
+    dst[11][:bats] = src[11][:bats]
+    dst[12][:stop] = src[12][:stop]                 # entered, left, remaining, created
+    dst[13][:stop] = src[13][:stop]
+    dst[14][:stop] = src[14][:stop]
+    dst[15][:stop] = src[15][:stop]
+    dst[16][:] = src[16]                            # lane cursors
+    dst[17][:] = src[17]
+    dst[18][:] = src[18]                            # compute lanes, finish, busy sums and their order
+    dst[19][:] = src[19]
+    dst[20][:] = src[20]
+    dst[21][:] = src[21]
+    dst[22][:] = src[22]
+    heap, base, n = src[23], src[24], src[25]       # each rank's ready compute ops, at its base here
+    for r in range(len(n)):
+        dst[23][dst[24][r]:dst[24][r] + n[r]] = heap[base[r]:base[r] + n[r]]
+    dst[25][:] = n
+    dst[26][:] = src[26]                            # ports, the heap and its slots' events
+    dst[27][:] = src[27]
+    dst[28][:] = src[28]
+    dst[29][:] = src[29]
+    head, tail = src[33][1], src[33][2]             # the current instant's FIFO
+    dst[30][head:tail] = src[30][head:tail]
+    dst[31][head:tail] = src[31][head:tail]
+    dst[32][:] = src[32]                            # clock, counters
+    dst[33][:5] = src[33][:5]
+
+
+def run_chains(world, chains, segments, record):
+    """Replay each chain of ``chains`` (arrays of segment ids) from time 0;
+    ``segments``: the static arrays (``_start``'s arguments after the chain).
+
+    Chains that begin with the same instances replay them once: every event
+    before the first that touches an instance where the chains differ is the
+    same in all of them, so the first chain runs to that event, the others
+    start from where it stands, and all run on from there.
+
+    Returns, per chain: (finish per rank, busy seconds [rank, tier], first-use
+    order of each busy entry, entered [instance, rank], left [instance, rank],
+    op start and end per instance op (if ``record``, else empty), instance
+    base offsets, ops still unfinished per [instance, rank], whether each
+    instance was entered)."""
+    first = chains[0]
+    shared = min((_common(first, chain) for chain in chains[1:]), default=0)
+    states = [_start(world, first, *segments, record)]
+    paused = shared > 0 and _run(states[0], world, first, *segments, record, shared)
+    for chain in chains[1:]:
+        state = _start(world, chain, *segments, record)
+        if paused:
+            _carry(state, states[0], shared, record)
+        states.append(state)
+    out = []
+    for chain, state in zip(chains, states):
+        _run(state, world, chain, *segments, record, 0)
+        (inst_base, _, _, _, _, op_start, op_end, _, _, _, _, _, entered, left, remaining, created, _, _, _, _,
+         finish, busy, busy_order, *_) = state
+        out.append((finish, busy, busy_order, entered, left, op_start, op_end, inst_base, remaining, created))
+    return out
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading entries ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n

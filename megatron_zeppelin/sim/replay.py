@@ -52,8 +52,8 @@ from typing import Sequence
 import numpy as np
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
-from megatron_zeppelin.schedule.ops import COMM, TIERS, Schedule
-from megatron_zeppelin.sim.event_loop import run_chain
+from megatron_zeppelin.schedule.ops import TIERS, Schedule
+from megatron_zeppelin.sim.event_loop import run_chains
 
 
 @dataclass
@@ -87,12 +87,11 @@ class CompiledSegment:
     def __init__(self, schedule: Schedule, cost: CostModel, name: str = "") -> None:
         world = schedule.world_size
         topo = cost.cluster.topology
+        cols = schedule.arrays()
         self.name = name
         self.n = n = len(schedule)
-        self.is_comm = np.fromiter(map(COMM.__eq__, schedule.column("kind")), np.bool_, n)
-        self.rank = np.fromiter(schedule.column("rank"), np.int64, n)
-        self.peer = np.fromiter(schedule.column("peer"), np.int64, n)
-        self.ndeps, dep = schedule.dependency_arrays()
+        self.is_comm, self.rank, self.peer, self.ndeps = cols.is_comm, cols.rank, cols.peer, cols.ndeps
+        dep = cols.dep
         # Who depends on each op, in op order (the order the replay releases them).
         user = np.repeat(np.arange(n, dtype=np.int64), self.ndeps)
         by_dep = np.argsort(dep, kind="stable")
@@ -107,31 +106,18 @@ class CompiledSegment:
         ids = np.arange(n, dtype=np.int64)
         compute = ids[~self.is_comm]
         comm = ids[self.is_comm]
-        self.seconds = np.zeros(n)
+        self.tier = cols.tier                      # a compute op's: the replay sums busy time by it
         # Many compute ops share their fields (a ring's steps over equal shards,
         # equal linear shares): each distinct set of fields is priced once.
-        at = compute.tolist()
-        tiers = schedule.column("tier", at)
-        tier_index = {tier: i for i, tier in enumerate(TIERS)}
-        self.tier = np.zeros(n, np.int64)          # a compute op's: the replay sums busy time by it
-        self.tier[compute] = np.fromiter(map(tier_index.__getitem__, tiers), np.int64, len(compute))
-        fields = zip(tiers, *(schedule.column(f, at) for f in ("backward", "tokens", "pairs", "block", "lengths")))
-        priced: dict[tuple, float] = {}
-        seconds = []
-        for key in fields:
-            if (s := priced.get(key)) is None:
-                s = priced[key] = compute_seconds(*key, cost)
-            seconds.append(s)
-        self.seconds[compute] = seconds
+        priced = np.array([compute_seconds(*key, cost) for key in cols.works] + [0.0])
+        self.seconds = priced[cols.work]           # a transfer's (-1: the 0.0) is set below
         # A transfer holds NVLink inside a node, else a NIC: the one the op names
         # (a routed leg), or its sender's.  Durations and ports for all at once.
         gpn, nics = topo.gpus_per_node, topo.nics_per_node
         affinity = np.array(topo.nic_affinity, np.int64)
         src, dst = self.rank[comm], self.peer[comm]
-        at = comm.tolist()
-        named = np.array(schedule.column("nic", at), np.float64)        # None (no NIC named): nan
-        named = np.where(np.isnan(named), -1, named).astype(np.int64)
-        nbytes = np.fromiter(schedule.column("nbytes", at), np.float64, len(comm))
+        named = cols.nic[comm]                                            # -1: no NIC named
+        nbytes = cols.nbytes[comm].astype(np.float64)
         inside = src // gpn == dst // gpn
         nvlink = inside & (named < 0)
         self.seconds[comm] = np.where(nvlink, cost.cluster.nvlink.transfer_s(nbytes),
@@ -154,7 +140,7 @@ class CompiledSegment:
         # one wave, posted together and done together.  Batches are numbered
         # by (rank, lane, wave), so a (rank, lane)'s batches are consecutive.
         link = (named >= 0).astype(np.int64)           # ``schedule.ops.lane_of``: a NIC named
-        wave = np.asarray(schedule.waves(), np.int64)[comm]
+        wave = cols.wave[comm]
         side_rank = np.concatenate([src, dst])
         side_lane = np.concatenate([link, link])
         side_wave = np.concatenate([wave, wave])
@@ -215,7 +201,7 @@ class ChainReplay:
 
 
 class SegmentSet:
-    """Distinct segments laid end to end: the static arrays ``run_chain`` reads
+    """Distinct segments laid end to end: the static arrays ``run_chains`` reads
     (op ``i`` of segment ``s`` at ``seg_base[s] + i``), built once for every
     chain of them (``replay_step`` replays two)."""
 
@@ -254,18 +240,30 @@ class SegmentSet:
             max(seg.lane_width for seg in segs), onr_ptr, onr_idx, joined("op_lane"), joined("lands"),
             batch_ids("op_bsend"), batch_ids("op_brecv"), bat_base, bat_ptr, bat_idx, joined("bat_need"), rl_ptr,
             len(TIERS), max(max(seg.n_ports for seg in segs), 1))
-        """``run_chain``'s arguments after the chain, in its order."""
+        """The static arrays ``run_chains`` reads, in ``event_loop._start``'s order."""
 
 
 def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool = False,
                  segments: SegmentSet | None = None) -> ChainReplay:
     """Replay ``chain`` from time 0 (every rank enters segment 0 at once);
     ``segments``: its distinct segments, laid out already."""
+    return replay_chains([chain], world, record=record, segments=segments)[0]
+
+
+def replay_chains(chains: Sequence[Sequence[CompiledSegment]], world: int, *, record: bool = False,
+                  segments: SegmentSet | None = None) -> list[ChainReplay]:
+    """Replay each of ``chains`` from time 0, as :func:`replay_chain` does; the
+    instances they begin with alike are replayed once (``event_loop.run_chains``).
+    ``segments``: their distinct segments, laid out already."""
     if segments is None:
-        segments = SegmentSet(list({id(seg): seg for seg in chain}.values()))
-    chain_seg = np.array([segments.index[id(seg)] for seg in chain], np.int64)
-    finish, busy, order, entered, left, start, end, base, remaining, created = run_chain(
-        world, chain_seg, *segments.arrays, record)
+        segments = SegmentSet(list({id(seg): seg for chain in chains for seg in chain}.values()))
+    chain_segs = [np.array([segments.index[id(seg)] for seg in chain], np.int64) for chain in chains]
+    return [_chain_replay(len(chain), record, *out)
+            for chain, out in zip(chains, run_chains(world, chain_segs, segments.arrays, record))]
+
+
+def _chain_replay(n_inst: int, record: bool, finish, busy, order, entered, left, start, end, base, remaining,
+                  created) -> ChainReplay:
     stuck = [(k, r) for k, r in zip(*np.nonzero(remaining > 0)) if created[k]]
     if stuck or not created.all():
         raise RuntimeError(f"replay: segment/rank pairs {stuck[:6]} never finished")
@@ -276,7 +274,7 @@ def replay_chain(chain: Sequence[CompiledSegment], world: int, *, record: bool =
     if record:
         starts, ends = start.tolist(), end.tolist()
         timings = [[OpTiming(s, e) for s, e in zip(starts[base[k]:base[k + 1]], ends[base[k]:base[k + 1]])]
-                   for k in range(len(chain))]
+                   for k in range(n_inst)]
     return ChainReplay(finish.tolist(), busy_s, inside, timings)
 
 
@@ -330,19 +328,21 @@ def replay_step(parts: Sequence[tuple[str, Schedule, Schedule]], num_layers: int
 
     segments = SegmentSet(fwd + bwd)
 
-    def run(layers: int) -> StepReplay:
-        chain = fwd * layers + list(reversed(bwd)) * layers
-        result = replay_chain(chain, world_size, segments=segments)
-        segment_s = {name: [0.0] * world_size for name in names}
-        for seg, inside in zip(chain, result.inside_s):
-            for r, x in enumerate(inside):
-                segment_s[seg.name][r] += x
-        return StepReplay(result.step_s, result.finish_s, result.busy_s, segment_s)
+    def run(*depths: int) -> list[StepReplay]:
+        chains = [fwd * layers + list(reversed(bwd)) * layers for layers in depths]
+        out = []
+        for chain, result in zip(chains, replay_chains(chains, world_size, segments=segments)):
+            segment_s = {name: [0.0] * world_size for name in names}
+            for seg, inside in zip(chain, result.inside_s):
+                for r, x in enumerate(inside):
+                    segment_s[seg.name][r] += x
+            out.append(StepReplay(result.step_s, result.finish_s, result.busy_s, segment_s))
+        return out
 
     m = max(replayed_layers, 2)
     if exact or num_layers <= m:
-        return run(num_layers)
-    big, small = run(m), run(m - 1)
+        return run(num_layers)[0]
+    small, big = run(m - 1, m)        # their first m - 1 forward layers replay once
     extra = num_layers - m
 
     def grow(a: float, b: float) -> float:

@@ -20,14 +20,15 @@ HQ, HK, D = 8, 4, 4
 world = world_fixture(8)
 
 
-def run_plan(rank, plan, topo, seed, dtype=torch.float32):
+def run_plan(rank, plan, topo, seed, dtype=torch.float32, backend="torch", ring_grad_dtype="model"):
     """This rank's (out, dq, dk, dv, expected..., counters) for ``plan`` on the world."""
     seqs = random_sequences(plan, HQ, HK, D, dtype, seed)
     q, k, v, dout = (shard_sequences(plan, rank, [s[i] for s in seqs]) for i in range(4))
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     comm = DirectCommunicator(None, topology=topo)
     counter = AttentionCounter()
-    out = plan_attention(q, k, v, plan=plan, rank=rank, comm=comm, backend="torch", counter=counter)
+    out = plan_attention(q, k, v, plan=plan, rank=rank, comm=comm, backend=backend, counter=counter,
+                         ring_grad_dtype=ring_grad_dtype)
     fwd_bytes = (comm.counters.intra_node, dict(comm.counters.inter_node_per_nic))
     comm.counters.reset()
     out.backward(dout)
@@ -37,12 +38,12 @@ def run_plan(rank, plan, topo, seed, dtype=torch.float32):
     return (out.detach(), q.grad, k.grad, v.grad), expected, (fwd_bytes, bwd_bytes), counter
 
 
-def check_rank(plan, topo, rank, got, expected, bytes_, counter, itemsize=4, tol=1e-5):
+def check_rank(plan, topo, rank, got, expected, bytes_, counter, itemsize=4, tol=1e-5, grad_itemsize=None):
+    """``grad_itemsize``: what dK/dV travel in (None: the K/V's, ``ring_grad_dtype`` model)."""
     for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
         torch.testing.assert_close(g, e.to(g.dtype), atol=tol, rtol=tol, msg=lambda m: f"rank {rank} {name}: {m}")
     for backward, (intra, inter) in enumerate(bytes_):
-        # the default ring_grad_dtype (model): dK/dV travel in the K/V dtype
-        want = expected_bytes(plan, topo, rank, HQ, HK, D, itemsize, bool(backward), grad_itemsize=itemsize)
+        want = expected_bytes(plan, topo, rank, HQ, HK, D, itemsize, bool(backward), grad_itemsize or itemsize)
         assert (intra, {n: b for n, b in inter.items() if b}) == (want.intra_node, want.inter_node_per_nic)
     pairs = plan.attn_pairs_per_rank()[rank]
     assert (counter.forward_pairs, counter.backward_pairs) == (pairs, pairs)

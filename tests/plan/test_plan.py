@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -145,3 +146,49 @@ def test_malformed_json_is_a_plan_error():
     assert set(d) >= {"strategy", "world_size", "gpus_per_node", "seq_lens", "attention", "linear", "remap"}
     assert d["attention"][0] == {"seq": 0, "mode": "local", "ranks": [0], "shards": [[[0, 4]]]}
     assert Transfer(0, 1, 0, 0, 3).length == 3
+
+
+def _packable(packed_rings=()):
+    lens = [8, 12, 9, 4]
+    att = [placement(0, 8, Mode.RING, [0, 1]), placement(3, 4, Mode.LOCAL, [2]),
+           placement(1, 12, Mode.RING, [0, 1]), placement(2, 9, Mode.RING, [1, 0])]
+    plan = make_plan(lens, att)
+    return dataclasses.replace(plan, packed_rings=tuple(map(tuple, packed_rings)))
+
+
+def test_packed_rings_round_trip_and_name_their_first_member():
+    plan = _packable([[1, 0]]).validate()
+    assert plan.packed_ring_leads() == {0: 0, 2: 0}          # placement indices, lead first in plan order
+    d = json.loads(plan.to_json())
+    assert d["packed_rings"] == [[1, 0]]
+    back = Plan.from_json(plan.to_json()).validate()
+    assert back == plan and back.fingerprint() == plan.fingerprint()
+    # Agreement sees them: the same layouts unpacked are another plan.
+    assert _packable().fingerprint() != plan.fingerprint()
+
+
+def test_a_plan_without_packed_rings_dumps_as_before():
+    plan = _packable().validate()
+    assert "packed_rings" not in plan.to_dict()
+    assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+
+
+@pytest.mark.parametrize("rings, message", [
+    ([[0]], "packed ring 0 lists 1 sequence"),
+    ([[0, 1], [1, 2]], "sequence 1 is in two packed rings"),
+    ([[0, 3]], "lists sequence 3, placed local; only ring placements"),
+    ([[0, 2]], r"mixes ranks \[0, 1\] and \[1, 0\] \(sequence 2\)"),
+    ([[0, 7]], "packed ring 0 of the attention layout names sequence 7"),
+])
+def test_invalid_packed_rings_are_named(rings, message):
+    with pytest.raises(PlanError, match=message):
+        _packable(rings).validate()
+
+
+def test_a_packed_member_still_needs_two_chunks_per_rank():
+    """TE packs short sequences into its ring too; here a ring member must hold
+    2k chunks (a shorter one is placed local, as te_cp's planner places it)."""
+    bad = SeqPlacement(1, Mode.RING, (0, 1), tuple(tuple(s) for s in zigzag_shards(3, 2)))
+    plan = make_plan([8, 3], [placement(0, 8, Mode.RING, [0, 1]), bad])
+    with pytest.raises(PlanError, match="enough tokens for 2k chunks"):
+        dataclasses.replace(plan, packed_rings=((0, 1),)).validate()

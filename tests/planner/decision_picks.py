@@ -7,7 +7,7 @@ of ``synthetic-longtail``) and as ``benchmarks/speedup_matrix.py`` does (the
 training sampler's batches of every bundled and shared lengths sample at 64K
 to 512K).  For each: the plan the decision picks, every plan it compares
 (``decision_candidates``) and every baseline source's plans, each as a digest
-of its attention placements, linear layout, routing flag and cap.
+of its attention placements, linear layout, routing flag, cap and packed rings.
 
 ``python -m tests.planner.decision_picks --all`` records them into
 ``golden/decision_picks.json``, ``--check`` compares; ``--all`` adds the 128- and
@@ -125,6 +125,8 @@ def digest(plan: Plan) -> str:
         h.update(repr((p.seq, p.mode.value, p.ranks, p.shards)).encode())
     for spans in plan.linear:
         h.update(repr([(s.seq, s.start, s.end) for s in spans]).encode())
+    if plan.packed_rings:           # absent from the digests of plans without them
+        h.update(repr(plan.packed_rings).encode())
     return h.hexdigest()
 
 

@@ -5,8 +5,10 @@ clusters, routing and remap on and off), the deciding Zeppelin's plan replays
 no slower than the best of the baselines' plans for the same batch --
 ``te_cp`` at the CP sizes the simulator's layout search tries, ``ulysses_sp``
 at every SP size it tries, Megatron's hybrid CP, FlexSP's greedy grouping,
-packed DP -- each run by Zeppelin's engine (relabelled ``zeppelin``: no packing, fp32
-dK/dV), where it is a plan Zeppelin may run: one pass under the per-GPU cap.  Baselines the engine
+packed DP -- each run by Zeppelin's engine (relabelled ``zeppelin``: fp32 dK/dV;
+``te_cp`` also with each CP group's rings packed into one, ``Plan.packed_rings``,
+as TransformerEngine packs them), where it is a plan Zeppelin may run: one pass
+under the per-GPU cap.  Baselines the engine
 runs exactly as they run themselves (packed DP, hybrid CP) are also compared
 as the simulator times them.
 """
@@ -20,7 +22,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings, strategies 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.model_config import load_model
-from megatron_zeppelin.plan import Mode
+from megatron_zeppelin.plan import Mode, rings_by_ranks
 from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.planner.baseline_candidates import (SOURCES, baseline_candidates,
                                                            flexsp_greedy_drafts)
@@ -81,6 +83,8 @@ def baseline_steps(lens: list[int], cost: CostModel, cap: int) -> dict[str, tupl
         # schedules it does not run (benchmarks/containment.py counts them).
         if len(rounds) == 1 and max(rounds[0].attention_tokens_per_rank()) <= cap:
             out[f"{name}{size or ''}"] = steps(rounds, direct)
+            if name == "te_cp" and (packed := rings_by_ranks(rounds[0].attention)):    # TE's THD ring
+                out[f"te_cp{size}_packed"] = steps([dataclasses.replace(rounds[0], packed_rings=packed)], direct)
     # FlexSP's groups by its greedy; its MILP (seconds a batch at 64 GPUs) is
     # not a candidate, and benchmarks/containment.py measures what it finds beyond.
     for draft in flexsp_greedy_drafts(lens, PlanContext(cost=direct, tokens_per_gpu=cap)):
@@ -130,8 +134,10 @@ def test_every_candidate_is_a_valid_one_pass_plan_of_the_engine():
         assert plan.strategy == "zeppelin" and plan.token_cap == 2048 and not plan.remap_schedule()
     # Each source contributes (te_cp, ulysses_sp, hybrid CP and FlexSP's greedy all fit one pass here).
     assert all(SOURCES[name](lens, ctx) for name in SOURCES)
+    # Static CP's layouts also packed (TE's ring) where a CP group rings several sequences.
+    assert any(p.packed_rings for p in plans)
     # Direct always (as the baselines run); routed only where a ring crosses nodes.
-    layouts = {p.attention for p in plans}
+    layouts = {(p.attention, p.packed_rings) for p in plans}
     assert len(plans) == len(layouts) + sum(1 for p in plans if p.routed)
     assert all(not p.routed for p in plans if all(p.tier_of(a) != "inter" for a in p.attention))
     # With the remap forced on every batch there are none (these layouts do not remap).
@@ -157,15 +163,19 @@ def test_the_engine_runs_every_sources_plan(world):
     CP's wider ring across nodes, hybrid CP's ring in a node, Ulysses SP's
     groups, FlexSP's mixed groups and local sequences) runs on 2 x 4 gloo ranks,
     every output and q/k/v gradient equal to plain causal attention, bytes and
-    pairs exact (the engine test's checks)."""
+    pairs exact (the engine test's checks); static CP's packed across nodes too."""
     base = load_cluster("h100-8x400g")
     topo = Topology(nodes=2, gpus_per_node=4, nics_per_node=4)
     cost = CostModel(dataclasses.replace(base, topology=topo), load_model("tiny"))    # 4 heads, 2 KV: the engine test's
     ctx = PlanContext(cost=cost, tokens_per_gpu=64)
     rings, ulysses = [200, 90, 40, 30, 12, 8], [120, 60, 30, 12, 8]
-    drafts = [SOURCES["te_cp"](rings, ctx)[-1], SOURCES["megatron_hybrid_cp"](rings, ctx)[0],
+    static = [d for d in SOURCES["te_cp"](rings, ctx) if d.unpacked is None]
+    packed = [d for d in SOURCES["te_cp"](rings, ctx) if d.unpacked is not None]
+    drafts = [static[-1], packed[-1], SOURCES["megatron_hybrid_cp"](rings, ctx)[0],
               SOURCES["ulysses_sp"](ulysses, ctx)[0], SOURCES["flexsp_greedy"](ulysses, ctx)[0]]
     plans = [d.plan() for d in drafts]
+    assert plans[1].packed_rings and any(len({r // 4 for r in plans[1].attention[i].ranks}) > 1
+                                         for i in plans[1].packed_ring_leads())
     shapes = {(p.mode, len({r // 4 for r in p.ranks}) > 1) for plan in plans for p in plan.attention}
     assert {(Mode.LOCAL, False), (Mode.RING, False), (Mode.RING, True), (Mode.ULYSSES, False)} <= shapes
     for plan in plans:

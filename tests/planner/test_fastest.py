@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -80,6 +81,24 @@ def test_the_surrogate_clock_has_a_floor_and_other_step_models_none():
     assert surrogate_cost(surrogate_clock(cost)) == cost
     assert surrogate_cost(lambda plan: 0.0) is None
     assert Floor(lambda plan: 0.0).of_plan(None) == -math.inf
+
+
+def test_a_floor_keeps_a_packed_copy_apart_from_its_unpacked_twin():
+    """Static CP's packed copy shares its twin's placements, not its arrays: the
+    Floor bounds and prices each as its own, whichever it reads first (a packed
+    ring's larger kernels lower the bound)."""
+    case = latency_case(16, 5)
+    ctx = case.context()
+    surrogate = StepSurrogate(ctx.cost)
+    packed = [d.candidate(routed) for d, routed in baseline_drafts(case.lens, ctx) if d.unpacked is not None]
+    assert packed
+    floor = Floor(surrogate.step_s)
+    for plan in packed:
+        twin = dataclasses.replace(plan, packed_rings=())
+        for p in (plan, twin, plan):
+            assert floor.of_plan(p) == step_floor(ctx.cost, p)
+            assert floor.price(surrogate.step_s, p) == surrogate.step_s(p)
+        assert floor.of_plan(plan) < floor.of_plan(twin)
 
 
 def test_the_floor_is_below_the_surrogate_on_random_batches():

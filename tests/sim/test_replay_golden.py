@@ -19,13 +19,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.cost.tp import tp_view
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Plan
-from megatron_zeppelin.sim.replay import replay_schedule, replay_step
+from megatron_zeppelin.sim import event_loop
+from megatron_zeppelin.sim.replay import (CompiledSegment, SegmentSet, replay_chain, replay_chains, replay_schedule,
+                                          replay_step)
 from megatron_zeppelin.sim.timeline import PACKED_STRATEGIES, step_parts, step_timeline
 from megatron_zeppelin.topology import load_cluster
 
@@ -51,3 +54,31 @@ def test_replay_equals_the_recorded_one(case):
     if "attn_fwd_timings" in case:
         timed = replay_schedule(parts[0][1], cost).timings[0]
         assert [[t.start_s, t.end_s] for t in timed] == case["attn_fwd_timings"]
+
+
+@pytest.mark.parametrize("strategy", ["zeppelin", "megatron_hybrid_cp"])
+def test_chains_that_begin_alike_replay_as_each_alone(strategy):
+    """``replay_chains`` replays the 3- and 4-layer chains' first three forward
+    layers once and carries that state into the other: each chain's every op
+    timing, finish, busy sum and time in each instance equal its own replay,
+    and the shared run did pause inside the chain (after time 0, before the end)."""
+    case = next(c for c in CASES if c["plan"]["strategy"] == strategy)
+    cluster = load_cluster(GOLDEN / "clusters" / f"{case['cluster']}.yaml", nodes=case["nodes"])
+    cost = CostModel(cluster, load_model(case["model"]), routing=case["routing"])
+    plan = Plan.from_dict(case["plan"])
+    parts = step_parts(plan, cost, pack=plan.strategy in PACKED_STRATEGIES)
+    fwd = [CompiledSegment(f, cost, name) for name, f, _ in parts]
+    bwd = [CompiledSegment(b, cost, name) for name, _, b in parts]
+    chains = [fwd * layers + bwd[::-1] * layers for layers in (3, 4)]
+    segments = SegmentSet(fwd + bwd)
+    together = replay_chains(chains, plan.world_size, record=True, segments=segments)
+    for chain, shared in zip(chains, together):
+        alone = replay_chain(chain, plan.world_size, record=True, segments=segments)
+        assert shared.finish_s == alone.finish_s
+        assert list(shared.busy_s.items()) == list(alone.busy_s.items())
+        assert shared.inside_s == alone.inside_s
+        assert shared.timings == alone.timings
+    first = np.array([segments.index[id(seg)] for seg in chains[0]], np.int64)
+    state = event_loop._start(plan.world_size, first, *segments.arrays, False)
+    assert event_loop._run(state, plan.world_size, first, *segments.arrays, False, 3 * len(parts))
+    assert 0 < state[32][0] < min(together[0].finish_s)

@@ -94,6 +94,10 @@ def test_te_cp_is_static_and_unrouted(runs):
     log, plans, _ = runs["te_cp"]
     # One CP group of 4 for the whole run: every sequence, short ones too, rides its ring.
     assert {(p.mode, p.ranks) for plan in plans for p in plan.attention} == {(Mode.RING, (0, 1, 2, 3))}
+    # ... as TE's THD ring: one packed ring per pass (Plan.packed_rings), which the engine ran.
+    assert all(plan.packed_rings == ((tuple(p.seq for p in plan.attention),) if len(plan.attention) > 1 else ())
+               for plan in plans)
+    assert any(plan.packed_rings for plan in plans)
     # No routing: the ring's node crossings (GPU 1 -> 2, GPU 3 -> 0) leave through the
     # sending GPU's own NIC (NIC 1 of each node); a routed run would use NIC 0 too.
     for r in log:
