@@ -269,3 +269,16 @@ def test_modeled_trace_holds_every_rank_and_replays(lengths_file, tmp_path):
         assert last.startswith("step_time_s=")
         values.append(float(last.split("=", 1)[1]))
     assert values[0] > 0 and values[0] == values[1]
+
+
+@pytest.mark.parametrize("ring_grad_dtype, acc_itemsize", [("model", 2), ("fp32", 4)])
+def test_the_ring_grad_dtype_is_recorded_in_the_json_and_the_trace(ring_grad_dtype, acc_itemsize, lengths_file,
+                                                                   tmp_path, capsys):
+    """--ring-grad-dtype reaches the run's record (--json config) and the modeled
+    trace's engine settings (acc_itemsize: the bytes dK/dV travel in, bf16 model)."""
+    main(["--no-progress", *TINY, "--lengths", str(lengths_file), "--strategies", "zeppelin", "--steps", "1",
+          "--ring-grad-dtype", ring_grad_dtype, "--json", str(tmp_path / "r.json"), "--trace", str(tmp_path / "t.json")])
+    capsys.readouterr()
+    assert json.loads((tmp_path / "r.json").read_text())["config"]["ring_grad_dtype"] == ring_grad_dtype
+    engine = json.loads((tmp_path / "t.json").read_text())["otherData"]["engine"]
+    assert (engine["itemsize"], engine["acc_itemsize"]) == (2, acc_itemsize)
