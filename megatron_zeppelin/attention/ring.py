@@ -9,9 +9,10 @@ every position's contribution; the last step hands each owner its complete
 dK/dV.  Each rank accumulates its contribution in fp32 (:func:`acc_dtype`);
 the dK/dV messages travel in :func:`ring_grad_wire_dtype` (``ring_grad_dtype``:
 ``model`` rounds the running sum to the K/V dtype once per send, as
-TransformerEngine's p2p ring does; ``fp32`` keeps it exact).  Which rows meet which comes from ``schedule/geometry.py``, shared with
-the schedule's pair counts.  Results are merged with the log-sum-exp of each
-block (:func:`update_out_and_lse`).
+TransformerEngine's p2p ring does; ``fp32`` keeps it exact).  Which rows meet
+which comes from ``schedule/geometry.py``, shared with the schedule's pair
+counts.  Results are merged with the log-sum-exp of each block
+(:func:`update_out_and_lse`).
 """
 
 from __future__ import annotations
