@@ -176,7 +176,7 @@ def step_parts(plan: Plan, cost: CostModel, *, pack: bool = False, attn: AttnSha
     elif plan.strategy in TE_RING_STRATEGIES:
         # TE's p2p ring (AttnFuncWithCPAndKVP2P.backward, non-FP8) sends dK/dV in
         # the K/V dtype: one buffer of two K/V-shaped halves per step, so its
-        # backward moves twice the forward's bytes, not the engine's fp32 dK/dV.
+        # backward moves twice the forward's bytes whatever cost.ring_grad_dtype says.
         shape = dataclasses.replace(shape, attn=dataclasses.replace(shape.attn, acc_itemsize=shape.attn.itemsize))
     transport = transport or transport_of(cost)
     if not plan.routed:          # the plan runs every crossing direct (Plan.routed), as the engine does
