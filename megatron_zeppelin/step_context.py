@@ -23,6 +23,7 @@ import torch
 from megatron_zeppelin.attention.backends import AttentionBackend
 from megatron_zeppelin.attention.engine import AttentionCounter
 from megatron_zeppelin.comm.base import Communicator
+from megatron_zeppelin.cost.model import DEFAULT_RING_GRAD_DTYPE
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.plan import Plan
 
@@ -63,6 +64,10 @@ class StepContext:
     """Round-based communicator of the rings, all-to-alls and remaps (None: reference)."""
     backend: AttentionBackend | None
     """Attention kernel backend (``megatron_zeppelin.attention.backends``)."""
+    ring_grad_dtype: str = DEFAULT_RING_GRAD_DTYPE
+    """What the backward ring's dK/dV messages travel in: ``model`` (the K/V dtype,
+    as TransformerEngine sends them) or ``fp32`` (exact accumulation); the cost
+    model that planned the step reads the same (``CostModel.ring_grad_dtype``)."""
     attention_counter: AttentionCounter = field(default_factory=AttentionCounter)
     """Causal pairs this rank's attention computed in this step (all layers)."""
     remap_counters: RemapCounters = field(default_factory=RemapCounters)

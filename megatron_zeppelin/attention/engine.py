@@ -26,11 +26,12 @@ import torch
 from megatron_zeppelin.attention.backends import AttentionBackend, get_backend
 from megatron_zeppelin.attention.layout import Piece, rank_pieces
 from megatron_zeppelin.attention.packed_ring import PackedRing, PackedRingBackward, PackedRingForward
-from megatron_zeppelin.attention.ring import RingBackward, RingForward
+from megatron_zeppelin.attention.ring import RingBackward, RingForward, ring_grad_wire_dtype
 from megatron_zeppelin.attention.ulysses import UlyssesBackward, UlyssesForward, check_heads
 from megatron_zeppelin.comm.lanes import run_without_transfers
 from megatron_zeppelin.comm.rounds import LaneCommunicator
 from megatron_zeppelin.comm.streams import StreamOps, streams_for
+from megatron_zeppelin.cost.model import DEFAULT_RING_GRAD_DTYPE
 from megatron_zeppelin.plan.plan import Mode, Plan
 from megatron_zeppelin.schedule.attention import AttnShape, Transport, attention_schedule
 from megatron_zeppelin.schedule.ops import Op, Schedule
@@ -106,51 +107,55 @@ def build_schedule(plan: Plan, shape: AttnShape, comm: LaneCommunicator | None,
     return entry
 
 
-def attn_shape(q: torch.Tensor, k: torch.Tensor) -> AttnShape:
-    """The schedule's shape of this call's tensors (``q: [t, hq, d]``, ``k: [t, hk, d]``)."""
-    itemsize = q.element_size()
-    return AttnShape(q.shape[1], k.shape[1], q.shape[2], itemsize,
-                     torch.empty((), dtype=torch.promote_types(q.dtype, torch.float32)).element_size())
+def attn_shape(q: torch.Tensor, k: torch.Tensor, ring_grad_dtype: str = DEFAULT_RING_GRAD_DTYPE) -> AttnShape:
+    """The schedule's shape of this call's tensors (``q: [t, hq, d]``, ``k: [t, hk, d]``;
+    dK/dV messages in ``ring_grad_dtype``'s wire dtype)."""
+    return AttnShape(q.shape[1], k.shape[1], q.shape[2], q.element_size(),
+                     ring_grad_wire_dtype(q.dtype, ring_grad_dtype).itemsize)
 
 
 def plan_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: Plan, rank: int,
                    comm: LaneCommunicator | None, backend: AttentionBackend | str = "auto",
-                   softmax_scale: float | None = None,
-                   counter: AttentionCounter | None = None, cache: dict | None = None) -> torch.Tensor:
+                   softmax_scale: float | None = None, counter: AttentionCounter | None = None,
+                   cache: dict | None = None, ring_grad_dtype: str = DEFAULT_RING_GRAD_DTYPE) -> torch.Tensor:
     """Causal attention of this rank's tokens under ``plan``; differentiable.
 
     ``q: [t, hq, d]``, ``k, v: [t, hk, d]``: the rank's tokens in attention-layout
     order (``plan.attention_spans(rank)``).  Returns ``[t, hq, d]``.  Collective:
-    every rank of ``plan.world_size`` must call it (same plan, same head shapes),
-    also ranks holding no tokens."""
-    run = _prepare(q, k, v, plan, rank, comm, backend, softmax_scale, counter, cache)
+    every rank of ``plan.world_size`` must call it (same plan, same head shapes,
+    same ``ring_grad_dtype``), also ranks holding no tokens.  ``ring_grad_dtype``:
+    what the backward ring's dK/dV messages travel in (``model``: the K/V dtype,
+    as TransformerEngine sends them; ``fp32``: exact accumulation; see docs/engine.md)."""
+    run = _prepare(q, k, v, plan, rank, comm, backend, softmax_scale, counter, cache, ring_grad_dtype)
     return _PlanAttention.apply(q, k, v, run)
 
 
 def attention_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: Plan, rank: int,
                      comm: LaneCommunicator | None, backend: AttentionBackend | str = "auto",
                      softmax_scale: float | None = None, counter: AttentionCounter | None = None,
-                     cache: dict | None = None) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
+                     cache: dict | None = None, ring_grad_dtype: str = DEFAULT_RING_GRAD_DTYPE,
+                     ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
     """:func:`plan_attention` without autograd: ``(out, backward)`` where
     ``backward(dout)`` returns ``(dq, dk, dv)``.  For callers that run several
     ranks in one process (autograd runs every CUDA backward of a process on one
     device thread, where one rank's backward would wait on another's)."""
-    run = _prepare(q, k, v, plan, rank, comm, backend, softmax_scale, counter, cache)
+    run = _prepare(q, k, v, plan, rank, comm, backend, softmax_scale, counter, cache, ring_grad_dtype)
     out, state = _forward(run, q, k, v)
     return out, lambda dout: _backward(run, dout.contiguous(), q, k, v, out, state)
 
 
-def _prepare(q, k, v, plan, rank, comm, backend, softmax_scale, counter, cache) -> "_Run":
+def _prepare(q, k, v, plan, rank, comm, backend, softmax_scale, counter, cache, ring_grad_dtype) -> "_Run":
     if isinstance(backend, str):
         backend = get_backend(backend)
-    layer = build_schedule(plan, attn_shape(q, k), comm, cache)
+    layer = build_schedule(plan, attn_shape(q, k, ring_grad_dtype), comm, cache)
     expected = sum(p.rows.stop - p.rows.start for p in layer.pieces(rank).values())
     if q.shape[0] != expected or k.shape[0] != expected or v.shape[0] != expected:
         raise ValueError(f"rank {rank} holds {expected} tokens in the plan's attention layout, "
                          f"got q/k/v with {q.shape[0]}/{k.shape[0]}/{v.shape[0]} rows")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     streams = comm.runner.streams if isinstance(comm, LaneCommunicator) else streams_for(q.device)
-    return _Run(rank, comm, backend, scale, counter if counter is not None else AttentionCounter(), layer, streams)
+    return _Run(rank, comm, backend, scale, counter if counter is not None else AttentionCounter(), layer, streams,
+                ring_grad_wire_dtype(q.dtype, ring_grad_dtype))
 
 
 @dataclass
@@ -165,6 +170,8 @@ class _Run:
     layer: LayerSchedules
     streams: StreamOps
     """How the lanes reach streams (a send tensor read on a lane is kept alive for it)."""
+    grad_wire: torch.dtype
+    """What the backward ring's dK/dV messages travel in (``ring_grad_dtype``)."""
 
 
 class _Binding:
@@ -223,7 +230,10 @@ class _Binding:
             # The lane's add reads a block the compute stream allocated and the
             # ring drops now: it must not be reused before the lane is past it.
             self.run.streams.record_stream(own, self.run.streams.current_stream())
-            return own if arrived is None else own + arrived
+            # The sum is fp32 (what arrived is added into the fp32 contribution);
+            # it is rounded once, to the wire dtype, for the next hop.
+            total = own if arrived is None else own + arrived
+            return total.to(self.run.grad_wire)
         group = self.groups[index]
         dst = self.bindings[message][3]
         return group.pieces[dst] if kind == "a2a_in" else group.out_piece(dst)
@@ -288,7 +298,7 @@ class _BackwardBinding(_Binding):
             rows = piece.rows
             if p.mode is Mode.RING:
                 self.rings[index] = RingBackward(index, p, piece.pos, q[rows], k[rows], v[rows], self.received,
-                                                 dout[rows], out[rows], saved[index])
+                                                 dout[rows], out[rows], saved[index], run.grad_wire)
             elif p.mode is Mode.ULYSSES:
                 self.groups[index] = UlyssesBackward(index, p, piece.pos, self.received, dout[rows], saved[index])
         self._pack_rings(PackedRingBackward)

@@ -166,7 +166,8 @@ class PackedRingBackward(PackedRing):
         self.contrib[step] = contrib
 
     def dkv_parts(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As :meth:`RingBackward.dkv_parts`, every member's rows in one tensor."""
+        """As :meth:`RingBackward.dkv_parts`, every member's rows in one tensor (the
+        fp32 contribution, and what arrived in the members' ``wire`` dtype)."""
         own = self.contrib.pop(step - 1)
         if step - 1 == 0:
             return own, None
@@ -174,5 +175,5 @@ class PackedRingBackward(PackedRing):
 
     def dkv_buffer(self, step: int, src: int) -> torch.Tensor:
         n = sum(self._rows((src - step + 1) % self.k))
-        first = self.members[0]
-        return torch.empty((2, n, *self.kv_own.shape[2:]), dtype=acc_dtype(first.q.dtype), device=first.q.device)
+        first = self.members[0]          # every member's dK/dV travel in the same wire dtype
+        return torch.empty((2, n, *self.kv_own.shape[2:]), dtype=first.wire, device=first.q.device)

@@ -6,9 +6,13 @@ else what arrived from ``i - 1`` at step ``s - 1``) and forwards those K/V to
 ``i + 1``.  Backward (``k + 1`` steps, ring-flash-attention's zigzag backward)
 adds the dK/dV of each owner travelling one step behind the K/V, accumulating
 every position's contribution; the last step hands each owner its complete
-dK/dV.  Which rows meet which comes from ``schedule/geometry.py``, shared with
-the schedule's pair counts.  Results are merged with the log-sum-exp of each
-block (:func:`update_out_and_lse`).
+dK/dV.  Each rank accumulates its contribution in fp32 (:func:`acc_dtype`);
+the dK/dV messages travel in :func:`ring_grad_wire_dtype` (``ring_grad_dtype``:
+``model`` rounds the running sum to the K/V dtype once per send, as
+TransformerEngine's p2p ring does; ``fp32`` keeps it exact).  Which rows meet
+which comes from ``schedule/geometry.py``, shared with the schedule's pair
+counts.  Results are merged with the log-sum-exp of each block
+(:func:`update_out_and_lse`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from megatron_zeppelin.attention.backends.base import AttentionBackend
 from megatron_zeppelin.attention.merge import update_out_and_lse
+from megatron_zeppelin.cost.model import check_ring_grad_dtype
 from megatron_zeppelin.plan.plan import SeqPlacement
 from megatron_zeppelin.schedule import geometry as geo
 
@@ -29,6 +34,12 @@ Received = Callable[[tuple], torch.Tensor]
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype of partial outputs and dK/dV (fp32; fp64 for fp64)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def ring_grad_wire_dtype(dtype: torch.dtype, ring_grad_dtype: str) -> torch.dtype:
+    """What dK/dV messages of K/V in ``dtype`` travel in under ``ring_grad_dtype``
+    (``cost/model.py: RING_GRAD_DTYPES``; its ``ring_grad_itemsize`` is this dtype's size)."""
+    return dtype if check_ring_grad_dtype(ring_grad_dtype) == "model" else acc_dtype(dtype)
 
 
 def _slices(block: geo.Block) -> tuple[slice, slice, bool]:
@@ -86,11 +97,11 @@ class RingForward(RingPosition):
 
 class RingBackward(RingPosition):
     """Backward: dQ of the position's rows, and per step the dK/dV contribution
-    to the owner whose K/V it held."""
+    to the owner whose K/V it held; dK/dV messages travel in ``wire``."""
 
-    def __init__(self, index, placement, pos, q, k, v, received, dout, out, lse) -> None:
+    def __init__(self, index, placement, pos, q, k, v, received, dout, out, lse, wire: torch.dtype) -> None:
         super().__init__(index, placement, pos, q, k, v, received)
-        self.dout, self.out, self.lse = dout, out, lse
+        self.dout, self.out, self.lse, self.wire = dout, out, lse, wire
         self.dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         self.contrib: dict[int, torch.Tensor] = {}
 
@@ -106,9 +117,9 @@ class RingBackward(RingPosition):
         self.contrib[step] = contrib
 
     def dkv_parts(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What dK/dV sent at ``step`` adds up: this position's contribution of
-        ``step - 1`` (dropped here) and what arrived with it (the earlier
-        positions' contributions; None at step 1)."""
+        """What dK/dV sent at ``step`` adds up: this position's fp32 contribution
+        of ``step - 1`` (dropped here) and what arrived with it (the earlier
+        positions' contributions in ``wire``; None at step 1)."""
         own = self.contrib.pop(step - 1)
         if step - 1 == 0:
             return own, None
@@ -116,8 +127,7 @@ class RingBackward(RingPosition):
 
     def dkv_buffer(self, step: int, src: int) -> torch.Tensor:
         n = geo.shard_tokens(self.p, (src - step + 1) % self.k)
-        return torch.empty((2, n, *self.kv_own.shape[2:]), dtype=acc_dtype(self.q.dtype),
-                           device=self.q.device)
+        return torch.empty((2, n, *self.kv_own.shape[2:]), dtype=self.wire, device=self.q.device)
 
     def grads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dq, dk, dv) of the position's rows, once the last dK/dV has arrived."""

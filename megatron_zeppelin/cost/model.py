@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_zeppelin.cost.moe import ALLTOALLS_PER_LAYER, moe_alltoall_bytes, moe_alltoall_group
+from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan.shards import causal_pairs
 from megatron_zeppelin.topology import ClusterConfig, LinkSpec
@@ -37,6 +38,30 @@ TP_ALLREDUCES_PER_LAYER = 4
 ULYSSES_ALLTOALLS_PER_LAYER = 4
 #: Token counts ``CostModel.linear_s`` keeps (a few MB; a batch asks a few thousand).
 LINEAR_MEMO_SIZE = 1 << 16
+
+
+#: What the backward ring's dK/dV messages may travel in: ``model``, the K/V
+#: dtype, as TransformerEngine's p2p CP ring sends them (each rank accumulates
+#: in fp32, rounds once per send, adds what arrives into fp32); ``fp32``, exact
+#: accumulation along the ring at twice a bf16 model's backward ring bytes.
+RING_GRAD_DTYPES = ("model", "fp32")
+#: The default: what Megatron-LM / TransformerEngine CP users run today.
+DEFAULT_RING_GRAD_DTYPE = "model"
+
+
+def check_ring_grad_dtype(setting: str) -> str:
+    """``setting`` if it names a ring-gradient dtype, else a ConfigError naming the choices."""
+    if setting not in RING_GRAD_DTYPES:
+        raise ConfigError(f"ring gradient dtype {setting!r} is not one of {', '.join(RING_GRAD_DTYPES)} "
+                          "(model: dK/dV travel in the K/V dtype, as TransformerEngine sends them; "
+                          "fp32: exact accumulation)")
+    return setting
+
+
+def ring_grad_itemsize(setting: str, itemsize: int) -> int:
+    """Bytes per element of the backward ring's dK/dV messages of a model whose
+    K/V have ``itemsize`` bytes (fp32 and fp64 models: the same under both)."""
+    return itemsize if check_ring_grad_dtype(setting) == "model" else max(itemsize, 4)
 
 
 _ARRAY = np.ndarray     # what attn_s answers elementwise (a class check: attn_s is on the replay's hot path)
@@ -67,6 +92,9 @@ class CostModel:
     model: ModelConfig
     routing: bool = True
     """Inter-node transfers spread over all NICs of the node through proxies."""
+    ring_grad_dtype: str = DEFAULT_RING_GRAD_DTYPE
+    """What the engine's backward ring sends dK/dV in (:data:`RING_GRAD_DTYPES`);
+    the replay, the surrogate and the engine read it through :attr:`ring_grad_bytes`."""
     tp_size: int = 1
     """GPUs per rank: each rank is a tensor-parallel group of this many GPUs
     (build with :func:`megatron_zeppelin.cost.tp.tp_view`, which also widens the
@@ -76,6 +104,14 @@ class CostModel:
     :data:`LINEAR_MEMO_SIZE`, then it starts over): planners and their
     per-batch decision ask it thousands of times a batch, mostly for counts
     they asked before (a copy made by ``replace`` starts empty)."""
+
+    def __post_init__(self) -> None:
+        check_ring_grad_dtype(self.ring_grad_dtype)
+
+    @property
+    def ring_grad_bytes(self) -> int:
+        """Bytes per element of the engine's backward ring dK/dV messages."""
+        return ring_grad_itemsize(self.ring_grad_dtype, self.model.dtype_bytes)
 
     # ------------------------------------------------------------- compute
     def attn_efficiency(self, block: float) -> float:

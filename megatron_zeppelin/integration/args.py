@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from megatron_zeppelin.cost.model import DEFAULT_RING_GRAD_DTYPE, RING_GRAD_DTYPES
 from megatron_zeppelin.errors import ConfigError, ZeppelinError
 from megatron_zeppelin.planner.base import PLANNERS
 from megatron_zeppelin.topology import load_cluster
@@ -47,6 +48,7 @@ DEFAULTS = {
     "zeppelin_remap": "on",
     "zeppelin_decide": "on",
     "zeppelin_backend": "auto",
+    "zeppelin_ring_grad_dtype": DEFAULT_RING_GRAD_DTYPE,
     "zeppelin_data_lengths": None,
     "zeppelin_seed": None,
     "zeppelin_prefetch": "on",
@@ -93,6 +95,11 @@ def add_zeppelin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="Attention kernels: auto runs bf16/fp16 CUDA tensors on torch_flash "
                         "(PyTorch's own FlashAttention) and fp32 or CPU tensors on torch; flash "
                         "(flash-attn 2.6-2.8) and te (TransformerEngine) only when named.")
+    g.add_argument("--zeppelin-ring-grad-dtype", choices=RING_GRAD_DTYPES, default=DEFAULTS["zeppelin_ring_grad_dtype"],
+                   help="What the backward ring's dK/dV messages travel in: model (the K/V dtype, as "
+                        "TransformerEngine's CP ring sends them: half of fp32's bytes for bf16, one "
+                        "rounding per ring step) or fp32 (exact accumulation). The planner and the "
+                        "engine both follow it (docs/engine.md).")
     g.add_argument("--zeppelin-data-lengths", default=None,
                    help="Optional document lengths file (.npy or text, datasets in --data-path "
                         "order) the data must match: pins the run to the lengths you simulated.")

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from megatron_zeppelin.comm.collectives import torch_all_reduce_max
 from megatron_zeppelin.comm.groups import LaneGroups
 from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.cost.model import DEFAULT_RING_GRAD_DTYPE
 from megatron_zeppelin.errors import ConfigError, InfeasibleError
 from megatron_zeppelin.integration.args import (PLAN_ON_ONE_RANK, check_args, megatron_terms,
                                                 zeppelin_micro_batches)
@@ -229,7 +230,7 @@ class ZeppelinLoader:
     def __init__(self, *, sampler: DeferringSampler, blend: DocumentBlend,
                  make_plan: Callable[[Sequence[int]], Plan], rank: int, device: torch.device,
                  communicator: Any, backend: Any, all_reduce_max: AllReduceMax | None,
-                 prefetch: bool = True,
+                 prefetch: bool = True, ring_grad_dtype: str = DEFAULT_RING_GRAD_DTYPE,
                  on_batch: Callable[[PreparedBatch, StepContext], None] | None = None,
                  broadcast_plan: Callable[[Plan | None], Plan] | None = None,
                  tp_size: int = 1, tp_rank: int = 0, split: Split | None = None,
@@ -239,7 +240,8 @@ class ZeppelinLoader:
         hold defers its last piece to the next global batch (``note`` hears of each
         deferral), as the trainer does (``sampler/deferral.py``).  ``rank``:
         data-parallel rank (the Plan's rank).  ``all_reduce_max``: the
-        plan check (None: off).  ``on_batch``: called on the main thread with every
+        plan check (None: off).  ``ring_grad_dtype``: what the backward ring's
+        dK/dV travel in (the cost model's, ``--zeppelin-ring-grad-dtype``).  ``on_batch``: called on the main thread with every
         batch handed out and its step context (checkpoint state, plan dumps, the
         previous iteration's report).  ``broadcast_plan``: plan on one rank only
         and hand its Plan to the others (a collective that gets that rank's Plan
@@ -253,6 +255,7 @@ class ZeppelinLoader:
         hidden states come from the previous stage)."""
         self.sampler, self.blend, self.make_plan = sampler, blend, make_plan
         self.rank, self.device, self.communicator, self.backend = rank, device, communicator, backend
+        self.ring_grad_dtype = ring_grad_dtype
         self.all_reduce_max, self.on_batch, self.broadcast_plan = all_reduce_max, on_batch, broadcast_plan
         self.tp_size, self.tp_rank, self.pad_multiple = tp_size, tp_rank, pad_multiple
         self.sequence_parallel_group, self.reads_tokens = sequence_parallel_group, reads_tokens
@@ -323,6 +326,7 @@ class ZeppelinLoader:
         from megatron_zeppelin.megatron.packed import build_packed_seq_params
 
         context = StepContext(plan=p.plan, rank=self.rank, communicator=self.communicator, backend=self.backend,
+                              ring_grad_dtype=self.ring_grad_dtype,
                               tp_size=self.tp_size, tp_rank=self.tp_rank,
                               sequence_parallel_group=self.sequence_parallel_group)
         spans = p.plan.attention_spans(self.rank)
@@ -432,7 +436,7 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
     plan_cluster.topology.check_world_size(dp)
     model = model_config_from_args(args)
     routing = args.zeppelin_routing == "on"
-    cost = CostModel(plan_cluster, model, routing=routing)
+    cost = CostModel(plan_cluster, model, routing=routing, ring_grad_dtype=args.zeppelin_ring_grad_dtype)
     make_plan = build_plan_fn(args.zeppelin_planner, cost, args.zeppelin_tokens_per_gpu,
                               args.zeppelin_remap == "on", args.zeppelin_planner_time_limit, tp,
                               decide=args.zeppelin_decide == "on")
@@ -476,7 +480,7 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
         loaders.append(ZeppelinLoader(
             sampler=sampler, blend=blend, make_plan=make_plan, rank=mpu.get_data_parallel_rank(),
             device=device, communicator=communicator, backend=backend, all_reduce_max=check,
-            prefetch=args.zeppelin_prefetch == "on", split=into_micro,
+            prefetch=args.zeppelin_prefetch == "on", ring_grad_dtype=cost.ring_grad_dtype, split=into_micro,
             pad_multiple=tp if sequence_parallel else 1,
             sequence_parallel_group=mpu.get_tensor_model_parallel_group() if sequence_parallel else None,
             reads_tokens=mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage(),

@@ -15,6 +15,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 
+from megatron_zeppelin.cost.model import DEFAULT_RING_GRAD_DTYPE, RING_GRAD_DTYPES
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.integration.args import check_pipeline_flags
 from megatron_zeppelin.model_config import ModelConfig
@@ -70,6 +71,9 @@ class LaunchPreset:
     decide: bool = True
     """``--zeppelin-decide on|off``: each batch's plan picked among the decision's
     candidates by the replay's certified surrogate (on, as pretrain_gpt.py's default)."""
+    ring_grad_dtype: str = DEFAULT_RING_GRAD_DTYPE
+    """``--zeppelin-ring-grad-dtype``: what the backward ring's dK/dV travel in,
+    ``model`` (the K/V dtype, as TransformerEngine does) or ``fp32`` (exact)."""
     precision: str = "bf16"
     """bf16, fp16 or fp32."""
     recompute: str = "selective"
@@ -146,6 +150,7 @@ class LaunchPreset:
                               f"{self.tokens_per_gpu} can hold; raise tokens_per_gpu or lower seq_length")
         for key, value, allowed in (("planner", self.planner, tuple(PLANNERS)),
                                     ("precision", self.precision, PRECISIONS),
+                                    ("ring_grad_dtype", self.ring_grad_dtype, RING_GRAD_DTYPES),
                                     ("recompute", self.recompute, RECOMPUTE),
                                     ("transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)):
             if value not in allowed:

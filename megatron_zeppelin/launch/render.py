@@ -84,6 +84,7 @@ def zeppelin_args(p: LaunchPreset) -> list[str]:
     args = ["--zeppelin", "--zeppelin-planner", p.planner, "--zeppelin-tokens-per-gpu", str(p.tokens_per_gpu),
             "--zeppelin-cluster", p.cluster, "--zeppelin-routing", on_off[p.routing],
             "--zeppelin-remap", on_off[p.remap], "--zeppelin-decide", on_off[p.decide],
+            "--zeppelin-ring-grad-dtype", p.ring_grad_dtype,
             "--zeppelin-log-interval", str(p.zeppelin_log_interval)]
     if p.plan_dump_dir:
         args += ["--zeppelin-plan-dump-dir", p.plan_dump_dir]

@@ -81,7 +81,7 @@ class ZeppelinAttention(UsesStepContext, MegatronModule):
             n = query.shape[0] - p.pad_tokens  # padding rows are not the plan's
             out = plan_attention(query[:n], key[:n], value[:n], plan=c.plan, rank=c.rank,
                                  comm=c.communicator, backend=c.backend, softmax_scale=self.softmax_scale,
-                                 counter=c.attention_counter, cache=c.cache)
+                                 counter=c.attention_counter, cache=c.cache, ring_grad_dtype=c.ring_grad_dtype)
             if p.pad_tokens:
                 out = torch.cat([out, out.new_zeros((p.pad_tokens, *out.shape[1:]))])
         return out.reshape(out.shape[0], -1)

@@ -143,7 +143,7 @@ class StepSurrogate:
         self.lin_share = {False: 1.0 / ((1 + LINEAR_BWD_RATIO) * m.num_layers),
                           True: LINEAR_BWD_RATIO / ((1 + LINEAR_BWD_RATIO) * m.num_layers)}
         self.kv_numel = m.num_query_groups * m.head_dim
-        self.isz, self.acc = m.dtype_bytes, 4
+        self.isz, self.acc = m.dtype_bytes, cost.ring_grad_bytes
         self.q_heads, self.kv_heads, self.head_dim = m.num_attention_heads, m.num_query_groups, m.head_dim
         self.row_bytes = m.hidden_size * m.dtype_bytes
         self.nvl_lat, self.nvl_bw = c.nvlink.latency_us * 1e-6, c.nvlink.bandwidth_GBps * 1e9

@@ -54,7 +54,9 @@ class AttnShape:
     itemsize: int = 2
     """Bytes per element of q/k/v and outputs (K/V and Ulysses traffic travel in it)."""
     acc_itemsize: int = 4
-    """Bytes per element of the dK/dV ring traffic (accumulated in fp32, fp64 for fp64)."""
+    """Bytes per element of the dK/dV ring traffic: fp32 (fp64 for fp64) under
+    ``ring_grad_dtype: fp32``, the K/V's ``itemsize`` under ``model``
+    (``cost/model.py: ring_grad_itemsize``)."""
     local_pack_tokens: int = 512
     """Consecutive local sequences of a rank share one kernel call until it holds
     this many query rows: short sequences alone would pay a launch each, while

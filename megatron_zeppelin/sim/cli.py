@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.cost.model import DEFAULT_RING_GRAD_DTYPE, RING_GRAD_DTYPES
 from megatron_zeppelin.errors import ConfigError, InfeasibleError, ZeppelinError, brief, exit_on_user_error
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.plan import Plan
@@ -42,7 +43,7 @@ from megatron_zeppelin.sim.modeled_trace import (check_fits, from_settings, repl
                                                  write_modeled_trace)
 from megatron_zeppelin.sim.simulate import (BASELINE, STATIC, STRATEGY_NAMES, VARIANTS, SimResult, Strategy,
                                             build_strategies, collect_garbage_rarely, format_table, infeasible_notes,
-                                            sample_batches, simulate, uses_routing)
+                                            sample_batches, simulate, strategy_cost)
 from megatron_zeppelin.sim.static_layout import TRIAL_BATCHES
 from megatron_zeppelin.sim.timeline import step_timeline, transport_of
 from megatron_zeppelin.topology import load_cluster
@@ -98,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "searches its feasible static layouts, TP x CP for te_cp, and keeps the fastest "
                         "on the first batches, as a user tuning a static run would)")
     p.add_argument("--flexsp-time-limit", type=float, default=2.0, help="flexsp MILP time limit, seconds")
+    p.add_argument("--ring-grad-dtype", choices=RING_GRAD_DTYPES, default=DEFAULT_RING_GRAD_DTYPE,
+                   help="what Zeppelin's backward ring sends dK/dV in: model (the K/V dtype, as "
+                        "TransformerEngine's ring does; default) or fp32 (exact accumulation); the "
+                        "baselines keep TransformerEngine's (docs/engine.md)")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--dump-plans", type=Path, default=None,
                    help="write step{k}_{strategy}.json (the Plan JSON) into this folder")
@@ -200,12 +205,12 @@ def run_plan(args: argparse.Namespace) -> float:
     doc = _read_json(args.plan, "plan", "a Plan JSON written by --dump-plans")
     with malformed(f"plan file {str(args.plan)!r}", "a Plan JSON written by --dump-plans"):
         plan = Plan.from_dict(doc).validate()
-        cost = with_recorded_topology(CostModel(cluster, load_model(args.model), routing=True), doc.get("engine"),
-                                      args.nodes)
+        cost = with_recorded_topology(CostModel(cluster, load_model(args.model), routing=True,
+                                                ring_grad_dtype=args.ring_grad_dtype), doc.get("engine"), args.nodes)
     check_fits(plan.world_size, cost, f"plan {str(args.plan)!r}")
     attn, transport = from_settings(doc.get("engine"), cost)
     if doc.get("engine") is None and plan.strategy not in VARIANTS:
-        cost = cost.routed(uses_routing(plan.strategy))
+        cost = strategy_cost(cost, plan.strategy)
         transport = transport_of(cost)
     tl = step_timeline(plan, cost, attn=attn, transport=transport, exact=True)
     print(f"{plan.strategy}: {len(plan.seq_lens)} sequences, {sum(plan.seq_lens)} tokens on "
@@ -304,7 +309,7 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
                           f"pick 0..{args.steps - 1}")
     args.nodes = args.nodes or DEFAULT_NODES
     cluster = load_cluster(args.cluster, nodes=args.nodes)
-    cost = CostModel(cluster, load_model(args.model))
+    cost = CostModel(cluster, load_model(args.model), ring_grad_dtype=args.ring_grad_dtype)
     world = cluster.topology.world_size
     check_sequence_limits(args.max_seq_len, args.tokens_per_gpu, world, f"{world} GPUs")
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
@@ -347,7 +352,8 @@ def _setup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Strategy], li
               "te_cp_cp_size": cp_size, "te_cp_tp_size": te.tp_size if te is not None else None,
               "static_layouts": layouts, "tp_sizes": {s.name: s.tp_size for s in strategies},
               "flexsp_time_limit_s": args.flexsp_time_limit,
-              "micro_batches": args.micro_batches, "moe": cost.model.moe_summary}  # what the simulator models
+              "micro_batches": args.micro_batches, "moe": cost.model.moe_summary,
+              "ring_grad_dtype": cost.ring_grad_dtype}  # what the simulator models
     return config, strategies, batches, split
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.cost.model import DEFAULT_RING_GRAD_DTYPE
 from megatron_zeppelin.cost.tp import tp_view
 from megatron_zeppelin.errors import ConfigError, InfeasibleError
 from megatron_zeppelin.plan import Plan, TierCounts
@@ -87,6 +88,14 @@ def uses_routing(name: str) -> bool:
     return variant is not None and variant.routing
 
 
+def strategy_cost(cost: CostModel, name: str) -> CostModel:
+    """``cost`` as strategy ``name`` runs: the routing layer per :func:`uses_routing`;
+    dK/dV ring messages in ``cost.ring_grad_dtype`` for Zeppelin's variants, in
+    the K/V dtype for the baselines (TransformerEngine's ring, as their users run it)."""
+    grad = cost.ring_grad_dtype if name in VARIANTS else DEFAULT_RING_GRAD_DTYPE
+    return replace(cost, routing=uses_routing(name), ring_grad_dtype=grad)
+
+
 def te_cp_size(max_seq_len: int, tokens_per_gpu: int) -> int:
     """Smallest power of two ``c`` with ``max_seq_len / c <= tokens_per_gpu``:
     the CP size a static-CP user must pick so the longest sequence fits."""
@@ -108,7 +117,7 @@ def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | No
                      layout_batches: Sequence[Sequence[int]] | None = None, max_seq_len: int | None = None,
                      tokens_per_gpu: int | None = None, time_limit_s: float = 1.0,
                      fits: FitsMemory | None = None) -> list[Strategy]:
-    """Strategies by name (:func:`uses_routing` says which cost model each gets).
+    """Strategies by name (:func:`strategy_cost` says which cost model each gets).
     Zeppelin's variants (:data:`VARIANTS`) run its planner with their layers.
 
     The static baselines (:data:`STATIC`) get the layout a competent user would
@@ -131,7 +140,7 @@ def build_strategies(names: Sequence[str], cost: CostModel, *, cp_size: int | No
                                        tokens_per_gpu, time_limit_s, fits)
     for name in names:
         variant = VARIANTS.get(name)
-        routed = cost.routed(uses_routing(name))
+        routed = strategy_cost(cost, name)
         if variant is not None and zeppelin_tp is not None and zeppelin_tp.infeasible is None:
             tp = zeppelin_tp.tp_size     # the TP size the full Zeppelin runs best with, for every variant
             strategies.append(Strategy(name, get_planner("zeppelin"), tp_view(routed, tp) if tp > 1 else routed,

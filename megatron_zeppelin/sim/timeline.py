@@ -149,10 +149,11 @@ def _inter_link(cost: CostModel, rank: int) -> tuple[int, int]:
 
 def step_shape(cost: CostModel, remap: bool) -> StepShape:
     """The step shape of ``cost``'s model: heads and dtypes as the engine sends them
-    (K/V and outputs in the model dtype, dK/dV in fp32)."""
+    (K/V and outputs in the model dtype, dK/dV as ``cost.ring_grad_dtype`` says)."""
     m = cost.model
     return StepShape(num_layers=m.num_layers,
-                     attn=AttnShape(m.num_attention_heads, m.num_query_groups, m.head_dim, m.dtype_bytes, 4),
+                     attn=AttnShape(m.num_attention_heads, m.num_query_groups, m.head_dim, m.dtype_bytes,
+                                    cost.ring_grad_bytes),
                      hidden_size=m.hidden_size, remap=remap)
 
 
@@ -175,7 +176,7 @@ def step_parts(plan: Plan, cost: CostModel, *, pack: bool = False, attn: AttnSha
     elif plan.strategy in TE_RING_STRATEGIES:
         # TE's p2p ring (AttnFuncWithCPAndKVP2P.backward, non-FP8) sends dK/dV in
         # the K/V dtype: one buffer of two K/V-shaped halves per step, so its
-        # backward moves twice the forward's bytes, not the engine's fp32 dK/dV.
+        # backward moves twice the forward's bytes whatever cost.ring_grad_dtype says.
         shape = dataclasses.replace(shape, attn=dataclasses.replace(shape.attn, acc_itemsize=shape.attn.itemsize))
     transport = transport or transport_of(cost)
     if not plan.routed:          # the plan runs every crossing direct (Plan.routed), as the engine does

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from megatron_zeppelin.cost.model import DEFAULT_RING_GRAD_DTYPE, RING_GRAD_DTYPES, check_ring_grad_dtype
 from megatron_zeppelin.errors import ConfigError
 from megatron_zeppelin.model_config import ModelConfig, load_model
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
@@ -64,6 +65,10 @@ class TrainConfig:
     no cost worth modelling, so every cross-node message exercises the routing."""
     remap: bool = True
     """Token-balanced linear layout through the remapping layer (Zeppelin only)."""
+    ring_grad_dtype: str = DEFAULT_RING_GRAD_DTYPE
+    """What Zeppelin's backward ring sends dK/dV in: ``model`` (the K/V dtype, as
+    TransformerEngine does) or ``fp32`` (exact accumulation); the baselines keep
+    TransformerEngine's ``model`` (:attr:`engine_ring_grad_dtype`)."""
     batch_fill: float = DEFAULT_BATCH_FILL
     """Fraction of the cluster's token capacity a global batch fills (slack lets
     every strategy place every batch)."""
@@ -114,6 +119,13 @@ class TrainConfig:
     """No progress bar / per-step console line."""
 
     @property
+    def engine_ring_grad_dtype(self) -> str:
+        """The ring-gradient dtype the engine and the planner's cost model use:
+        ``--ring-grad-dtype`` for Zeppelin, TransformerEngine's ``model`` for the
+        baselines (as their users run them)."""
+        return self.ring_grad_dtype if self.strategy == "zeppelin" else DEFAULT_RING_GRAD_DTYPE
+
+    @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
@@ -149,6 +161,7 @@ class TrainConfig:
         check_float(self.lr, "--lr", positive=True)
         check_float(self.timeout_s, "--timeout", positive=True)
         check_float(self.batch_fill, "--batch-fill", positive=True, maximum=1)
+        check_ring_grad_dtype(self.ring_grad_dtype)
         if self.min_routed_bytes is not None:
             check_float(self.min_routed_bytes, "--min-routed-bytes", minimum=0)
         model = load_model(self.model)
@@ -303,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remap", type=_on_off, default=True, metavar="on|off",
                    help="token-balanced layout for the MLPs (default on; zeppelin only: the baselines run "
                         "their MLPs on their attention layout)")
+    p.add_argument("--ring-grad-dtype", choices=RING_GRAD_DTYPES, default=DEFAULT_RING_GRAD_DTYPE,
+                   help="what the backward ring's dK/dV messages travel in: model (the K/V dtype, as "
+                        "TransformerEngine sends them; default) or fp32 (exact accumulation, twice a bf16 "
+                        "model's backward ring bytes); zeppelin only: the baselines keep TransformerEngine's")
     p.add_argument("--batch-fill", type=float, default=DEFAULT_BATCH_FILL,
                    help=f"global batch = this x tokens-per-gpu x world tokens (default {DEFAULT_BATCH_FILL})")
     p.add_argument("--tp", type=int, default=1, metavar="N",
@@ -350,7 +367,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         strategy=a.strategy, model=a.model,
         lengths=None if a.lengths is None else str(resolve_lengths(a.lengths)), data=a.data, max_seq_len=a.max_seq_len,
         tokens_per_gpu=a.tokens_per_gpu, steps=a.steps, seed=a.seed, lr=a.lr, dtype=a.dtype,
-        routing=a.routing, min_routed_bytes=a.min_routed_bytes, remap=a.remap, batch_fill=a.batch_fill,
+        routing=a.routing, min_routed_bytes=a.min_routed_bytes, remap=a.remap, ring_grad_dtype=a.ring_grad_dtype,
+        batch_fill=a.batch_fill,
         tp=a.tp, pp=a.pp, sequence_parallel=a.sequence_parallel, ep=a.ep, micro_batches=a.micro_batches,
         batches_of=a.batches_of, json_log=a.json_log, append_log=a.append_log, save=a.save,
         save_interval=a.save_interval, load=a.load,

@@ -58,7 +58,7 @@ def make_split(cfg: TrainConfig, cluster: ClusterConfig) -> Split:
     data-parallel ranks' view of ``cluster`` (of one pipeline stage), with the run's routing and experts
     (the check before start-up and the ranks must split alike)."""
     cost = CostModel(data_parallel_stage_view(cluster, cfg.world_size, cfg.tp, cfg.pp, tp_rank=0),
-                     cfg.model_config(), routing=cfg.routing)
+                     cfg.model_config(), routing=cfg.routing, ring_grad_dtype=cfg.engine_ring_grad_dtype)
     return micro_batch_split(cfg.micro_batches, tokens_per_gpu=cfg.tokens_per_gpu,
                              data_parallel_size=cfg.data_parallel_size, max_seq_len=cfg.max_seq_len,
                              batch_fill=cfg.batch_fill, cost=cost)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_zeppelin.attention.backends import AttentionBackend, get_backend
 from megatron_zeppelin.attention.engine import AttentionCounter
+from megatron_zeppelin.attention.ring import ring_grad_wire_dtype
 from megatron_zeppelin.comm.base import ByteCounters, Communicator
 from megatron_zeppelin.comm.collectives import torch_all_reduce_max
 from megatron_zeppelin.cost import CostModel
@@ -153,7 +154,7 @@ def pipeline_cost(cfg: TrainConfig, cluster: ClusterConfig) -> CostModel:
     """The cost model that orders a global batch's micro-batches under ``--pp``:
     one stage's data-parallel ranks, the run's routing."""
     return CostModel(data_parallel_stage_view(cluster, cfg.world_size, cfg.tp, cfg.pp, tp_rank=0), cfg.model_config(),
-                     routing=routing_on(cfg))
+                     routing=routing_on(cfg), ring_grad_dtype=cfg.engine_ring_grad_dtype)
 
 
 def make_communicator(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfig,
@@ -195,7 +196,7 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
         return make_reference_planner(cfg, cluster, model_cfg)
     planner = get_planner(cfg.strategy)
     # Without the remapping layer the linear modules see the attention layout.
-    cost = CostModel(cluster, model_cfg, routing=routing_on(cfg))
+    cost = CostModel(cluster, model_cfg, routing=routing_on(cfg), ring_grad_dtype=cfg.engine_ring_grad_dtype)
     # --remap on means remap every batch; Zeppelin still picks, by the model, the
     # plan for routed or direct crossings.
     ctx = PlanContext(cost=cost, tokens_per_gpu=cfg.tokens_per_gpu, tp_size=cfg.tp, remap_enabled=remap,
@@ -294,7 +295,7 @@ def engine_attn_shape(run: Run) -> AttnShape:
     m = run.model_cfg
     dtype = next(run.model.parameters()).dtype
     return AttnShape(m.num_attention_heads, m.num_query_groups, m.head_dim, dtype.itemsize,
-                     torch.promote_types(dtype, torch.float32).itemsize)
+                     ring_grad_wire_dtype(dtype, run.cfg.engine_ring_grad_dtype).itemsize)
 
 
 def dump_step_trace(run: Run, plan: Plan, recorder: StepRecorder, suffix: str) -> None:
@@ -332,6 +333,7 @@ def step_context(run: Run, plan: Plan, pairs: AttentionCounter) -> StepContext:
     """What the Zeppelin modules of this rank need to run ``plan``."""
     return StepContext(plan=None if plan.strategy == REFERENCE else plan, rank=run.dp_rank,
                        communicator=run.comm, backend=run.backend, attention_counter=pairs,
+                       ring_grad_dtype=run.cfg.engine_ring_grad_dtype,
                        remap_counters=run.remap_counters, tp_size=run.cfg.tp, tp_rank=run.rank % run.cfg.tp,
                        sequence_parallel_group=sequence_parallel_group(run.cfg.sequence_parallel))
 
@@ -521,7 +523,8 @@ def describe(run: Run) -> str:
     on = {True: "on", False: "off"}
     features = ("plain attention, no communication" + (f", the batches of {cfg.batches_of}" if cfg.batches_of else "")
                 if cfg.strategy == REFERENCE else
-                f"{type(run.backend).__name__} kernels, routing {on[routing_on(cfg)]}, remap {on[run.remap]}")
+                f"{type(run.backend).__name__} kernels, routing {on[routing_on(cfg)]}, remap {on[run.remap]}, "
+                f"dK/dV ring messages in {cfg.engine_ring_grad_dtype}")
     if cfg.tp > 1:
         features += f", TP {cfg.tp}" + (" with sequence parallelism" if cfg.sequence_parallel else "")
     if cfg.pp > 1:

@@ -73,13 +73,13 @@ def reference(seqs) -> list[tuple[torch.Tensor, ...]]:
 
 
 def expected_bytes(plan: Plan, topo: Topology, rank: int, hq: int, hk: int, d: int, itemsize: int,
-                   backward: bool) -> ByteCounters:
+                   backward: bool, grad_itemsize: int = 4) -> ByteCounters:
     """Bytes ``rank`` sends in one forward (or backward) pass of ``plan``.
 
     Ring of k, position j, next position j+1, shard sizes n_i, length L: forward
     passes on every K/V block but the next position's own, ``2*hk*d*(L - n_{j+1})``
-    elements; backward does the same plus every owner's dK/dV once in float32,
-    ``2*hk*d*L``.  Ulysses group of g, position a: Q/K/V of its rows to the other
+    elements; backward does the same plus every owner's dK/dV once,
+    ``2*hk*d*L`` elements of ``grad_itemsize`` bytes.  Ulysses group of g, position a: Q/K/V of its rows to the other
     heads' owners, outputs of their rows back (``hq/g`` heads per owner); backward
     mirrors it (dO out, dQ/dK/dV back)."""
     c = ByteCounters()
@@ -100,7 +100,7 @@ def expected_bytes(plan: Plan, topo: Topology, rank: int, hq: int, hk: int, d: i
             nxt = p.ranks[(j + 1) % k]
             add(nxt, 2 * hk * d * (L - n[(j + 1) % k]) * itemsize)
             if backward:
-                add(nxt, 2 * hk * d * L * 4)
+                add(nxt, 2 * hk * d * L * grad_itemsize)
         else:
             qh, kh = hq // k, hk // k
             for b, dst in enumerate(p.ranks):

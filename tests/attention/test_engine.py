@@ -126,6 +126,70 @@ def test_bf16_routed_equals_direct(world):
             assert torch.equal(a, b), f"rank {rank} {name} differs between routed and direct transport"
 
 
+def _grad_dtype_case(rank, world_size, plan, topo, dtype, ring_grad_dtype):
+    seqs = random_sequences(plan, HQ, HK, D, dtype, 12)
+    q, k, v, dout = (shard_sequences(plan, rank, [s[i] for s in seqs]) for i in range(4))
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    comm = DirectCommunicator(None, topology=topo)
+    out = plan_attention(q, k, v, plan=plan, rank=rank, comm=comm, backend="torch", ring_grad_dtype=ring_grad_dtype)
+    sent_forward = (comm.counters.intra_node, dict(comm.counters.inter_node_per_nic))
+    comm.counters.reset()
+    out.backward(dout)
+    sent_backward = (comm.counters.intra_node, dict(comm.counters.inter_node_per_nic))
+    expected = [shard_sequences(plan, rank, [r[i] for r in reference(seqs)]) for i in range(4)]
+    return (out.detach(), q.grad, k.grad, v.grad), expected, sent_forward, sent_backward
+
+
+def _ring_plan():
+    """An inter-node ring of 4 (3 roundings of the first owner's dK/dV under
+    ``model``), an intra-node ring of 2 and local sequences, on 2 x 4 GPUs."""
+    spec = [(40, Mode.RING, [0, 1, 4, 5]), (24, Mode.RING, [2, 3]), (7, Mode.LOCAL, [6]), (5, Mode.LOCAL, [7])]
+    return make_plan(8, 4, [L for L, _, _ in spec], [placement(i, L, m, r) for i, (L, m, r) in enumerate(spec)])
+
+
+def _assert_bytes(plan, topo, rank, sent, itemsize, grad_itemsize, backward):
+    want = expected_bytes(plan, topo, rank, HQ, HK, D, itemsize, backward, grad_itemsize)
+    intra, inter = sent
+    assert intra == want.intra_node
+    assert {n: b for n, b in inter.items() if b} == want.inter_node_per_nic
+
+
+@pytest.mark.parametrize("ring_grad_dtype, grad_itemsize", [("model", 2), ("fp32", 4)])
+def test_bf16_ring_gradients_travel_in_the_ring_grad_dtype(world, ring_grad_dtype, grad_itemsize):
+    """bf16 q/k/v: out and every gradient within bf16 precision of plain attention
+    under both settings; the backward ring's dK/dV bytes are the K/V dtype's under
+    ``model`` (half of fp32's), fp32's under ``fp32``; the forward is unchanged."""
+    topo, plan = TOPOS["2x4"], _ring_plan()
+    for rank, (got, expected, fwd, bwd) in enumerate(world.run(_grad_dtype_case, plan, topo, torch.bfloat16,
+                                                                ring_grad_dtype)):
+        for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
+            assert g.dtype == torch.bfloat16
+            torch.testing.assert_close(g.float(), e, atol=2e-2, rtol=2e-2, msg=lambda m: f"rank {rank} {name}: {m}")
+        _assert_bytes(plan, topo, rank, fwd, 2, grad_itemsize, backward=False)
+        _assert_bytes(plan, topo, rank, bwd, 2, grad_itemsize, backward=True)
+
+
+def test_fp32_models_are_identical_under_both_ring_grad_dtypes(world):
+    """An fp32 model's dK/dV travel in fp32 either way: the same bits, the same bytes."""
+    topo, plan = TOPOS["2x4"], _ring_plan()
+    model, fp32 = (world.run(_grad_dtype_case, plan, topo, torch.float32, s) for s in ("model", "fp32"))
+    for rank, (a, b) in enumerate(zip(model, fp32)):
+        assert all(torch.equal(x, y) for x, y in zip(a[0], b[0])), f"rank {rank} differs"
+        assert a[2:] == b[2:]
+        _assert_bytes(plan, topo, rank, a[3], 4, 4, backward=True)
+
+
+def test_the_engine_and_the_cost_model_agree_on_the_ring_grad_bytes():
+    from megatron_zeppelin.attention.engine import attn_shape
+    from megatron_zeppelin.cost.model import RING_GRAD_DTYPES, ring_grad_itemsize
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        q, k = torch.zeros(3, HQ, D, dtype=dtype), torch.zeros(3, HK, D, dtype=dtype)
+        for setting in RING_GRAD_DTYPES:
+            assert attn_shape(q, k, setting).acc_itemsize == ring_grad_itemsize(setting, dtype.itemsize)
+    assert [ring_grad_itemsize(s, 2) for s in RING_GRAD_DTYPES] == [2, 4]
+
+
 def test_a_plan_that_runs_direct_gets_no_routed_hops():
     """``Plan.routed = False`` on a routing communicator: the engine's schedule of
     an inter-node ring holds no dispatch/NIC/combine hops, the routed plan does."""

@@ -132,13 +132,17 @@ def test_packed_rings_of_every_ring_schedule_as_te_cps_packing():
     assert ops(plan, False) != ops(plan, True)
 
 
-def _bf16_case(rank, world_size, plan):
-    return run_plan(rank, plan, TOPO, 5, dtype=torch.bfloat16)
+def _bf16_case(rank, world_size, plan, ring_grad_dtype):
+    return run_plan(rank, plan, TOPO, 5, dtype=torch.bfloat16, ring_grad_dtype=ring_grad_dtype)
 
 
-def test_packed_ring_bf16_inputs(world):
-    """bf16 in and out, fp32 accumulation (dK/dV travel in fp32): close to the fp32 reference at bf16 precision."""
+@pytest.mark.parametrize("ring_grad_dtype, grad_itemsize", [("model", 2), ("fp32", 4)])
+def test_packed_ring_bf16_inputs(world, ring_grad_dtype, grad_itemsize):
+    """bf16 in and out, fp32 accumulation within a rank, the packed dK/dV messages
+    in bf16 (``model``) or fp32: close to the fp32 reference at bf16 precision,
+    the backward bytes those of the ring-gradient dtype."""
     plan = packed_plan("mixed-inter")
-    for rank, (got, expected, bytes_, counter) in enumerate(world.run(_bf16_case, plan)):
+    for rank, (got, expected, bytes_, counter) in enumerate(world.run(_bf16_case, plan, ring_grad_dtype)):
         assert got[0].dtype == torch.bfloat16
-        check_rank(plan, TOPO, rank, got, expected, bytes_, counter, itemsize=2, tol=3e-2)
+        check_rank(plan, TOPO, rank, got, expected, bytes_, counter, itemsize=2, tol=3e-2,
+                   grad_itemsize=grad_itemsize)

@@ -20,14 +20,15 @@ HQ, HK, D = 8, 4, 4
 world = world_fixture(8)
 
 
-def run_plan(rank, plan, topo, seed, dtype=torch.float32, backend="torch"):
+def run_plan(rank, plan, topo, seed, dtype=torch.float32, backend="torch", ring_grad_dtype="model"):
     """This rank's (out, dq, dk, dv, expected..., counters) for ``plan`` on the world."""
     seqs = random_sequences(plan, HQ, HK, D, dtype, seed)
     q, k, v, dout = (shard_sequences(plan, rank, [s[i] for s in seqs]) for i in range(4))
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     comm = DirectCommunicator(None, topology=topo)
     counter = AttentionCounter()
-    out = plan_attention(q, k, v, plan=plan, rank=rank, comm=comm, backend=backend, counter=counter)
+    out = plan_attention(q, k, v, plan=plan, rank=rank, comm=comm, backend=backend, counter=counter,
+                         ring_grad_dtype=ring_grad_dtype)
     fwd_bytes = (comm.counters.intra_node, dict(comm.counters.inter_node_per_nic))
     comm.counters.reset()
     out.backward(dout)
@@ -37,11 +38,12 @@ def run_plan(rank, plan, topo, seed, dtype=torch.float32, backend="torch"):
     return (out.detach(), q.grad, k.grad, v.grad), expected, (fwd_bytes, bwd_bytes), counter
 
 
-def check_rank(plan, topo, rank, got, expected, bytes_, counter, itemsize=4, tol=1e-5):
+def check_rank(plan, topo, rank, got, expected, bytes_, counter, itemsize=4, tol=1e-5, grad_itemsize=None):
+    """``grad_itemsize``: what dK/dV travel in (None: the K/V's, ``ring_grad_dtype`` model)."""
     for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
         torch.testing.assert_close(g, e.to(g.dtype), atol=tol, rtol=tol, msg=lambda m: f"rank {rank} {name}: {m}")
     for backward, (intra, inter) in enumerate(bytes_):
-        want = expected_bytes(plan, topo, rank, HQ, HK, D, itemsize, bool(backward))
+        want = expected_bytes(plan, topo, rank, HQ, HK, D, itemsize, bool(backward), grad_itemsize or itemsize)
         assert (intra, {n: b for n, b in inter.items() if b}) == (want.intra_node, want.inter_node_per_nic)
     pairs = plan.attn_pairs_per_rank()[rank]
     assert (counter.forward_pairs, counter.backward_pairs) == (pairs, pairs)
@@ -78,7 +80,8 @@ def _bf16_case(rank, world_size, plan):
 
 
 def test_ring_bf16_inputs(world):
-    """bf16 in and out, fp32 accumulation: close to the fp32 reference at bf16 precision."""
+    """bf16 in and out, fp32 accumulation within a rank, dK/dV in bf16 between
+    ranks: close to the fp32 reference at bf16 precision."""
     plan = make_plan(8, 4, [24], [placement(0, 24, Mode.RING, [0, 1, 4, 5])])
     for rank, (got, expected, bytes_, counter) in enumerate(world.run(_bf16_case, plan)):
         assert got[0].dtype == torch.bfloat16

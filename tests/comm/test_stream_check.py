@@ -142,6 +142,19 @@ def test_harness_plans_under_delays_have_no_violation(case):
     assert streams.kernels > 50
 
 
+@pytest.mark.parametrize("case", [2, 4])
+def test_bf16_dkv_rounded_on_the_lane_has_no_violation(case):
+    """bf16 rings under the default ring_grad_dtype (model): each dK/dV sum is
+    rounded to bf16 on the lane that sends it (a tensor made on that lane, read by
+    a routed message's other lane): 0 violations, within bf16 tolerance."""
+    streams = RecordingStreams()
+    plan_case = stream_checks.cases(3)[case]
+    h = stream_checks.Harness(plan_case, torch.device("cpu"), torch.bfloat16, streams, Delays(), (4, 2, 8))
+    assert max(h.errors(h.run()).values()) < stream_checks.TOLERANCE[torch.bfloat16]
+    streams.check()
+    assert streams.kernels > 50
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_random_plans_on_threads_have_no_violation(seed):
     """Random plans over 2 nodes x 2 GPUs (every tier, Ulysses), routing on and off."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -168,3 +170,20 @@ def test_ulysses_costs_for_arrays_equal_the_scalar_formula_bit_for_bit(cluster, 
         assert packed.compute_s == compute
         assert c.ulysses_cost(lengths[:200], d, link, latency=False).transfer_s == transfer
     assert c.ulysses_cost([], 4, c.cluster.nvlink, latency=False).total_s == 0
+
+
+def test_the_ring_grad_dtype_sets_the_dkv_bytes_and_refuses_other_values():
+    from megatron_zeppelin.errors import ConfigError
+    from megatron_zeppelin.sim.simulate import strategy_cost
+
+    cost = CostModel(load_cluster("h100-8x400g"), load_model("llama-7b"))
+    fp32 = dataclasses.replace(cost, ring_grad_dtype="fp32")
+    assert (cost.ring_grad_dtype, cost.ring_grad_bytes, fp32.ring_grad_bytes) == ("model", 2, 4)
+    fp32_model = dataclasses.replace(cost.model, dtype_bytes=4)
+    assert CostModel(cost.cluster, fp32_model).ring_grad_bytes == CostModel(cost.cluster, fp32_model,
+                                                                            ring_grad_dtype="fp32").ring_grad_bytes == 4
+    with pytest.raises(ConfigError, match="'bf16' is not one of model, fp32"):
+        dataclasses.replace(cost, ring_grad_dtype="bf16")
+    # Zeppelin's variants follow the setting; the baselines keep TransformerEngine's.
+    assert [strategy_cost(fp32, n).ring_grad_dtype for n in ("zeppelin", "zeppelin_base", "te_cp",
+                                                             "megatron_hybrid_cp")] == ["fp32", "fp32", "model", "model"]

@@ -50,7 +50,8 @@ def test_defaults_and_values():
 
 
 @pytest.mark.parametrize("argv", [["--zeppelin-planner", "ring"], ["--zeppelin-routing", "yes"],
-                                  ["--zeppelin-tokens-per-gpu", "lots"], ["--zeppelin-backend", "cudnn"]])
+                                  ["--zeppelin-tokens-per-gpu", "lots"], ["--zeppelin-backend", "cudnn"],
+                                  ["--zeppelin-ring-grad-dtype", "bf16"]])
 def test_bad_values_rejected_by_argparse(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         parse(argv)

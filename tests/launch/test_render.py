@@ -155,6 +155,7 @@ def test_unknown_and_missing_keys_are_named(tmp_path):
     ("seq_length: 5000\n", "seq_length 5000 is longer"),
     ("planner: ring\n", "planner 'ring'"),
     ("recompute: some\n", "recompute 'some'"),
+    ("ring_grad_dtype: bf16\n", "ring_grad_dtype 'bf16' is not one of model, fp32"),
     ("tokenizer_type: HuggingFaceTokenizer\n", "needs tokenizer_model"),
     ("data_path: []\n", "data_path is empty"),
 ])

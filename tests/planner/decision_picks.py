@@ -64,7 +64,8 @@ class Case:
     def context(self) -> PlanContext:
         cluster = load_cluster(HERE / "golden" / "clusters" / f"{self.cluster}.yaml")
         cluster = cluster.with_nodes(max(self.gpus // cluster.topology.gpus_per_node, 1))
-        cost = CostModel(cluster, load_model(self.model)).routed(self.routing)
+        # Recorded when the engine sent dK/dV only in fp32: the goldens pin that setting.
+        cost = CostModel(cluster, load_model(self.model), ring_grad_dtype="fp32").routed(self.routing)
         return PlanContext(cost=cost, tokens_per_gpu=self.cap, remap_enabled=self.remap,
                            remap_decided=self.remap_decided, step_model=surrogate_clock(cost))
 

@@ -188,6 +188,7 @@ def _bad_inputs(tmp: Path, lengths_file: Path) -> dict[str, tuple[list[str], str
         "same-outputs": ([*ok, "--json", str(tmp / "r.png"), "--plot", str(tmp / "r.png")], "both write"),
         "micro-zero": ([*ok, "--micro-batches", "0"], "--micro-batches"),
         "micro-empty": ([*ok, "--tokens-per-batch", "16384", "--micro-batches", "200"], "empty"),
+        "ring-grad-dtype": ([*ok, "--ring-grad-dtype", "bf16"], "'model', 'fp32'"),
     }
 
 
@@ -195,7 +196,7 @@ def _bad_inputs(tmp: Path, lengths_file: Path) -> dict[str, tuple[list[str], str
                                   "model", "strategy", "cap", "nics", "steps", "fill", "plot-step", "flag",
                                   "not-a-number",
                                   "json-dir", "micro-zero", "micro-empty", "json-input", "one-token",
-                                  "same-outputs"])
+                                  "same-outputs", "ring-grad-dtype"])
 def test_bad_inputs_exit_2_with_one_line(case, lengths_file, tmp_path, capsys):
     """In-process for speed: any exception but SystemExit(2) fails the test."""
     args, fragment = _bad_inputs(tmp_path, lengths_file)[case]
@@ -268,3 +269,16 @@ def test_modeled_trace_holds_every_rank_and_replays(lengths_file, tmp_path):
         assert last.startswith("step_time_s=")
         values.append(float(last.split("=", 1)[1]))
     assert values[0] > 0 and values[0] == values[1]
+
+
+@pytest.mark.parametrize("ring_grad_dtype, acc_itemsize", [("model", 2), ("fp32", 4)])
+def test_the_ring_grad_dtype_is_recorded_in_the_json_and_the_trace(ring_grad_dtype, acc_itemsize, lengths_file,
+                                                                   tmp_path, capsys):
+    """--ring-grad-dtype reaches the run's record (--json config) and the modeled
+    trace's engine settings (acc_itemsize: the bytes dK/dV travel in, bf16 model)."""
+    main(["--no-progress", *TINY, "--lengths", str(lengths_file), "--strategies", "zeppelin", "--steps", "1",
+          "--ring-grad-dtype", ring_grad_dtype, "--json", str(tmp_path / "r.json"), "--trace", str(tmp_path / "t.json")])
+    capsys.readouterr()
+    assert json.loads((tmp_path / "r.json").read_text())["config"]["ring_grad_dtype"] == ring_grad_dtype
+    engine = json.loads((tmp_path / "t.json").read_text())["otherData"]["engine"]
+    assert (engine["itemsize"], engine["acc_itemsize"]) == (2, acc_itemsize)

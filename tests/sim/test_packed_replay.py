@@ -1,5 +1,6 @@
 """A Zeppelin plan with packed rings replays as te_cp's: the same schedule, so
-the simulator times what the engine now runs (only TE's bf16 dK/dV differs)."""
+the simulator times what the engine now runs (under ring_grad_dtype fp32 only
+TE's bf16 dK/dV differ)."""
 
 from __future__ import annotations
 
@@ -8,30 +9,32 @@ import dataclasses
 import pytest
 
 from megatron_zeppelin.plan import rings_by_ranks
-from megatron_zeppelin.sim.timeline import step_parts, step_shape, step_timeline
+from megatron_zeppelin.sim.timeline import step_parts, step_timeline
 from tests.sim.test_timeline import RING, make_cost, make_plan
 
 LENS = [8192, 4096, 2048, 1000]
 PLACES = [(RING, (0, 2)), (RING, (0, 2)), (RING, (2, 0)), (RING, (0, 2))]
 
 
-def test_packed_rings_replay_as_te_cp_but_for_the_dkv_dtype():
+def test_packed_rings_replay_as_te_cp_under_the_model_ring_grad_dtype():
     cost = make_cost()
+    fp32 = dataclasses.replace(cost, ring_grad_dtype="fp32")
     plan = make_plan(cost, LENS, PLACES)
     packed = dataclasses.replace(plan, strategy="zeppelin", packed_rings=rings_by_ranks(plan.attention)).validate()
     te = dataclasses.replace(plan, strategy="te_cp")
     assert packed.packed_rings == ((0, 1, 3),)           # (2, 0) is another ring order: not packed with them
 
-    def ops(p, **kw):
+    def ops(p, c, **kw):
         return [[(o.kind, o.rank, o.peer, o.nbytes, o.pairs, o.block, o.deps) for o in s.ops]
-                for _, *segs in step_parts(p, cost, **kw) for s in segs]
+                for _, *segs in step_parts(p, c, **kw) for s in segs]
 
-    shape = step_shape(cost, False).attn
-    te_dtype = dataclasses.replace(shape, acc_itemsize=shape.itemsize)
-    # The engine's packed plan with TE's dK/dV bytes is te_cp's schedule, op for op, and its step.
-    assert ops(packed, attn=te_dtype) == ops(te, pack=True)
-    assert step_timeline(packed, cost, attn=te_dtype).step_s == step_timeline(te, cost).step_s
-    # fp32 dK/dV (the engine's) cost more; unpacked rings time differently.
-    assert step_timeline(packed, cost).step_s > step_timeline(te, cost).step_s
+    # Under ring_grad_dtype model (the default: TE's dK/dV bytes) the engine's
+    # packed plan is te_cp's schedule, op for op, and its step.
+    assert cost.ring_grad_dtype == "model"
+    assert ops(packed, cost) == ops(te, cost, pack=True)
+    assert step_timeline(packed, cost).step_s == step_timeline(te, cost).step_s
+    # fp32 dK/dV cost the engine more (te_cp keeps TE's); unpacked rings time differently.
+    assert ops(te, fp32, pack=True) == ops(te, cost, pack=True)
+    assert step_timeline(packed, fp32).step_s > step_timeline(te, fp32).step_s
     assert step_timeline(packed, cost).step_s != pytest.approx(step_timeline(dataclasses.replace(
         packed, packed_rings=()), cost).step_s)

@@ -71,7 +71,9 @@ def _waiting(tl, rank):
 
 def test_local_work_fills_the_gaps_of_an_inter_node_ring():
     cost = make_cost()
-    L, short = 8192, 1024
+    # short enough for one step's gap of each pass (under bf16 dK/dV a backward
+    # step's gap is shorter than under fp32, where 1024 tokens fitted)
+    L, short = 8192, 512
     alone = step_timeline(make_plan(cost, [L], [(RING, (0, 2))]), cost)
     filled = step_timeline(make_plan(cost, [L, short], [(RING, (0, 2)), (LOCAL, (0,))]), cost)
     local = cost.local_attn_s(short)
@@ -115,10 +117,12 @@ def test_te_cp_packs_identical_rank_tuples_into_one_ring():
     assert step_timeline(te, cost).step_s != pytest.approx(step_timeline(zeppelin, cost).step_s)
 
 
-def test_te_cp_ring_sends_dkv_in_the_kv_dtype():
+@pytest.mark.parametrize("ring_grad_dtype, zeppelin_ratio", [("model", 1), ("fp32", 2)])
+def test_backward_ring_bytes_follow_the_ring_grad_dtype(ring_grad_dtype, zeppelin_ratio):
     # TransformerEngine's p2p ring (non-FP8) carries dK/dV in the K/V buffer's
-    # dtype; Zeppelin's engine accumulates and sends them in fp32.
-    cost = make_cost()
+    # dtype whatever the setting; Zeppelin's engine sends them as the setting
+    # says: the bf16 K/V dtype under model, fp32 (twice the bytes) under fp32.
+    cost = dataclasses.replace(make_cost(), ring_grad_dtype=ring_grad_dtype)
     zeppelin = make_plan(cost, [8192, 4096], [(RING, (0, 2)), (RING, (0, 2))])
     te = dataclasses.replace(zeppelin, strategy="te_cp")
 
@@ -132,7 +136,22 @@ def test_te_cp_ring_sends_dkv_in_the_kv_dtype():
 
     te_sizes, zeppelin_sizes = sizes(te), sizes(zeppelin)
     assert te_sizes["dkv"] == te_sizes["kv"]                                   # one K/V-shaped half each
-    assert {2 * n for n in zeppelin_sizes["kv"]} == zeppelin_sizes["dkv"]     # fp32 vs bf16
+    assert {zeppelin_ratio * n for n in zeppelin_sizes["kv"]} == zeppelin_sizes["dkv"]
+    assert cost.model.dtype_bytes == 2 and cost.ring_grad_bytes == 2 * zeppelin_ratio
+
+
+def test_the_surrogate_and_the_replay_price_the_same_ring_grad_bytes():
+    """Both clocks read ``CostModel.ring_grad_bytes``: a ring over both nodes,
+    bound by its transfers, takes longer under fp32 dK/dV in each, by the same."""
+    from megatron_zeppelin.planner.surrogate import StepSurrogate
+
+    model = make_cost(routing=False)
+    fp32 = dataclasses.replace(model, ring_grad_dtype="fp32")
+    plan = make_plan(model, [16384], [(RING, (0, 1, 2, 3))])
+    replayed = [step_timeline(plan, c, reuse=False).step_s for c in (model, fp32)]
+    surrogate = [StepSurrogate(c).step_s(plan) for c in (model, fp32)]
+    assert replayed[1] > 1.2 * replayed[0]
+    assert surrogate == pytest.approx(replayed, rel=0.02)
 
 
 def test_local_work_fills_the_ulysses_all_to_all_wait():

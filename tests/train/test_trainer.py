@@ -295,6 +295,7 @@ def test_bad_inputs_exit_2_with_one_line(lengths_file, tmp_path, capsys, monkeyp
     # Pieces over the per-GPU cap for a strategy that cannot split them: one line
     # before any process starts (train/strategy_limits.py).
     assert "packing_dp" in _one_error_line(capsys, _argv(lengths_file, "packing_dp", out))
+    assert "'model', 'fp32'" in _one_error_line(capsys, [*argv, "--ring-grad-dtype", "bf16"])
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert "started 3 processes" in _one_error_line(capsys, argv)
