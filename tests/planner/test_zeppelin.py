@@ -380,11 +380,6 @@ def test_a_lone_long_sequence_uses_every_rank_when_the_model_says_so():
     assert max(pairs) / (sum(pairs) / len(pairs)) < 1.01
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "under ring_grad_dtype model (bf16 dK/dV, the default) the planner takes a plan of routed rings of 12-13 "
-    "beside a 40-GPU Ulysses group on their ranks that the surrogate puts at 18.46 s and the replay at 27.99 s "
-    "(unrouted plan: 20.73 s); the surrogate misprices that plan under fp32 dK/dV too (19.85 s against 28.46 s), "
-    "where the planner did not take it: a surrogate fix (planner/surrogate.py) is owed"))
 def test_routing_no_longer_buys_inter_node_rings_the_replay_calls_slower():
     # llama-13b's 40 heads allow Ulysses groups of 10, 20, 40 across nodes; on
     # the A800 cluster (2 GPUs per slow NIC) a routed ring's crossing gets all
