@@ -13,8 +13,11 @@ numpy over its rings, groups and ranks, what the replay executes:
   the K/V of step ``s`` reaches position ``j`` once position ``j - 1`` had it and
   their link carried it -- one wave direct, up to three routed (``schedule/routing.py``:
   dispatch, NIC, combine, every position crossing at once) -- each wave as long
-  as the busiest port of its legs in the family of rings sharing ranks, and a
-  step no shorter than the family's busiest port that step; backward, a K/V
+  as the busiest port of its legs in the family of rings sharing ranks (or
+  relaying each other's routed pieces), and a step no shorter than the
+  family's busiest port that step; a proxy relays another ring's pieces in
+  its own ring's batches, so they leave no sooner than it had its own data
+  of the step (a second pass, paced by the first's arrivals); backward, a K/V
   batch also carries the dK/dV of its wave, which waits for its kernel;
 * Ulysses groups as the engine posts them (``planner/surrogate_ulysses.py``): a
   rank's inputs of all its groups as one batch, its kernels, then its outputs
@@ -337,7 +340,13 @@ class StepSurrogate:
         ring_of_slot = np.concatenate([np.repeat(np.arange(len(r)) + base[i], r.shape[1])
                                        for i, r in enumerate(ranks)])
         rank_of_slot = np.concatenate([r.ravel() for r in ranks])
-        family = _components(ring_of_slot, rank_of_slot, int(base[-1]), w)
+        # A routed piece's proxy relays it in its own lanes' batches: the rings
+        # whose pieces a rank relays share its lanes as its own rings do.
+        # (NVLink ports are numbered 2 * rank and 2 * rank + 1)
+        relay = [(base[i] + ring[port < 2 * w], port[port < 2 * w] // 2) for i, bt in enumerate(batches)
+                 for ring, _, _, port, _, _, _ in bt.legs]
+        family = _components(np.concatenate([ring_of_slot] + [r for r, _ in relay]),
+                             np.concatenate([rank_of_slot] + [x for _, x in relay]), int(base[-1]), w)
         fam_of_rank = np.full(w, -1)
         fam_of_rank[rank_of_slot] = family[ring_of_slot]
         F = int(family.max()) + 1
@@ -371,20 +380,51 @@ class StepSurrogate:
         else:
             port, lfam = np.zeros(0, np.int64), np.zeros(0, np.int64)
         busiest = busiest.reshape(F, S)
-        arrive = np.full((w, S), -np.inf)
-        last = np.zeros(w)
+        inputs = []
         for i, bt in enumerate(batches):
             hops = np.zeros(bt.comp.shape[:2] + (bt.k + 1, 4))
             spans = np.ones(hops.shape[:3], np.int64)
+            proxies = None
             if legs:
                 on = slice(leg_at[i], leg_at[i + 1])
                 np.maximum.at(hops, (ring[on], link[on], step[on], hop[on]), in_wave[on])
                 np.maximum.at(spans, (ring[on], link[on], step[on]), wave[on] + 1)
-            got, final = self._ring_chain(bt, hops, spans, busiest[family[base[i]:base[i + 1]]], lane, gate, backward)
-            n, k = bt.ranks.shape
-            padded = np.concatenate([got, np.repeat(got[:, :, -1:], S - k - 1, axis=2)], axis=2)
-            np.maximum.at(arrive, bt.ranks.ravel(), padded.reshape(n * k, S))
-            np.maximum.at(last, bt.ranks.ravel(), final.ravel())
+                # the ranks that relay a link's pieces: a dispatch's receiver, a combine's sender
+                p = port[on]
+                via = (p < 2 * w) & (((hop[on] == DISPATCH) & (p % 2 == 1)) | ((hop[on] == COMBINE) & (p % 2 == 0)))
+                # (a ring's own member relays in step with it: no other ring's pace to follow)
+                via[via] = ~(bt.ranks[ring[on][via]] == (p[via] // 2)[:, None]).any(axis=1)
+                if via.any():
+                    proxies = ring[on][via], link[on][via], step[on][via], p[via] // 2
+            inputs.append((hops, spans, proxies))
+
+        def chain(own: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+            """Per (rank, step) when its data arrived and per rank when its last
+            dK/dV left, the relayed pieces paced by their proxies' ``own`` arrivals."""
+            arrive = np.full((w, S), -np.inf)
+            last = np.zeros(w)
+            for i, bt in enumerate(batches):
+                hops, spans, proxies = inputs[i]
+                # A proxy posts the pieces it relays in the batches of its own
+                # rings' waves: a step's piece goes no sooner than the proxy had
+                # its own data of that step.
+                paced = np.full(hops.shape[:3], -np.inf)
+                if own is not None and proxies is not None:
+                    r, j, t, x = proxies
+                    np.maximum.at(paced, (r, j, t), own[x, t])
+                got, final = self._ring_chain(bt, hops, spans, busiest[family[base[i]:base[i + 1]]], lane, gate,
+                                              backward, paced)
+                n, k = bt.ranks.shape
+                padded = np.concatenate([got, np.repeat(got[:, :, -1:], S - k - 1, axis=2)], axis=2)
+                np.maximum.at(arrive, bt.ranks.ravel(), padded.reshape(n * k, S))
+                np.maximum.at(last, bt.ranks.ravel(), final.ravel())
+            return arrive, last
+
+        # Once with no pacing, then with the pace of the first pass's arrivals
+        # (rings that relay each other's pieces move at the slower one's pace).
+        arrive, last = chain(None)
+        if any(x[2] is not None for x in inputs):
+            arrive, last = chain(arrive)
         if S > 1:
             arrive[:, 1] = np.maximum(arrive[:, 1], np.where(gate[2] > 0, gate[0], -np.inf))
         members = np.nonzero(fam_of_rank >= 0)[0]
@@ -405,12 +445,15 @@ class StepSurrogate:
 
     @staticmethod
     def _ring_chain(bt: "_RingBatch", hops: np.ndarray, spans: np.ndarray, floor: np.ndarray, lane: np.ndarray, gate: np.ndarray,
-                    backward: bool) -> tuple[np.ndarray, np.ndarray]:
+                    backward: bool, paced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rings of one size step by step: (per (ring, position, step) when
         the step's data reached the position, per (ring, position) when its
         last dK/dV left).  ``hops``: per (ring, link, step, hop) its wave's
         seconds; ``spans``: per (ring, link, step) the waves its message takes;
-        ``floor``: per (ring, step) its family's busiest port."""
+        ``floor``: per (ring, step) its family's busiest port; ``paced``: per
+        (ring, link, step) when the other rings' ranks relaying its pieces had
+        their own data of the step (-inf: none), after which its NIC and
+        combine hops still take their waves."""
         n, k = bt.ranks.shape
         # Data reaches position j at step s when the position before had it at
         # step s - 1 and the link between them carried it: a direct link in one
@@ -418,6 +461,7 @@ class StepSurrogate:
         # of the ring at once); and no sooner than the step before plus the
         # family's busiest port for that step.
         link_s = np.maximum(hops[..., DIRECT], hops[..., DISPATCH:].sum(axis=3))
+        relayed = hops[..., NIC:].sum(axis=3)
         ends = bt.ranks, np.roll(bt.ranks, 1, axis=1)
         after_in = np.maximum(*(gate[0][r] for r in ends))
         after_out = np.maximum(*(gate[1][r] for r in ends))
@@ -434,8 +478,8 @@ class StepSurrogate:
         done[:, :, 0] = kernels[:, :, 0]
         ulysses_in = np.where(gate[2][bt.ranks] > 0, gate[0][bt.ranks], 0.0)
         for t in range(1, k + 1):
-            got[:, :, t] = np.maximum(np.roll(got[:, :, t - 1] + link_s[:, :, t - 1], 1, axis=1),
-                                      got[:, :, t - 1] + floor[:, t - 1, None])
+            sent = np.maximum(got[:, :, t - 1] + link_s[:, :, t - 1], paced[:, :, t - 1] + relayed[:, :, t - 1])
+            got[:, :, t] = np.maximum(np.roll(sent, 1, axis=1), got[:, :, t - 1] + floor[:, t - 1, None])
             kv_wave[:, :, t] = np.roll(kv_wave[:, :, t - 1] + spans[:, :, t - 1], 1, axis=1)
             if backward:
                 dkv_sent[:, :, t] = np.maximum(kv_wave[:, :, t - 1] + 2, dkv_got[:, :, t - 1]) + 1
