@@ -175,7 +175,7 @@ def test_the_engine_runs_every_sources_plan(world):
               SOURCES["ulysses_sp"](ulysses, ctx)[0], SOURCES["flexsp_greedy"](ulysses, ctx)[0]]
     plans = [d.plan() for d in drafts]
     assert plans[1].packed_rings and any(len({r // 4 for r in plans[1].attention[i].ranks}) > 1
-                                         for i in plans[1].packed_ring_leads())
+                                         for i in plans[1].packed_leads())
     shapes = {(p.mode, len({r // 4 for r in p.ranks}) > 1) for plan in plans for p in plan.attention}
     assert {(Mode.LOCAL, False), (Mode.RING, False), (Mode.RING, True), (Mode.ULYSSES, False)} <= shapes
     for plan in plans:
