@@ -66,11 +66,12 @@ class Case:
 
 
 def _plan(world: int, gpn: int, spec: list[tuple[int, Mode, list[int]]], balanced: bool = False,
-          packed_rings: tuple[tuple[int, ...], ...] = ()) -> Plan:
+          packed_rings: tuple[tuple[int, ...], ...] = (), packed_ulysses: tuple[tuple[int, ...], ...] = ()) -> Plan:
     lens = [n for n, _, _ in spec]
     att = tuple(placement(i, n, mode, ranks) for i, (n, mode, ranks) in enumerate(spec))
     linear = balance_linear(att, lens, world, gpn) if balanced else same_layout_linear(world, att)
-    return Plan("stream_checks", world, gpn, tuple(lens), att, linear, packed_rings=packed_rings).validate()
+    return Plan("stream_checks", world, gpn, tuple(lens), att, linear, packed_rings=packed_rings,
+                packed_ulysses=packed_ulysses).validate()
 
 
 def cases(scale: int) -> list[Case]:
@@ -99,6 +100,12 @@ def cases(scale: int) -> list[Case]:
             (8 * n, Mode.RING, [0, 2, 1, 3]), (5 * n + 3, Mode.RING, [0, 2, 1, 3]), (n, Mode.LOCAL, [1]),
             (3 * n + 5, Mode.RING, [0, 2, 1, 3]), (4 * n + 4, Mode.RING, [0, 2, 1, 3])],
             packed_rings=((0, 1, 3),)), two_nodes),
+        # FlexSP's packed group: two sequences in one all-to-all across nodes,
+        # beside an unpacked group on the same ranks, another group and local work.
+        Case("2 nodes, packed Ulysses + Ulysses", _plan(4, 2, [
+            (6 * n, Mode.ULYSSES, [0, 2]), (4 * n + 4, Mode.ULYSSES, [0, 2]), (n, Mode.LOCAL, [1]),
+            (3 * n + 5, Mode.ULYSSES, [0, 2]), (5 * n, Mode.ULYSSES, [1, 3])],
+            packed_ulysses=((0, 3),)), two_nodes),
     ]
 
 

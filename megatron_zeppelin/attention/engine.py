@@ -9,7 +9,8 @@ same schedule (``sim/replay.py``).
 
 This module binds the schedule's ops to tensors: a compute op runs its ring
 step (a packed ring's: all its members' blocks, ``attention/packed_ring.py``),
-Ulysses head block or packed local sequences; a message's send tensor and
+Ulysses head block (a packed group's: all its members' heads in one varlen
+call, ``attention/packed_ulysses.py``) or packed local sequences; a message's send tensor and
 receive buffer come from the ring or Ulysses position that owns it.
 :func:`plan_attention` is differentiable through one ``autograd.Function``
 whose backward executes the backward schedule of the same layer.
@@ -26,6 +27,7 @@ import torch
 from megatron_zeppelin.attention.backends import AttentionBackend, get_backend
 from megatron_zeppelin.attention.layout import Piece, rank_pieces
 from megatron_zeppelin.attention.packed_ring import PackedRing, PackedRingBackward, PackedRingForward
+from megatron_zeppelin.attention.packed_ulysses import PackedUlysses, PackedUlyssesBackward, PackedUlyssesForward
 from megatron_zeppelin.attention.ring import RingBackward, RingForward, ring_grad_wire_dtype
 from megatron_zeppelin.attention.ulysses import UlyssesBackward, UlyssesForward, check_heads
 from megatron_zeppelin.comm.lanes import run_without_transfers
@@ -186,7 +188,7 @@ class _Binding:
         self.bindings = (run.layer.backward if backward else run.layer.forward).messages
         self.landed: dict[int, torch.Tensor] = {}     # message id -> its receive tensor
         self.rings: dict[int, RingForward | RingBackward | PackedRing] = {}
-        self.groups: dict[int, UlyssesForward | UlyssesBackward] = {}
+        self.groups: dict[int, UlyssesForward | UlyssesBackward | PackedUlysses] = {}
 
     def compute(self, op: Op) -> None:
         kind = op.key[0]
@@ -203,16 +205,17 @@ class _Binding:
         else:
             run.counter.forward_pairs += op.pairs
 
-    def _pack_rings(self, packed: type[PackedRing]) -> None:
-        """Members of the plan's packed rings (``Plan.packed_rings``) run as one
-        ring each, under their first member's index, as the schedule names it."""
-        leads = self.plan.packed_ring_leads()
-        rings: dict[int, list] = {}
-        for index in [i for i in self.rings if i in leads]:      # plan order (the buffer's)
-            rings.setdefault(leads[index], []).append(self.rings.pop(index))
+    def _pack(self, parts: dict[int, object], packed: type[PackedRing] | type[PackedUlysses]) -> None:
+        """Members of the plan's packed rings and Ulysses groups (``Plan.packed_rings``,
+        ``Plan.packed_ulysses``) in ``parts`` run as one ring or group each, under
+        their first member's index, as the schedule names it."""
+        leads = self.plan.packed_leads()
+        packs: dict[int, list] = {}
+        for index in [i for i in parts if i in leads]:      # plan order (the buffer's)
+            packs.setdefault(leads[index], []).append(parts.pop(index))
         cu = self.run.layer.cu_seqlens
-        for lead, members in rings.items():
-            self.rings[lead] = packed(lead, members, self.received, cu)
+        for lead, members in packs.items():
+            parts[lead] = packed(lead, members, self.received, cu)
 
     def received(self, binding: tuple) -> torch.Tensor:
         return self.landed[self.mids[binding]]
@@ -260,7 +263,8 @@ class _ForwardBinding(_Binding):
                 self.rings[index] = RingForward(index, p, piece.pos, q[rows], k[rows], v[rows], self.received)
             elif p.mode is Mode.ULYSSES:
                 self.groups[index] = UlyssesForward(index, p, piece.pos, self.received, q[rows], k[rows], v[rows])
-        self._pack_rings(PackedRingForward)
+        self._pack(self.rings, PackedRingForward)
+        self._pack(self.groups, PackedUlyssesForward)
 
     def _local(self, indices: list[int]) -> None:
         pieces = [self.pieces[i] for i in indices]
@@ -281,9 +285,10 @@ class _ForwardBinding(_Binding):
             for m in ring.members:
                 self.out[self.pieces[m.index].rows] = m.acc.to(self.q.dtype)
                 saved[m.index] = m.lse
-        for index, group in self.groups.items():
-            self.out[self.pieces[index].rows] = group.output()
-            saved[index] = group.saved
+        for group in self.groups.values():
+            for m in group.members:
+                self.out[self.pieces[m.index].rows] = m.output()
+                saved[m.index] = m.saved
         return saved
 
 
@@ -301,7 +306,8 @@ class _BackwardBinding(_Binding):
                                                  dout[rows], out[rows], saved[index], run.grad_wire)
             elif p.mode is Mode.ULYSSES:
                 self.groups[index] = UlyssesBackward(index, p, piece.pos, self.received, dout[rows], saved[index])
-        self._pack_rings(PackedRingBackward)
+        self._pack(self.rings, PackedRingBackward)
+        self._pack(self.groups, PackedUlyssesBackward)
 
     def _local(self, indices: list[int]) -> None:
         pieces = [self.pieces[i] for i in indices]
@@ -314,8 +320,8 @@ class _BackwardBinding(_Binding):
             _unpack(pieces, packed, dest)
 
     def finish(self) -> None:
-        parts = [(m.index, m) for ring in self.rings.values() for m in ring.members]
-        for index, part in (*parts, *self.groups.items()):
+        for index, part in [(m.index, m) for part in (*self.rings.values(), *self.groups.values())
+                            for m in part.members]:
             rows = self.pieces[index].rows
             self.dq[rows], self.dk[rows], self.dv[rows] = part.grads()
 

@@ -36,6 +36,11 @@ class UlyssesPosition:
         self.index, self.p, self.pos, self.received = index, placement, pos, received
         self.d = placement.size
 
+    @property
+    def members(self) -> list["UlyssesPosition"]:
+        """The sequences this position runs: itself (a packed group's are several)."""
+        return [self]
+
     def rows(self, pos: int) -> tuple[int, int]:
         return self.p.shards[pos][0]
 
@@ -48,15 +53,18 @@ class UlyssesPosition:
     out_heads: int
     """Heads per position of what the second all-to-all carries."""
 
-    def buffer(self, kind: str, src: int) -> torch.Tensor:
-        """Receive buffer of ``src``'s piece: its rows of my heads (``a2a_in``), or
-        my rows of its heads (``a2a_out``)."""
+    def buffer_shape(self, kind: str, src: int) -> tuple[int, ...]:
+        """Shape of ``src``'s piece: its rows of my heads (``a2a_in``), or my rows
+        of its heads (``a2a_out``)."""
         if kind == "a2a_in":
             s, e = self.rows(src)
-            return self.pieces[src].new_empty((e - s, *self.pieces[src].shape[1:]))
+            return (e - s, *self.pieces[src].shape[1:])
         s, e = self.rows(self.pos)
-        like = self.pieces[self.pos]
-        return like.new_empty((e - s, self.out_heads, like.shape[2]))
+        return (e - s, self.out_heads, self.pieces[self.pos].shape[2])
+
+    def buffer(self, kind: str, src: int) -> torch.Tensor:
+        """Receive buffer of ``src``'s piece (:meth:`buffer_shape`)."""
+        return self.pieces[self.pos].new_empty(self.buffer_shape(kind, src))
 
 
 class UlyssesForward(UlyssesPosition):
@@ -69,10 +77,14 @@ class UlyssesForward(UlyssesPosition):
                        zip(q.chunk(self.d, dim=1), k.chunk(self.d, dim=1), v.chunk(self.d, dim=1))]
         self.saved: tuple | None = None
 
-    def compute(self, backend: AttentionBackend, scale: float) -> None:
+    def heads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, k, v)`` of the whole sequence, my heads (once every piece has arrived)."""
         qkv = self._gather("a2a_in", self.pieces[self.pos], dim=0)   # [L, hq/d + 2hk/d, d]
         hk = (qkv.shape[1] - self.hq) // 2
-        qh, kh, vh = qkv.split([self.hq, hk, hk], dim=1)
+        return qkv.split([self.hq, hk, hk], dim=1)
+
+    def compute(self, backend: AttentionBackend, scale: float) -> None:
+        qh, kh, vh = self.heads()
         out_h, lse_h = backend.forward(qh, kh, vh, causal=True, scale=scale)
         self.saved = (qh, kh, vh, out_h, lse_h)
 
@@ -93,10 +105,13 @@ class UlyssesBackward(UlyssesPosition):
         self.out_heads = saved[0].shape[1] + 2 * saved[1].shape[1]     # dQ, dK, dV heads
         self.dqkv_h: torch.Tensor | None = None
 
+    def dout_heads(self) -> torch.Tensor:
+        """``[L, hq/d, d]``: the output gradient of the whole sequence, my heads."""
+        return self._gather("a2a_in", self.pieces[self.pos], dim=0)
+
     def compute(self, backend: AttentionBackend, scale: float) -> None:
         qh, kh, vh, out_h, lse_h = self.saved
-        dout_h = self._gather("a2a_in", self.pieces[self.pos], dim=0)   # [L, hq/d, d]
-        grads = backend.backward(dout_h, qh, kh, vh, out_h, lse_h, causal=True, scale=scale)
+        grads = backend.backward(self.dout_heads(), qh, kh, vh, out_h, lse_h, causal=True, scale=scale)
         self.dqkv_h = torch.cat(grads, dim=1)                             # [L, hq/d + 2hk/d, d]
 
     def out_piece(self, dst: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 A Plan holds, for every sequence of the global batch, its attention placement
 (``local`` on one rank, a zigzag ``ring``, or a ``ulysses`` group; rings on the
-same ranks may run as one packed ring) and, for every
+same ranks may run as one packed ring, Ulysses sequences on the same ranks as
+one packed group) and, for every
 rank, the token spans it holds in the *linear* layout (projections and MLP).
 The remap schedule between the two layouts is derived from them.  Plans are
 plain data: JSON round trip, ``validate()``, no torch.
@@ -119,6 +120,13 @@ class Plan:
     runs a CP group's sequences: each ring step sends all members' K/V chunks in
     one message (members in plan order, back to back) and computes all their
     blocks at once.  Ring sequences in none of them run one ring each."""
+    packed_ulysses: tuple[tuple[int, ...], ...] = ()
+    """Sets of Ulysses sequences (by index into ``seq_lens``) on the same ranks,
+    in the same order, that run as ONE packed group, as FlexSP and
+    DeepSpeed-Ulysses run a group's sequences: one all-to-all carrying every
+    member's rows (members in plan order, back to back) each way, and the
+    members' attention in one varlen call.  Ulysses sequences in none of them
+    run one group each."""
 
     # ------------------------------------------------------------------ views
     def attention_spans(self, rank: int) -> list[Span]:
@@ -133,19 +141,19 @@ class Plan:
             object.__setattr__(self, "_attn_index", cached)
         return cached
 
-    def packed_ring_leads(self) -> dict[int, int]:
-        """Placement index of every packed ring's member -> the index of its ring's
-        first member in plan order (the ring's name in the schedule); members of
-        no packed ring are absent."""
-        cached = self.__dict__.get("_ring_leads")
+    def packed_leads(self) -> dict[int, int]:
+        """Placement index of every packed ring's or packed Ulysses group's member
+        -> the index of its pack's first member in plan order (the pack's name in
+        the schedule); members of no pack are absent."""
+        cached = self.__dict__.get("_packed_leads")
         if cached is None:
             cached = {}
-            if self.packed_rings:
+            if self.packed_rings or self.packed_ulysses:
                 index_of = {p.seq: i for i, p in enumerate(self.attention)}
-                for members in self.packed_rings:
+                for members in (*self.packed_rings, *self.packed_ulysses):
                     indices = sorted(index_of[s] for s in members)
                     cached.update((i, indices[0]) for i in indices)
-            object.__setattr__(self, "_ring_leads", cached)
+            object.__setattr__(self, "_packed_leads", cached)
         return cached
 
     def attention_tokens_per_rank(self) -> list[int]:
@@ -244,7 +252,9 @@ class Plan:
         missing = set(range(len(self.seq_lens))) - seen
         if missing:
             raise PlanError(f"plan: sequence {min(missing)} has no attention placement")
-        self._validate_packed_rings()
+        packed: set[int] = set()
+        self._validate_packed(self.packed_rings, Mode.RING, "packed ring", packed)
+        self._validate_packed(self.packed_ulysses, Mode.ULYSSES, "packed Ulysses group", packed)
         if len(self.linear) != w:
             raise PlanError(f"plan: linear layout lists {len(self.linear)} ranks, world size is {w}")
         by_seq: dict[int, list[tuple[int, int]]] = {}
@@ -277,30 +287,31 @@ class Plan:
                                     f"layout, over the cap of {self.token_cap} (sequences {seqs[:8]})")
         return self
 
-    def _validate_packed_rings(self) -> None:
-        """Every packed ring: at least two sequences, each in one packed ring
-        only, each a ring placement, all on the same ranks in the same order."""
+    def _validate_packed(self, packs: tuple[tuple[int, ...], ...], mode: Mode, what: str,
+                         packed: set[int]) -> None:
+        """Every pack: at least two sequences, each in one pack only (``packed``:
+        the sequences of the packs checked so far), each placed in ``mode``, all
+        on the same ranks in the same order."""
         by_seq = {p.seq: p for p in self.attention}
-        packed: set[int] = set()
-        for n, members in enumerate(self.packed_rings):
+        for n, members in enumerate(packs):
             if len(members) < 2:
-                raise PlanError(f"plan: packed ring {n} lists {len(members)} sequence(s); a packed ring "
-                                "needs 2 or more (run a single sequence as an ordinary ring)")
+                raise PlanError(f"plan: {what} {n} lists {len(members)} sequence(s); a {what} "
+                                f"needs 2 or more (run a single sequence unpacked)")
             ranks = None
             for seq in members:
-                self._seq_len(seq, f"packed ring {n} of the attention")
+                self._seq_len(seq, f"{what} {n} of the attention")
                 if seq in packed:
-                    raise PlanError(f"plan: sequence {seq} is in two packed rings (or twice in one)")
+                    raise PlanError(f"plan: sequence {seq} is in two packs (or twice in one)")
                 packed.add(seq)
                 p = by_seq[seq]
-                if p.mode is not Mode.RING:
-                    raise PlanError(f"plan: packed ring {n} lists sequence {seq}, placed {p.mode.value}; "
-                                    "only ring placements can be packed")
+                if p.mode is not mode:
+                    raise PlanError(f"plan: {what} {n} lists sequence {seq}, placed {p.mode.value}; "
+                                    f"only {mode.value} placements can be packed there")
                 if ranks is None:
                     ranks = p.ranks
                 elif p.ranks != ranks:
-                    raise PlanError(f"plan: packed ring {n} mixes ranks {list(ranks)} and {list(p.ranks)} "
-                                    f"(sequence {seq}); its members must share one ring, ranks in the same order")
+                    raise PlanError(f"plan: {what} {n} mixes ranks {list(ranks)} and {list(p.ranks)} "
+                                    f"(sequence {seq}); its members must share one group, ranks in the same order")
 
     def _seq_len(self, seq: int, where: str) -> int:
         if not 0 <= seq < len(self.seq_lens):
@@ -326,6 +337,8 @@ class Plan:
         }
         if self.packed_rings:       # absent when none: such a plan's JSON is as before packed rings
             out["packed_rings"] = [list(members) for members in self.packed_rings]
+        if self.packed_ulysses:     # likewise
+            out["packed_ulysses"] = [list(members) for members in self.packed_ulysses]
         return out
 
     @classmethod
@@ -342,7 +355,8 @@ class Plan:
                 linear=tuple(tuple(Span(int(q), int(s), int(e)) for q, s, e in spans)
                              for spans in d["linear"]),
                 routed=_flag(d.get("routed", True), "routed"),
-                packed_rings=tuple(tuple(int(s) for s in members) for members in d.get("packed_rings", ())))
+                packed_rings=tuple(tuple(int(s) for s in members) for members in d.get("packed_rings", ())),
+                packed_ulysses=tuple(tuple(int(s) for s in members) for members in d.get("packed_ulysses", ())))
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"plan JSON is malformed ({exc!r}); see 'The Plan' in docs/architecture.md") from None
 
@@ -423,8 +437,19 @@ def rings_by_ranks(attention: Sequence[SeqPlacement]) -> tuple[tuple[int, ...], 
     """``Plan.packed_rings`` that pack every ring rank tuple's sequences into one
     ring, as TransformerEngine's THD ring runs a CP group (tuples holding one
     ring sequence stay ordinary rings)."""
+    return _packs_by_ranks(attention, Mode.RING)
+
+
+def ulysses_by_ranks(attention: Sequence[SeqPlacement]) -> tuple[tuple[int, ...], ...]:
+    """``Plan.packed_ulysses`` that pack every Ulysses rank tuple's sequences into
+    one group, as FlexSP and DeepSpeed-Ulysses run a group (tuples holding one
+    sequence stay ordinary groups)."""
+    return _packs_by_ranks(attention, Mode.ULYSSES)
+
+
+def _packs_by_ranks(attention: Sequence[SeqPlacement], mode: Mode) -> tuple[tuple[int, ...], ...]:
     by_ranks: dict[tuple[int, ...], list[int]] = {}
     for p in attention:
-        if p.mode is Mode.RING:
+        if p.mode is mode:
             by_ranks.setdefault(p.ranks, []).append(p.seq)
     return tuple(tuple(seqs) for seqs in by_ranks.values() if len(seqs) > 1)

@@ -21,13 +21,14 @@ surrogate it compares them by (``planner/surrogate.py``):
 * FlexSP's heterogeneous Ulysses groups from its greedy (``flexsp``: first fit
   under a bisected makespan), not its MILP, which takes seconds per batch.
 
-What does not carry over is how a baseline *executes* a plan: TE's ring sends
-dK/dV in the model dtype where the engine accumulates and sends them in fp32,
-and FlexSP and DeepSpeed-Ulysses pack a group's sequences into one all-to-all
-where the engine runs one per sequence (``sim/timeline.py: PACKED_STRATEGIES``).
-TE's packing of a CP group's sequences into one ring does carry over: static
-CP's layouts are offered as they are and with every CP group's ring sequences
-in one packed ring (``Plan.packed_rings``, which the engine runs as TE does).
+What does not carry over is how TE *executes* a plan: its ring sends dK/dV
+in the model dtype where the engine accumulates and sends them in fp32.  The
+baselines' packing does carry over: static CP's layouts are offered as they
+are and with every CP group's ring sequences in one packed ring
+(``Plan.packed_rings``, which the engine runs as TE does), and Ulysses SP's
+and FlexSP's with every group's sequences in one packed group
+(``Plan.packed_ulysses``: one all-to-all each way, as FlexSP and
+DeepSpeed-Ulysses run it; ``sim/timeline.py: PACKED_STRATEGIES``).
 A candidate here is relabelled ``zeppelin`` and is timed, and run, as the
 engine runs it.
 
@@ -55,7 +56,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from megatron_zeppelin.errors import InfeasibleError
-from megatron_zeppelin.plan import Plan, rings_by_ranks
+from megatron_zeppelin.plan import Plan, rings_by_ranks, ulysses_by_ranks
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.flexsp import greedy_groups, seq_time_fn, ulysses_sizes
 from megatron_zeppelin.planner.flexsp import group_layout as flexsp_layout
@@ -98,16 +99,19 @@ class Draft:
     read: PlanArrays | None = field(default=None, repr=False)
     """Its plan's arrays once :meth:`arrays` read them."""
     unpacked: "Draft | None" = field(default=None, repr=False)
-    """Set on static CP's packed copy: the draft whose layout it runs with every
-    ring rank tuple's sequences in one packed ring (``Plan.packed_rings``, TE's
-    THD ring); its arrays are derived from that draft's."""
+    """Set on a packed copy: the draft whose layout it runs with every ring rank
+    tuple's sequences in one packed ring (``Plan.packed_rings``, TE's THD ring)
+    and every Ulysses rank tuple's in one packed group (``Plan.packed_ulysses``,
+    FlexSP's and DeepSpeed's all-to-all); its rings' arrays are derived from
+    that draft's."""
 
     def plan(self) -> Plan:
         if self.built is None:
             built = merge_rounds(self.strategy, self.topology, self.seq_lens,
                                  [self.layout.build(self.seq_lens)], self.token_cap)
             if self.unpacked is not None:
-                built = dataclasses.replace(built, packed_rings=rings_by_ranks(built.attention)).validate()
+                built = dataclasses.replace(built, packed_rings=rings_by_ranks(built.attention),
+                                            packed_ulysses=ulysses_by_ranks(built.attention)).validate()
             self.built = built
         return self.built
 
@@ -120,9 +124,20 @@ class Draft:
         """Its plan's :func:`~megatron_zeppelin.planner.plan_arrays.plan_arrays`,
         read from the columns (the surrogate prices a draft without its plan)."""
         if self.read is None:
-            self.read = (pack_rings(self.unpacked.arrays()) if self.unpacked is not None
-                         else layout_arrays(self.topology.world_size, self.seq_lens, self.layout, None))
+            w = self.topology.world_size
+            if self.unpacked is None:
+                self.read = layout_arrays(w, self.seq_lens, self.layout, None)
+            elif (self.layout.mode == 2).any():          # Ulysses groups: packed from the columns
+                self.read = pack_rings(layout_arrays(w, self.seq_lens, self.layout, None,
+                                                     packed_ulysses=self.layout.ulysses_packs()))
+            else:
+                self.read = pack_rings(self.unpacked.arrays())
         return self.read
+
+    def packs_any(self) -> bool:
+        """Whether a packed copy packs anything (a ring or group of 2 or more)."""
+        mine, theirs = self.arrays(), self.unpacked.arrays()
+        return bool(mine.packed) or len(mine.group_len) < len(theirs.group_len)
 
     def tokens_per_rank(self) -> list[int]:
         """Every rank's tokens, in both layouts."""
@@ -151,8 +166,14 @@ def uniform_cp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
     is and, where a CP group rings several sequences, packed as TE packs them."""
     drafts = _static_drafts(TeCpPlanner(), seq_lens, ctx, sizes=_powers_of_two(1, ctx.topology.world_size),
                             keep=STATIC_CP_SIZES)
+    return _with_packed_copies(drafts)
+
+
+def _with_packed_copies(drafts: list[Draft]) -> list[Draft]:
+    """``drafts`` and, where one runs several sequences in a ring or Ulysses
+    group, its packed copy (the baseline runs them packed)."""
     packed = [dataclasses.replace(d, unpacked=d) for d in drafts]
-    return drafts + [p for p in packed if p.arrays().packed]
+    return drafts + [p for p in packed if p.packs_any()]
 
 
 def static_ulysses_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
@@ -169,8 +190,8 @@ def static_ulysses_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Dra
     sizes = [d for d in _powers_of_two(2, ctx.topology.world_size) if kv % d == 0]
     in_node = _static_drafts(UlyssesSpPlanner(), seq_lens, ctx, sizes=[d for d in sizes if d <= gpn],
                              keep=len(sizes))
-    return in_node or _static_drafts(UlyssesSpPlanner(), seq_lens, ctx, sizes=[d for d in sizes if d > gpn],
-                                     keep=STATIC_CP_SIZES)
+    return _with_packed_copies(in_node or _static_drafts(UlyssesSpPlanner(), seq_lens, ctx,
+                                                         sizes=[d for d in sizes if d > gpn], keep=STATIC_CP_SIZES))
 
 
 def hybrid_cp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
@@ -202,7 +223,7 @@ def flexsp_greedy_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draf
     # order, and a short sequence's arrives, and its compute starts, while a
     # long one's is still in flight.
     shortest_first = [(d, sorted(members, key=lambda i: (lens[i], i))) for d, members in groups]
-    return [_draft("flexsp", ctx, lens, flexsp_layout(shortest_first, range(len(lens))))]
+    return _with_packed_copies([_draft("flexsp", ctx, lens, flexsp_layout(shortest_first, range(len(lens))))])
 
 
 #: Every source of candidates (``benchmarks/containment.py --latency`` times each).

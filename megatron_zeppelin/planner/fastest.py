@@ -53,13 +53,13 @@ def surrogate_cost(step: Callable[[Plan], float]) -> CostModel | None:
 #: A plan's arrays (``planner/plan_arrays.py``) by its layouts' identity, with
 #: the plan (it keeps them alive): a plan and its direct-crossings copy share
 #: their layouts, and a context's pick is priced under its model and the run's.
-#: Its packed rings are part of the key: a layout's packed copy shares its
+#: Its packed rings and Ulysses groups are part of the key: a layout's packed copy shares its
 #: placements, but not its arrays nor its bound (a packed ring's larger kernels lower it).
-Reads = dict[tuple[int, int, int], tuple[Plan, PlanArrays]]
+Reads = dict[tuple[int, int, int, int], tuple[Plan, PlanArrays]]
 
 
-def _read_key(plan: Plan) -> tuple[int, int, int]:
-    return id(plan.attention), id(plan.linear), id(plan.packed_rings)
+def _read_key(plan: Plan) -> tuple[int, int, int, int]:
+    return id(plan.attention), id(plan.linear), id(plan.packed_rings), id(plan.packed_ulysses)
 
 
 class LaidOut(Protocol):

@@ -37,11 +37,17 @@ class PlanArrays:
     """Ring size ``k`` -> ((rings, k) ranks by position, (rings,) lengths), sizes in
     order of first appearance; the plan's packed rings' members are not here."""
     group_ranks: np.ndarray
-    """The Ulysses groups' ranks, group after group."""
+    """The Ulysses groups' ranks, group after group (a packed group once)."""
     group_size: np.ndarray
     """Ranks of each Ulysses group."""
     group_len: np.ndarray
-    """Length of each Ulysses group's sequence."""
+    """Length of each Ulysses group's sequence (a packed group's: its members' summed)."""
+    group_pairs: np.ndarray
+    """Causal pairs one position of each Ulysses group computes (its members'
+    whole sequences on ``1/d`` of the heads, summed: ``geometry.ulysses_pairs``)."""
+    group_block: np.ndarray
+    """Each Ulysses group's kernel block: its members' pair-weighted length
+    (``schedule/attention.py``'s for a packed group; the length for one sequence)."""
     remap: tuple[np.ndarray, np.ndarray, np.ndarray] | None
     """(sender, receiver, tokens) of the remap to the linear layout, one row per
     pair in (sender, receiver) order; None when it moves nothing."""
@@ -60,7 +66,8 @@ def _slices(start: np.ndarray, size: np.ndarray) -> np.ndarray:
 
 def plan_arrays(plan: Plan) -> PlanArrays:
     """The arrays of ``plan`` (the decision reads each plan's once: ``planner/fastest.py: Floor``)."""
-    return layout_arrays(plan.world_size, plan.seq_lens, plan.attention, plan.linear, plan.packed_rings)
+    return layout_arrays(plan.world_size, plan.seq_lens, plan.attention, plan.linear, plan.packed_rings,
+                         plan.packed_ulysses)
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,15 @@ class Placements:
             out.append(placement(seq, seq_lens[seq], modes[code], ranks))
         return tuple(out)
 
+    def ulysses_packs(self) -> tuple[tuple[int, ...], ...]:
+        """``plan.ulysses_by_ranks`` of these placements, from the columns."""
+        ends = np.cumsum(self.size).tolist()
+        flat = self.ranks.tolist()
+        by_ranks: dict[tuple[int, ...], list[int]] = {}
+        for i in np.flatnonzero(self.mode == 2).tolist():
+            by_ranks.setdefault(tuple(flat[ends[i] - self.size[i]:ends[i]]), []).append(int(self.seq[i]))
+        return tuple(tuple(seqs) for seqs in by_ranks.values() if len(seqs) > 1)
+
     def same(self, other: "Placements") -> bool:
         """Whether both are one layout (placements are canonical: seq, mode and ranks say all)."""
         return all(np.array_equal(a, b) for a, b in ((self.seq, other.seq), (self.mode, other.mode),
@@ -120,10 +136,12 @@ class Placements:
 
 def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement] | Placements,
                   linear: Sequence[Sequence[Span]] | None,
-                  packed_rings: Sequence[Sequence[int]] = ()) -> PlanArrays:
+                  packed_rings: Sequence[Sequence[int]] = (),
+                  packed_ulysses: Sequence[Sequence[int]] = ()) -> PlanArrays:
     """:func:`plan_arrays` of the plan of ``att`` whose linear layout is
     ``linear``, or the attention layout itself (None: no remap), and whose
-    ``Plan.packed_rings`` are ``packed_rings``, before that plan is built
+    ``Plan.packed_rings`` and ``Plan.packed_ulysses`` are ``packed_rings`` and
+    ``packed_ulysses``, before that plan is built
     (building a baseline's plan, every span and its validation, cost more than
     pricing it)."""
     cols = att if isinstance(att, Placements) else Placements.of(att)
@@ -143,6 +161,14 @@ def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement] |
         index_of[seq] = np.arange(n)
         members = [np.sort(index_of[list(seqs)]) for seqs in packed_rings]     # placements in plan order
         packed = tuple((flat[first[m[0]]:first[m[0]] + size[m[0]]], L[m]) for m in members)
+    lead = None                           # a Ulysses placement's group: its pack's first member
+    if packed_ulysses:
+        lead = np.arange(n)
+        index_of = np.empty(len(seq_len), np.int64)
+        index_of[seq] = np.arange(n)
+        for seqs in packed_ulysses:
+            members = index_of[list(seqs)]
+            lead[members] = members.min()
     rings = {}
     sizes, at = np.unique(size[ring], return_index=True)
     for k in sizes[np.argsort(at)].tolist():
@@ -164,7 +190,7 @@ def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement] |
     if linear is None:
         kept = np.flatnonzero(held)
         return _arrays(flat, first, size, mode, L, rings, None,
-                       np.bincount(owner[kept], weights=hi[kept] - lo[kept], minlength=w), packed)
+                       np.bincount(owner[kept], weights=hi[kept] - lo[kept], minlength=w), packed, lead)
     spans = np.fromiter(chain.from_iterable(map(attrgetter("seq", "start", "end"), chain.from_iterable(linear))),
                         np.int64).reshape(-1, 3)
     span_owner = np.repeat(np.arange(w), np.fromiter(map(len, linear), np.int64, w))
@@ -188,16 +214,30 @@ def layout_arrays(w: int, seq_lens: Sequence[int], att: Sequence[SeqPlacement] |
         seq_start = np.cumsum(seq_len) - seq_len
         remap = _moves(seq_start[seq[of[order]]] + lo[order], owner[order],
                        seq_start[spans[:, 0]] + spans[:, 1], span_owner, int(seq_len.sum()), w)
-    return _arrays(flat, first, size, mode, L, rings, remap, linear_tokens, packed)
+    return _arrays(flat, first, size, mode, L, rings, remap, linear_tokens, packed, lead)
 
 
 def _arrays(flat: np.ndarray, first: np.ndarray, size: np.ndarray, mode: np.ndarray, L: np.ndarray,
             rings: dict[int, tuple[np.ndarray, np.ndarray]], remap: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
-            linear_tokens: np.ndarray, packed: tuple[tuple[np.ndarray, np.ndarray], ...]) -> PlanArrays:
-    local, group = np.flatnonzero(mode == 0), np.flatnonzero(mode == 2)
+            linear_tokens: np.ndarray, packed: tuple[tuple[np.ndarray, np.ndarray], ...],
+            lead: np.ndarray | None) -> PlanArrays:
+    local, member = np.flatnonzero(mode == 0), np.flatnonzero(mode == 2)
+    pairs = (L[member] * (L[member] + 1) // 2) // size[member]
+    if lead is None:                                             # one group per sequence
+        group, length, summed, block = member, L[member], pairs, L[member]
+    else:
+        group = member[lead[member] == member]                   # one per group, in plan order
+        of = np.searchsorted(group, lead[member])                # each member's group
+        length = np.bincount(of, weights=L[member], minlength=len(group)).astype(np.int64)
+        summed = np.bincount(of, weights=pairs, minlength=len(group)).astype(np.int64)
+        # A packed group's block as the schedule's (float sums: a surrogate's
+        # input); one sequence's block is its length, exactly.
+        block = np.bincount(of, weights=pairs * L[member], minlength=len(group)) // np.maximum(summed, 1)
+        block = np.where(np.bincount(of, minlength=len(group)) == 1, L[group], np.maximum(block, 1)).astype(np.int64)
     return PlanArrays(local_rank=flat[first[local]], local_len=L[local].astype(np.float64), rings=rings,
                       group_ranks=flat[_slices(first[group], size[group])], group_size=size[group],
-                      group_len=L[group], remap=remap, linear_tokens=linear_tokens, packed=packed)
+                      group_len=length, remap=remap, linear_tokens=linear_tokens, packed=packed,
+                      group_pairs=summed, group_block=block)
 
 
 def _moves(a_lo: np.ndarray, a_owner: np.ndarray, b_lo: np.ndarray, b_owner: np.ndarray, total: int,

@@ -606,7 +606,8 @@ def surrogate_clock(cost: CostModel) -> Callable[[Plan], float]:
 
 def step_floor(cost: CostModel, plan: Plan) -> float:
     """A lower bound of ``StepSurrogate(cost).step_s(plan)`` (:func:`layout_floor`)."""
-    return layout_floor(cost, layout_arrays(plan.world_size, plan.seq_lens, plan.attention, None, plan.packed_rings),
+    return layout_floor(cost, layout_arrays(plan.world_size, plan.seq_lens, plan.attention, None, plan.packed_rings,
+                                            plan.packed_ulysses),
                         plan.linear_tokens_per_rank())
 
 
@@ -627,9 +628,8 @@ def layout_floor(cost: CostModel, layout: PlanArrays, linear_tokens: Sequence[in
     L = layout.local_len.astype(np.int64)
     pairs = np.zeros(w)     # (a bincount of no ranks is of ints)
     pairs += np.bincount(layout.local_rank, weights=(L * (L + 1) // 2) * (1 + half / L), minlength=w)
-    L, d = layout.group_len, layout.group_size
-    share = (L * (L + 1) // 2) // d * (1 + half / L)
-    pairs += np.bincount(layout.group_ranks, weights=np.repeat(share, d), minlength=w)
+    share = layout.group_pairs * (1 + half / layout.group_block)
+    pairs += np.bincount(layout.group_ranks, weights=np.repeat(share, layout.group_size), minlength=w)
     pairs += packed_floor_pairs(layout, half, w)
     for k, (ranks, L) in layout.rings.items():
         # Position i of a zigzag ring holds chunks i and 2k - 1 - i of 2k.

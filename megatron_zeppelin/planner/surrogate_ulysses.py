@@ -56,8 +56,9 @@ class UlyssesGroups:
         member = np.arange(len(flat)) - (np.cumsum(d) - d)[gid]              # position in its group
         self.ranks, self.gid, self.groups = flat, gid, G
         tokens = ((member + 1) * L[gid] // d[gid] - member * L[gid] // d[gid]).astype(np.float64)
-        # attn_s per group before the pass's share: pairs / d at block L
-        self.kernel = clock._attn_s(((L * (L + 1) // 2) // d).astype(np.float64), L.astype(np.float64))
+        # attn_s per group before the pass's share: pairs / d at block L (a
+        # packed group's: its members' summed pairs at their pair-weighted length)
+        self.kernel = clock._attn_s(layout.group_pairs.astype(np.float64), layout.group_block.astype(np.float64))
         hq, hk = clock.q_heads // d, clock.kv_heads // d
         row = clock.head_dim * clock.isz
         q_row, qkv_row = (hq * row)[gid], ((hq + 2 * hk) * row)[gid]       # bytes per token, per member

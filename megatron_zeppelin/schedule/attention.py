@@ -150,27 +150,28 @@ def add_attention(b: ScheduleBuilder, prefix: tuple, plan: Plan, shape: AttnShap
                   pack: bool = False) -> dict[int, list[int]]:
     """Add one layer's attention (forward or backward); return each rank's frontier.
 
-    The plan's ``packed_rings`` run as one ring each, named by their first
-    member in plan order (``Plan.packed_ring_leads``), as the engine runs them.
+    The plan's ``packed_rings`` run as one ring each and its ``packed_ulysses``
+    as one group each, named by their first member in plan order
+    (``Plan.packed_leads``), as the engine runs them.
     ``pack`` runs all ring sequences of the same rank tuple as one ring
     (TransformerEngine's THD layout: each step sends and computes all of them)
     and all Ulysses sequences of the same rank tuple as one group (FlexSP and
     DeepSpeed: one all-to-all per layer), for baselines the engine does not run.
-    A plan that packs every ring rank tuple's sequences has the same schedule
-    with and without ``pack`` (same ops, same order)."""
+    A plan that packs every ring and Ulysses rank tuple's sequences has the same
+    schedule with and without ``pack`` (same ops, same order)."""
     seg = _Segment(b, prefix, entry or {})
     kv_numel = shape.kv_heads * shape.head_dim
     local: dict[int, list[int]] = {}
     rings: dict[tuple, list[int]] = {}
     groups: dict[tuple, list[int]] = {}
-    leads = plan.packed_ring_leads()      # the plan's own packed rings, as the engine runs them
+    leads = plan.packed_leads()      # the plan's own packs, as the engine runs them
     for index, p in enumerate(plan.attention):
         if p.mode is Mode.LOCAL:
             local.setdefault(p.ranks[0], []).append(index)
         elif p.mode is Mode.RING:
             rings.setdefault(p.ranks if pack else (leads.get(index, index),), []).append(index)
         else:
-            groups.setdefault(p.ranks if pack else (index,), []).append(index)
+            groups.setdefault(p.ranks if pack else (leads.get(index, index),), []).append(index)
     for members in rings.values():
         tier = plan.tier_of(plan.attention[members[0]])
         _add_ring(seg, transport, [(i, plan.attention[i]) for i in members], TIER_ORDER[tier], tier, kv_numel,

@@ -85,7 +85,7 @@ def _case(rank, world_size, plan, seed, backend):
 def test_packed_rings_match_single_rank_attention(world, name, backend):
     plan = packed_plan(name)
     kernels = "torch" if backend == "torch" else LoopedFused()
-    in_packed = {r for i in plan.packed_ring_leads() for r in plan.attention[i].ranks}
+    in_packed = {r for i in plan.packed_leads() for r in plan.attention[i].ranks}
     for rank, (got, expected, bytes_, counter, fused_calls) in enumerate(
             world.run(_case, plan, seed=len(name), backend=kernels)):
         check_rank(plan, TOPO, rank, got, expected, bytes_, counter, tol=1e-6)

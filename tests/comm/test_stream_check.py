@@ -128,10 +128,11 @@ def test_the_cuda_implementation_calls_torch_cuda_as_declared():
 
 
 # --------------------------------------------------------- the engine on it
-@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("case", range(8))
 def test_harness_plans_under_delays_have_no_violation(case):
     """gpu_check's delay plans (local, rings of 2 and 4, Ulysses, two nodes routed,
-    remap both ways, a packed ring) on CPU: equal to fp32 attention, 0 violations."""
+    remap both ways, a packed ring, a packed Ulysses group) on CPU: equal to fp32
+    attention, 0 violations."""
     streams = RecordingStreams()
     plan_case = stream_checks.cases(3)[case]
     for delays in (Delays(), Delays(caller_s=0.001, transfer_s=0.001, compute_s=0.001)):

@@ -158,7 +158,7 @@ def _packable(packed_rings=()):
 
 def test_packed_rings_round_trip_and_name_their_first_member():
     plan = _packable([[1, 0]]).validate()
-    assert plan.packed_ring_leads() == {0: 0, 2: 0}          # placement indices, lead first in plan order
+    assert plan.packed_leads() == {0: 0, 2: 0}          # placement indices, lead first in plan order
     d = json.loads(plan.to_json())
     assert d["packed_rings"] == [[1, 0]]
     back = Plan.from_json(plan.to_json()).validate()
@@ -175,7 +175,7 @@ def test_a_plan_without_packed_rings_dumps_as_before():
 
 @pytest.mark.parametrize("rings, message", [
     ([[0]], "packed ring 0 lists 1 sequence"),
-    ([[0, 1], [1, 2]], "sequence 1 is in two packed rings"),
+    ([[0, 1], [1, 2]], "sequence 1 is in two packs"),
     ([[0, 3]], "lists sequence 3, placed local; only ring placements"),
     ([[0, 2]], r"mixes ranks \[0, 1\] and \[1, 0\] \(sequence 2\)"),
     ([[0, 7]], "packed ring 0 of the attention layout names sequence 7"),
@@ -183,6 +183,40 @@ def test_a_plan_without_packed_rings_dumps_as_before():
 def test_invalid_packed_rings_are_named(rings, message):
     with pytest.raises(PlanError, match=message):
         _packable(rings).validate()
+
+
+def _ulysses_packable(packed_ulysses=(), packed_rings=()):
+    lens = [8, 12, 6, 10, 4]
+    att = [placement(0, 8, Mode.ULYSSES, [2, 3]), placement(1, 12, Mode.RING, [0, 1]),
+           placement(2, 6, Mode.ULYSSES, [2, 3]), placement(3, 10, Mode.ULYSSES, [3, 2]),
+           placement(4, 4, Mode.LOCAL, [0])]
+    plan = make_plan(lens, att)
+    return dataclasses.replace(plan, packed_ulysses=tuple(map(tuple, packed_ulysses)),
+                               packed_rings=tuple(map(tuple, packed_rings)))
+
+
+def test_packed_ulysses_round_trip_and_name_their_first_member():
+    plan = _ulysses_packable([[2, 0]]).validate()
+    assert plan.packed_leads() == {0: 0, 2: 0}
+    d = json.loads(plan.to_json())
+    assert d["packed_ulysses"] == [[2, 0]] and "packed_rings" not in d
+    back = Plan.from_json(plan.to_json()).validate()
+    assert back == plan and back.fingerprint() == plan.fingerprint()
+    assert _ulysses_packable().fingerprint() != plan.fingerprint()
+    assert "packed_ulysses" not in _ulysses_packable().to_dict()
+
+
+@pytest.mark.parametrize("groups, rings, message", [
+    ([[0]], [], "packed Ulysses group 0 lists 1 sequence"),
+    ([[0, 1]], [], "lists sequence 1, placed ring; only ulysses placements"),
+    ([[0, 3]], [], r"mixes ranks \[2, 3\] and \[3, 2\] \(sequence 3\)"),
+    ([[0, 2], [2, 0]], [], "sequence 2 is in two packs"),
+    ([[0, 9]], [], "packed Ulysses group 0 of the attention layout names sequence 9"),
+    ([[0, 2]], [[1, 0]], "packed ring 0 lists sequence 0, placed ulysses"),
+])
+def test_invalid_packed_ulysses_are_named(groups, rings, message):
+    with pytest.raises(PlanError, match=message):
+        _ulysses_packable(groups, rings).validate()
 
 
 def test_a_packed_member_still_needs_two_chunks_per_rank():

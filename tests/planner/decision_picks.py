@@ -118,7 +118,7 @@ def cases(every: bool = False, shared: Path | None = None) -> list[Case]:
 
 def digest(plan: Plan) -> str:
     """The layouts that run: every placement (mode, ranks, shards), the linear
-    spans, whether crossings route, the cap."""
+    spans, whether crossings route, the cap, the packed rings and groups."""
     h = hashlib.blake2b(digest_size=12)
     h.update(repr((plan.world_size, plan.gpus_per_node, plan.seq_lens, plan.token_cap, plan.routed)).encode())
     for p in plan.attention:
@@ -127,6 +127,8 @@ def digest(plan: Plan) -> str:
         h.update(repr([(s.seq, s.start, s.end) for s in spans]).encode())
     if plan.packed_rings:           # absent from the digests of plans without them
         h.update(repr(plan.packed_rings).encode())
+    if plan.packed_ulysses:         # likewise
+        h.update(repr(("packed_ulysses", plan.packed_ulysses)).encode())
     return h.hexdigest()
 
 

@@ -136,8 +136,10 @@ def test_every_candidate_is_a_valid_one_pass_plan_of_the_engine():
     assert all(SOURCES[name](lens, ctx) for name in SOURCES)
     # Static CP's layouts also packed (TE's ring) where a CP group rings several sequences.
     assert any(p.packed_rings for p in plans)
+    # Ulysses SP's and FlexSP's also packed (one all-to-all per group) where a group holds several sequences.
+    assert any(p.packed_ulysses for p in plans)
     # Direct always (as the baselines run); routed only where a ring crosses nodes.
-    layouts = {(p.attention, p.packed_rings) for p in plans}
+    layouts = {(p.attention, p.packed_rings, p.packed_ulysses) for p in plans}
     assert len(plans) == len(layouts) + sum(1 for p in plans if p.routed)
     assert all(not p.routed for p in plans if all(p.tier_of(a) != "inter" for a in p.attention))
     # With the remap forced on every batch there are none (these layouts do not remap).
@@ -146,7 +148,7 @@ def test_every_candidate_is_a_valid_one_pass_plan_of_the_engine():
 
 def test_flexsp_greedy_orders_each_group_shortest_first():
     ctx = PlanContext(cost=cost_of("a800-4x200g", 2, 4), tokens_per_gpu=2048)
-    draft, = flexsp_greedy_drafts([1028, 152, 477, 8293, 126], ctx)
+    draft = flexsp_greedy_drafts([1028, 152, 477, 8293, 126], ctx)[0]     # [1]: its packed copy
     plan = draft.plan()
     by_group: dict[tuple, list[int]] = {}
     for p in plan.attention:
@@ -163,7 +165,8 @@ def test_the_engine_runs_every_sources_plan(world):
     CP's wider ring across nodes, hybrid CP's ring in a node, Ulysses SP's
     groups, FlexSP's mixed groups and local sequences) runs on 2 x 4 gloo ranks,
     every output and q/k/v gradient equal to plain causal attention, bytes and
-    pairs exact (the engine test's checks); static CP's packed across nodes too."""
+    pairs exact (the engine test's checks); static CP's packed across nodes and
+    Ulysses SP's packed groups too."""
     base = load_cluster("h100-8x400g")
     topo = Topology(nodes=2, gpus_per_node=4, nics_per_node=4)
     cost = CostModel(dataclasses.replace(base, topology=topo), load_model("tiny"))    # 4 heads, 2 KV: the engine test's
@@ -171,11 +174,13 @@ def test_the_engine_runs_every_sources_plan(world):
     rings, ulysses = [200, 90, 40, 30, 12, 8], [120, 60, 30, 12, 8]
     static = [d for d in SOURCES["te_cp"](rings, ctx) if d.unpacked is None]
     packed = [d for d in SOURCES["te_cp"](rings, ctx) if d.unpacked is not None]
+    static_sp = SOURCES["ulysses_sp"](ulysses, ctx)
     drafts = [static[-1], packed[-1], SOURCES["megatron_hybrid_cp"](rings, ctx)[0],
-              SOURCES["ulysses_sp"](ulysses, ctx)[0], SOURCES["flexsp_greedy"](ulysses, ctx)[0]]
+              static_sp[0], SOURCES["flexsp_greedy"](ulysses, ctx)[0], static_sp[-1]]
     plans = [d.plan() for d in drafts]
+    assert plans[-1].packed_ulysses          # Ulysses SP's groups packed, as DeepSpeed runs them
     assert plans[1].packed_rings and any(len({r // 4 for r in plans[1].attention[i].ranks}) > 1
-                                         for i in plans[1].packed_ring_leads())
+                                         for i in plans[1].packed_leads())
     shapes = {(p.mode, len({r // 4 for r in p.ranks}) > 1) for plan in plans for p in plan.attention}
     assert {(Mode.LOCAL, False), (Mode.RING, False), (Mode.RING, True), (Mode.ULYSSES, False)} <= shapes
     for plan in plans:

@@ -84,21 +84,26 @@ def test_the_surrogate_clock_has_a_floor_and_other_step_models_none():
 
 
 def test_a_floor_keeps_a_packed_copy_apart_from_its_unpacked_twin():
-    """Static CP's packed copy shares its twin's placements, not its arrays: the
-    Floor bounds and prices each as its own, whichever it reads first (a packed
-    ring's larger kernels lower the bound)."""
+    """A packed copy (static CP's rings, Ulysses SP's and FlexSP's groups) shares
+    its twin's placements, not its arrays: the Floor bounds and prices each as
+    its own, whichever it reads first (a packed ring's larger kernels lower the
+    bound; a packed group's larger block lowers it where that group's ranks bound the step)."""
     case = latency_case(16, 5)
     ctx = case.context()
     surrogate = StepSurrogate(ctx.cost)
     packed = [d.candidate(routed) for d, routed in baseline_drafts(case.lens, ctx) if d.unpacked is not None]
-    assert packed
+    assert any(p.packed_rings for p in packed) and any(p.packed_ulysses for p in packed)
     floor = Floor(surrogate.step_s)
     for plan in packed:
-        twin = dataclasses.replace(plan, packed_rings=())
+        twin = dataclasses.replace(plan, packed_rings=(), packed_ulysses=())
         for p in (plan, twin, plan):
             assert floor.of_plan(p) == step_floor(ctx.cost, p)
             assert floor.price(surrogate.step_s, p) == surrogate.step_s(p)
-        assert floor.of_plan(plan) < floor.of_plan(twin)
+        assert floor.price(surrogate.step_s, plan) != floor.price(surrogate.step_s, twin)
+        if plan.packed_rings:
+            assert floor.of_plan(plan) < floor.of_plan(twin)
+        else:
+            assert floor.of_plan(plan) <= floor.of_plan(twin)
 
 
 def test_the_floor_is_below_the_surrogate_on_random_batches():
