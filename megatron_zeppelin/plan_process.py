@@ -6,9 +6,11 @@ measured a launch-bound host loop several times slower while it plans.  A child
 process has its own interpreter; the caller's thread only waits on it (the lock
 released) and then unpickles the Plan.
 
-The child is started with ``spawn`` (a forked CUDA context is unusable) and
-imports only this torch-free module and the planner it names; it builds the
-planner and its context once, on its first batch.
+The child is started with ``spawn`` (a forked CUDA context is unusable): it
+imports this torch-free module and the planner it names, and, as ``spawn``
+does, the parent's main script's imports (torch under ``pretrain_gpt.py``:
+1.4 s to the first Plan with a script importing torch, on the shared box);
+it builds the planner and its context once, on its first batch.
 """
 
 from __future__ import annotations
