@@ -9,7 +9,10 @@ the planning thread to give it up, at most the interpreter's switch interval
 loop (``--ops`` small torch ops, a stand-in for a step's kernel launches) while
 the worker thread plans the benchmark's batches back to back (the worst case:
 planning takes a fraction of each real step), with the interpreter's default
-switch interval and with the interval the prefetcher uses while it plans.
+switch interval and with the interval the prefetcher uses while it plans, and
+while a child process plans (``plan_process.py``, ``--zeppelin-prefetch
+process``: a thread here waits on the child and unpickles each Plan, the
+loop's only share of the planning; its CPU time per Plan is measured too).
 
     python benchmarks/planning_interference.py --gpus 64,1024
 
@@ -20,6 +23,9 @@ so load from other jobs on the machine spreads over all of them.
 from __future__ import annotations
 
 import argparse
+import gc
+import multiprocessing
+import pickle
 import shlex
 import statistics
 import sys
@@ -31,12 +37,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks import each other by name
-from planner_latency import batch, context  # noqa: E402
+from planner_latency import batch  # noqa: E402
 
 from megatron_zeppelin.cost import CostModel  # noqa: E402
 from megatron_zeppelin.errors import exit_on_user_error  # noqa: E402
 from megatron_zeppelin.model_config import load_model  # noqa: E402
-from megatron_zeppelin.planner.base import get_planner  # noqa: E402
+from megatron_zeppelin.plan_process import PlanFn, PlanningProcess  # noqa: E402
 from megatron_zeppelin.prefetch import PLANNING_SWITCH_INTERVAL_S, planning_switch_interval  # noqa: E402
 from megatron_zeppelin.sampler.batch_sampler import PieceTable  # noqa: E402
 from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths  # noqa: E402
@@ -53,8 +59,51 @@ def host_loop(ops: int, x: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
+def receive_ms(plan) -> tuple[float, float, int]:
+    """CPU ms to unpickle ``plan`` (what receiving it from the child costs this
+    process; median of 20) with the cyclic collector on, as the pool's thread
+    receives it, and paused, and its pickled bytes."""
+    blob = pickle.dumps(plan)
+
+    def cpu_ms(collector_on: bool) -> float:
+        times = []
+        for _ in range(20):
+            if not collector_on:
+                gc.disable()
+            t0 = time.process_time()
+            pickle.loads(blob)
+            times.append(time.process_time() - t0)
+            gc.enable()
+        return statistics.median(times) * 1e3
+
+    return cpu_ms(True), cpu_ms(False), len(blob)
+
+
+def _spin(stop) -> None:
+    while not stop.is_set():
+        for _ in range(10_000):
+            pass
+
+
+def with_spinning_child(loop) -> float:
+    """``loop()``'s seconds while a child process only burns a core: on a box
+    with few free cores the share of the planning child's cost that is core
+    contention, not the interpreter lock."""
+    spawn = multiprocessing.get_context("spawn")
+    stop = spawn.Event()
+    child = spawn.Process(target=_spin, args=(stop,), daemon=True)
+    child.start()
+    time.sleep(0.3)             # spawned and spinning when the loop starts
+    try:
+        return loop()
+    finally:
+        stop.set()
+        child.join()
+
+
 def with_planning(plan_once, loop, shorter_switch: bool) -> float:
-    """``loop()``'s seconds while a worker thread plans back to back."""
+    """``loop()``'s seconds while a worker thread plans back to back (``plan_once``
+    in a child process: the thread waits on it)."""
     stop = threading.Event()
 
     def planning() -> None:
@@ -86,32 +135,48 @@ def run(args: argparse.Namespace) -> str:
         cost = CostModel(cluster.with_nodes(max(world // cluster.topology.gpus_per_node, 1)), model)
         lens = batch(pieces, world, np.random.default_rng(args.seed))
         cap = max(int(1.05 * sum(lens) / world), -(-args.max_seq_len // world))
-        ctx = context(argparse.Namespace(decide=True), cost, cap)
-        planner = get_planner("zeppelin")
-        plan_once = lambda: planner.plan(lens, ctx)  # noqa: E731
+        # As pretrain_gpt.py --zeppelin plans (build_plan_fn): routed crossings, remap and decision on.
+        plan_fn = PlanFn("zeppelin", cost.routed(True), cap, remap=True, time_limit_s=10.0, decide=True)
+        plan_once = lambda: plan_fn(lens)  # noqa: E731
         plan_once()                                  # compiled loops loaded, caches warm
         t0 = time.process_time()
-        plan_once()
+        plan = plan_once()
         plan_ms = (time.process_time() - t0) * 1e3
-        cases: dict[str, list[float]] = {"alone": [], "default": [], "shorter": []}
+        unpickle_ms, unpickle_paused_ms, plan_bytes = receive_ms(plan)
+        child = PlanningProcess(plan_fn)
+        in_child = lambda: child(lens)  # noqa: E731
+        in_child()                                   # the child started, its caches warm
+        cases: dict[str, list[float]] = {"alone": [], "default": [], "shorter": [], "process": [], "spin": []}
         for r in range(args.rounds):
             cases["alone"].append(loop())
             cases["default"].append(with_planning(plan_once, loop, shorter_switch=False))
             cases["shorter"].append(with_planning(plan_once, loop, shorter_switch=True))
+            cases["process"].append(with_planning(in_child, loop, shorter_switch=False))
+            cases["spin"].append(with_spinning_child(loop))
             print(f"  {world} GPUs, round {r + 1}/{args.rounds}: "
                   + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in cases.items()), file=sys.stderr)
-        alone, default, shorter = (statistics.median(cases[k]) * 1e3 for k in ("alone", "default", "shorter"))
+        child.close()
+        alone, default, shorter, process, spin = (statistics.median(cases[k]) * 1e3
+                                                  for k in ("alone", "default", "shorter", "process", "spin"))
         rows.append(f"| {world} | {plan_ms:.0f} | {alone:.1f} | {default:.1f} ({default / alone:.1f}x) "
-                    f"| {shorter:.1f} ({shorter / alone:.1f}x) |")
+                    f"| {shorter:.1f} ({shorter / alone:.1f}x) | {process:.1f} ({process / alone:.1f}x) "
+                    f"| {spin:.1f} ({spin / alone:.1f}x) "
+                    f"| {unpickle_ms:.1f} | {unpickle_paused_ms:.1f} | {plan_bytes / 1024:.0f} |")
     command = "python benchmarks/planning_interference.py " + shlex.join(sys.argv[1:])
     head = ("| GPUs | one decision, CPU ms | host loop alone, ms | while planning, default switch interval "
-            f"(5 ms) | while planning, {PLANNING_SWITCH_INTERVAL_S * 1e3:g} ms switch interval (the prefetcher's) |")
-    return (f"# Planning on a thread: what it costs the host loop\n\nCommand: `{command.strip()}`\n\n"
+            f"(5 ms) | while planning, {PLANNING_SWITCH_INTERVAL_S * 1e3:g} ms switch interval (the prefetcher's) "
+            "| while a child process plans | while a child process only spins (core contention) "
+            "| receiving one Plan: unpickle CPU ms | the same, collector paused | pickled Plan, KiB |")
+    return (f"# Planning on a thread or in a child process: what it costs the host loop\n\n"
+            f"Command: `{command.strip()}`\n\n"
             f"{args.model} on {cluster.name}, Zeppelin's planner with its decision (as `pretrain_gpt.py "
             f"--zeppelin`), the batch of `benchmarks/planner_latency.py`; the host loop is {args.ops} torch ops "
             f"on a 64x64 tensor (each releases the interpreter lock while it runs, as a kernel launch does); "
-            f"median of {args.rounds} interleaved rounds, wall-clock on a shared 2-core box.\n\n"
-            f"{head}\n| --- | --- | --- | --- | --- |\n" + "\n".join(rows) + "\n")
+            f"median of {args.rounds} interleaved rounds, wall-clock on a shared 2-core box.  In the child "
+            f"process case (`--zeppelin-prefetch process`) a thread here waits on a spawned child and receives "
+            f"its Plans (the pool's thread unpickles each); the spinning child is a control: a busy core "
+            f"and no planning.  Receiving one Plan: CPU ms of `pickle.loads` here, median of 20.\n\n"
+            f"{head}\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows) + "\n")
 
 
 def main() -> None:

@@ -38,6 +38,9 @@ PLAN_ON_ONE_RANK = frozenset({"flexsp"})
 #: (not imported: this module stays free of torch; a test keeps the two equal).
 BACKENDS = ("auto", "torch", "torch_flash", "flash", "te")
 
+#: ``--zeppelin-prefetch`` choices: where the next global batch is planned while this step trains.
+PREFETCH_MODES = ("process", "thread", "off")
+
 #: Flag defaults; validation reports any ``--zeppelin-*`` flag changed without ``--zeppelin``.
 DEFAULTS = {
     "zeppelin_planner": "zeppelin",
@@ -51,7 +54,7 @@ DEFAULTS = {
     "zeppelin_ring_grad_dtype": DEFAULT_RING_GRAD_DTYPE,
     "zeppelin_data_lengths": None,
     "zeppelin_seed": None,
-    "zeppelin_prefetch": "on",
+    "zeppelin_prefetch": "process",
     "zeppelin_check_plans": "on",
     "zeppelin_plan_dump_dir": None,
     "zeppelin_log_interval": 0,
@@ -105,8 +108,11 @@ def add_zeppelin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "order) the data must match: pins the run to the lengths you simulated.")
     g.add_argument("--zeppelin-seed", type=int, default=None,
                    help="Sampler seed (default: --seed).")
-    g.add_argument("--zeppelin-prefetch", choices=on_off, default=DEFAULTS["zeppelin_prefetch"],
-                   help="Plan the next global batch in a background thread while this step trains.")
+    g.add_argument("--zeppelin-prefetch", choices=PREFETCH_MODES, default=DEFAULTS["zeppelin_prefetch"],
+                   help="Plan the next global batch while this step trains: process plans in a child "
+                        "process (off this interpreter's lock, which launches the step's kernels), "
+                        "thread on a background thread (shares the lock: slows a launch-bound step, "
+                        "docs/results/planning_interference.md), off before each step.")
     g.add_argument("--zeppelin-check-plans", choices=on_off, default=DEFAULTS["zeppelin_check_plans"],
                    help="All-reduce a 63-bit plan fingerprint each step; a mismatch stops the run.")
     g.add_argument("--zeppelin-plan-dump-dir", default=None,

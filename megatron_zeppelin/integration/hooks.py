@@ -41,7 +41,7 @@ from megatron_zeppelin.comm.groups import LaneGroups
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.cost.model import DEFAULT_RING_GRAD_DTYPE
 from megatron_zeppelin.errors import ConfigError, InfeasibleError
-from megatron_zeppelin.integration.args import (PLAN_ON_ONE_RANK, check_args, megatron_terms,
+from megatron_zeppelin.integration.args import (PLAN_ON_ONE_RANK, PREFETCH_MODES, check_args, megatron_terms,
                                                 zeppelin_micro_batches)
 from megatron_zeppelin.integration.checkpoint import data_state, restore_sampler
 from megatron_zeppelin.integration.data import SPLITS, DocumentBlend, open_blends
@@ -51,12 +51,11 @@ from megatron_zeppelin.integration.step_report import (IterationReports, StepClo
 from megatron_zeppelin.model_config import ModelConfig
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.agreement import AllReduceMax, check_same_plan
-from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.planner.micro_batches import Split, micro_batch_split
+from megatron_zeppelin.plan_process import PlanFn, PlanningProcess
 from megatron_zeppelin.prefetch import Prefetcher
 from megatron_zeppelin.sampler import GlobalBatch, batch_budget
 from megatron_zeppelin.sampler.deferral import DeferringSampler
-from megatron_zeppelin.planner.surrogate import surrogate_clock
 from megatron_zeppelin.step_context import StepContext
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import RankBatch, build_rank_batch, padded_length
@@ -230,7 +229,7 @@ class ZeppelinLoader:
     def __init__(self, *, sampler: DeferringSampler, blend: DocumentBlend,
                  make_plan: Callable[[Sequence[int]], Plan], rank: int, device: torch.device,
                  communicator: Any, backend: Any, all_reduce_max: AllReduceMax | None,
-                 prefetch: bool = True, ring_grad_dtype: str = DEFAULT_RING_GRAD_DTYPE,
+                 prefetch: str = "thread", ring_grad_dtype: str = DEFAULT_RING_GRAD_DTYPE,
                  on_batch: Callable[[PreparedBatch, StepContext], None] | None = None,
                  broadcast_plan: Callable[[Plan | None], Plan] | None = None,
                  tp_size: int = 1, tp_rank: int = 0, split: Split | None = None,
@@ -252,7 +251,10 @@ class ZeppelinLoader:
         ``sequence_parallel_group``: Megatron's TP group under ``--sequence-parallel``
         (the remapped MLP gathers its rows over it), else None.  ``reads_tokens``:
         False on a middle pipeline stage, which gets the Plan and shapes only (its
-        hidden states come from the previous stage)."""
+        hidden states come from the previous stage).  ``prefetch``: ``process`` plans
+        the next batch in a child process (``make_plan`` must be a picklable
+        :class:`PlanFn`) while a thread here samples it and reads its tokens;
+        ``thread`` plans on that thread; ``off`` plans in ``__next__``."""
         self.sampler, self.blend, self.make_plan = sampler, blend, make_plan
         self.rank, self.device, self.communicator, self.backend = rank, device, communicator, backend
         self.ring_grad_dtype = ring_grad_dtype
@@ -262,11 +264,16 @@ class ZeppelinLoader:
         self.split, self.note = split, note
         self.plans_here = broadcast_plan is None or dist.get_rank() == 0
         """This rank computes Plans (all ranks, or the one that broadcasts)."""
+        if prefetch not in PREFETCH_MODES:
+            raise ConfigError(f"--zeppelin-prefetch {prefetch}: use one of {', '.join(PREFETCH_MODES)}")
+        self._planning = PlanningProcess(make_plan) if prefetch == "process" and self.plans_here else None
+        if self._planning is not None:
+            self.make_plan = self._planning
         self._batches = self._planned_micro_batches()
         # Plan batch k+1 while step k trains: the sampler and planner are pure host
         # code, and collectives stay on this thread.
         prepared = iter(self.prepare, None)
-        self._prepared = Prefetcher(prepared, name="zeppelin-plan") if prefetch else prepared
+        self._prepared = Prefetcher(prepared, name="zeppelin-plan") if prefetch != "off" else prepared
 
     def _plan_parts(self, seq_lens: Sequence[int]) -> list[tuple[list[int], Plan | None]]:
         """A global batch's micro-batches (sequence indices) and their Plans; raises
@@ -343,6 +350,8 @@ class ZeppelinLoader:
     def close(self) -> None:
         if isinstance(self._prepared, Prefetcher):
             self._prepared.close()
+        if self._planning is not None:
+            self._planning.close()
 
 
 def get_batch(data_iterator: Any) -> tuple:
@@ -375,17 +384,10 @@ def model_config_from_args(args: Any) -> ModelConfig:
 
 
 def build_plan_fn(planner: str, cost: CostModel, tokens_per_gpu: int, remap: bool,
-                  time_limit_s: float, tp_size: int = 1, decide: bool = False) -> Callable[[Sequence[int]], Plan]:
-    """``seq_lens -> validated Plan`` (the linear layout is the attention layout without remap).
-    ``decide``: Zeppelin picks each batch's plan by the modeled step, as the
-    simulator does (``planner/zeppelin_decide.py``): routed or direct crossings,
-    static CP's uniform layouts, and with ``remap`` whether this batch remaps;
-    without it every batch remaps."""
-    impl = get_planner(planner)
-    ctx = PlanContext(cost=cost, tokens_per_gpu=tokens_per_gpu, time_limit_s=time_limit_s,
-                      tp_size=tp_size, remap_enabled=remap, remap_decided=decide,
-                      step_model=surrogate_clock(cost) if decide else None)
-    return lambda seq_lens: impl.plan(list(seq_lens), ctx).validate()
+                  time_limit_s: float, tp_size: int = 1, decide: bool = False) -> PlanFn:
+    """``seq_lens -> validated Plan`` (picklable: ``--zeppelin-prefetch process`` runs it in a
+    child process; ``plan_process.PlanFn`` documents each argument)."""
+    return PlanFn(planner, cost, tokens_per_gpu, remap, time_limit_s, tp_size, decide)
 
 
 def _build_communicator(groups: LaneGroups, topology: Topology, cost: CostModel, routing: bool,
@@ -480,7 +482,7 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
         loaders.append(ZeppelinLoader(
             sampler=sampler, blend=blend, make_plan=make_plan, rank=mpu.get_data_parallel_rank(),
             device=device, communicator=communicator, backend=backend, all_reduce_max=check,
-            prefetch=args.zeppelin_prefetch == "on", ring_grad_dtype=cost.ring_grad_dtype, split=into_micro,
+            prefetch=args.zeppelin_prefetch, ring_grad_dtype=cost.ring_grad_dtype, split=into_micro,
             pad_multiple=tp if sequence_parallel else 1,
             sequence_parallel_group=mpu.get_tensor_model_parallel_group() if sequence_parallel else None,
             reads_tokens=mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage(),

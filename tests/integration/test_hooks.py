@@ -52,7 +52,7 @@ def setup(datasets):
     return blend, make_plan, lengths
 
 
-def loaders(blend, make_plan, *, prefetch=False, resume_at=0, check=None):
+def loaders(blend, make_plan, *, prefetch="off", resume_at=0, check=None):
     out = []
     for rank in range(WORLD):
         sampler = DeferringSampler(blend.sampler(max_seq_len=MAX_SEQ, seed=3,
@@ -108,12 +108,14 @@ def test_prefetch_and_resume_see_the_same_batches(setup):
     blend, make_plan, _ = setup
     a = loaders(blend, make_plan)[1]
     straight = [next(a) for _ in range(5)]
-    b = loaders(blend, make_plan, prefetch=True)[1]
-    fetched = [next(b) for _ in range(5)]
-    b.close()
+    for mode in ("thread", "process"):    # planned on a thread, or in a child process
+        b = loaders(blend, make_plan, prefetch=mode)[1]
+        fetched = [next(b) for _ in range(5)]
+        b.close()
+        for x, y in zip(straight, fetched):
+            assert torch.equal(x.tokens, y.tokens)
+            assert x.packed_seq_params.context.plan == y.packed_seq_params.context.plan
     resumed = [next(loaders(blend, make_plan, resume_at=2)[1])]
-    for x, y in zip(straight, fetched):
-        assert torch.equal(x.tokens, y.tokens) and x.packed_seq_params.context.plan == y.packed_seq_params.context.plan
     assert torch.equal(resumed[0].tokens, straight[2].tokens)
     assert resumed[0].packed_seq_params.context.plan == straight[2].packed_seq_params.context.plan
 
@@ -283,7 +285,7 @@ def test_a_batch_no_plan_holds_defers_a_piece_to_the_next(setup):
     sampler = DeferringSampler(blend.sampler(max_seq_len=MAX_SEQ, tokens_per_batch=budget, seed=3))
     notes = []
     loader = ZeppelinLoader(sampler=sampler, blend=blend, make_plan=at_most_three, rank=0, device=torch.device("cpu"),
-                            communicator=None, backend=None, all_reduce_max=None, prefetch=False, note=notes.append)
+                            communicator=None, backend=None, all_reduce_max=None, prefetch="off", note=notes.append)
     handed = [loader.prepare() for _ in range(6)]
     trained = [p for h in handed for p in h.batch.pieces]
     raw = iter(blend.sampler(max_seq_len=MAX_SEQ, tokens_per_batch=budget, seed=3))

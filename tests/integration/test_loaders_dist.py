@@ -181,7 +181,7 @@ def _broadcast_case(rank, world_size, prefix, broadcast):
         sampler=DeferringSampler(blend.sampler(max_seq_len=512, tokens_per_batch=batch_budget(600, 4, 512), seed=2)),
         blend=blend,
         make_plan=lambda lens: planned.append(1) or make_plan(lens), rank=rank, device=cpu, communicator=None,
-        backend=None, all_reduce_max=torch_all_reduce_max(cpu), prefetch=True,
+        backend=None, all_reduce_max=torch_all_reduce_max(cpu), prefetch="thread",
         broadcast_plan=broadcast_plan_from_rank0(cpu) if broadcast else None)
     try:
         plans = [next(loader).packed_seq_params.context.plan for _ in range(2)]
