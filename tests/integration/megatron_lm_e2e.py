@@ -43,6 +43,7 @@ from megatron_zeppelin import integration as zeppelin
 from megatron_zeppelin.attention.backends import TorchBackend
 from megatron_zeppelin.integration.args import megatron_core_version, zeppelin_micro_batches
 from megatron_zeppelin.comm.base import ByteCounters
+from megatron_zeppelin.cost.model import DEFAULT_RING_GRAD_DTYPE
 from megatron_zeppelin.megatron import build_gpt_model
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.sampler import GlobalBatch
@@ -139,7 +140,9 @@ def reference_run(args, rank, world, dp, cluster, model_cfg, reference, blend):
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cfg = SimpleNamespace(strategy="reference", dump_plans=None, dump_trace=None, tp=tp, pp=pp,
                           sequence_parallel=args.sequence_parallel, timeout_s=300.0, lr=1e-3,
-                          max_seq_len=args.seq_length)
+                          max_seq_len=args.seq_length,
+                          # plain data parallelism sends no ring messages; the trainer's run reads it
+                          engine_ring_grad_dtype=DEFAULT_RING_GRAD_DTYPE)
     return Run(cfg=cfg, rank=rank, world_size=world, dp_rank=rank % (world // pp) // tp, device=torch.device("cpu"),
                cluster=load_cluster(cluster), model_cfg=model_cfg, model=reference,
                optimizer=torch.optim.Adam(reference.parameters(), lr=1e-3), sampler=None,
