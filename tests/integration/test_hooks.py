@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -111,6 +112,10 @@ def test_prefetch_and_resume_see_the_same_batches(setup):
     for mode in ("thread", "process"):    # planned on a thread, or in a child process
         b = loaders(blend, make_plan, prefetch=mode)[1]
         fetched = [next(b) for _ in range(5)]
+        # ``process`` plans in a spawned child (its pool holds one live process), ``thread`` here.
+        children = b._planning._pool._processes if b._planning is not None else {}
+        assert len(children) == (1 if mode == "process" else 0)
+        assert all(pid != os.getpid() for pid in children)
         b.close()
         for x, y in zip(straight, fetched):
             assert torch.equal(x.tokens, y.tokens)
