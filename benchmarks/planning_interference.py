@@ -11,8 +11,9 @@ the worker thread plans the benchmark's batches back to back (the worst case:
 planning takes a fraction of each real step), with the interpreter's default
 switch interval and with the interval the prefetcher uses while it plans, and
 while a child process plans (``plan_process.py``, ``--zeppelin-prefetch
-process``: a thread here waits on the child and unpickles each Plan, the
-loop's only share of the planning; its CPU time per Plan is measured too).
+process``: a thread here waits on the child and receives each Plan, the
+loop's only share of the planning; its CPU time per Plan is measured too, and
+beside it what unpickling the Plan object itself would cost).
 
     python benchmarks/planning_interference.py --gpus 64,1024
 
@@ -31,6 +32,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +44,7 @@ from planner_latency import batch  # noqa: E402
 from megatron_zeppelin.cost import CostModel  # noqa: E402
 from megatron_zeppelin.errors import exit_on_user_error  # noqa: E402
 from megatron_zeppelin.model_config import load_model  # noqa: E402
+from megatron_zeppelin.plan.compact import CompactPlan  # noqa: E402
 from megatron_zeppelin.plan_process import PlanFn, PlanningProcess  # noqa: E402
 from megatron_zeppelin.prefetch import PLANNING_SWITCH_INTERVAL_S, planning_switch_interval  # noqa: E402
 from megatron_zeppelin.sampler.batch_sampler import PieceTable  # noqa: E402
@@ -59,24 +62,54 @@ def host_loop(ops: int, x: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-def receive_ms(plan) -> tuple[float, float, int]:
-    """CPU ms to unpickle ``plan`` (what receiving it from the child costs this
-    process; median of 20) with the cyclic collector on, as the pool's thread
-    receives it, and paused, and its pickled bytes."""
-    blob = pickle.dumps(plan)
+@dataclass(frozen=True)
+class Receiving:
+    """What receiving one Plan costs this process, sent one way."""
 
+    cpu_ms: float
+    """Mean CPU ms per Plan over 20 (the mean: the collector's full passes, set off
+    every few Plans, are part of the cost), the collector on, each Plan held while
+    the next two arrive (the loader holds the step's Plan and the prefetched one)."""
+    paused_cpu_ms: float
+    """The same with the collector paused."""
+    tracked: int
+    """Objects of one Plan the collector tracks (walks in every full pass) while it lives."""
+    kib: float
+    """Bytes sent, KiB."""
+
+
+def receiving(blob: bytes, receive) -> Receiving:
+    """``receive(blob)`` (which returns the Plan), measured."""
     def cpu_ms(collector_on: bool) -> float:
-        times = []
+        held, times = [], []
+        gc.collect()
         for _ in range(20):
             if not collector_on:
                 gc.disable()
             t0 = time.process_time()
-            pickle.loads(blob)
+            held.append(receive(blob))
             times.append(time.process_time() - t0)
             gc.enable()
-        return statistics.median(times) * 1e3
+            del held[:-2]
+        return statistics.mean(times) * 1e3
 
-    return cpu_ms(True), cpu_ms(False), len(blob)
+    gc.collect()
+    before = len(gc.get_objects())
+    plan = receive(blob)
+    gc.collect()                                # what survives a pass (tuples of ints leave it)
+    tracked = len(gc.get_objects()) - before
+    del plan
+    return Receiving(cpu_ms(True), cpu_ms(False), tracked, len(blob) / 1024)
+
+
+def receive_costs(plan) -> tuple[Receiving, Receiving]:
+    """Receiving ``plan`` as the process path does (unpickle the :class:`CompactPlan`
+    the child sends, rebuild the Plan) and, for comparison, as a pickled Plan
+    object (how Plans crossed before)."""
+    compact = pickle.dumps(CompactPlan.of(plan))
+    assert pickle.loads(compact).plan() == plan
+    return (receiving(compact, lambda blob: pickle.loads(blob).plan()),
+            receiving(pickle.dumps(plan), pickle.loads))
 
 
 def _spin(stop) -> None:
@@ -142,7 +175,7 @@ def run(args: argparse.Namespace) -> str:
         t0 = time.process_time()
         plan = plan_once()
         plan_ms = (time.process_time() - t0) * 1e3
-        unpickle_ms, unpickle_paused_ms, plan_bytes = receive_ms(plan)
+        compact, whole = receive_costs(plan)
         child = PlanningProcess(plan_fn)
         in_child = lambda: child(lens)  # noqa: E731
         in_child()                                   # the child started, its caches warm
@@ -161,12 +194,14 @@ def run(args: argparse.Namespace) -> str:
         rows.append(f"| {world} | {plan_ms:.0f} | {alone:.1f} | {default:.1f} ({default / alone:.1f}x) "
                     f"| {shorter:.1f} ({shorter / alone:.1f}x) | {process:.1f} ({process / alone:.1f}x) "
                     f"| {spin:.1f} ({spin / alone:.1f}x) "
-                    f"| {unpickle_ms:.1f} | {unpickle_paused_ms:.1f} | {plan_bytes / 1024:.0f} |")
+                    + "".join(f"| {r.cpu_ms:.1f} | {r.paused_cpu_ms:.1f} | {r.tracked / 1000:.1f}k | {r.kib:.0f} "
+                              for r in (compact, whole)) + "|")
     command = "python benchmarks/planning_interference.py " + shlex.join(sys.argv[1:])
     head = ("| GPUs | one decision, CPU ms | host loop alone, ms | while planning, default switch interval "
             f"(5 ms) | while planning, {PLANNING_SWITCH_INTERVAL_S * 1e3:g} ms switch interval (the prefetcher's) "
             "| while a child process plans | while a child process only spins (core contention) "
-            "| receiving one Plan: unpickle CPU ms | the same, collector paused | pickled Plan, KiB |")
+            "| receiving one Plan: CPU ms | the same, collector paused | tracked objects | sent, KiB "
+            "| a pickled Plan object instead: CPU ms | collector paused | tracked objects | KiB |")
     return (f"# Planning on a thread or in a child process: what it costs the host loop\n\n"
             f"Command: `{command.strip()}`\n\n"
             f"{args.model} on {cluster.name}, Zeppelin's planner with its decision (as `pretrain_gpt.py "
@@ -174,9 +209,14 @@ def run(args: argparse.Namespace) -> str:
             f"on a 64x64 tensor (each releases the interpreter lock while it runs, as a kernel launch does); "
             f"median of {args.rounds} interleaved rounds, wall-clock on a shared 2-core box.  In the child "
             f"process case (`--zeppelin-prefetch process`) a thread here waits on a spawned child and receives "
-            f"its Plans (the pool's thread unpickles each); the spinning child is a control: a busy core "
-            f"and no planning.  Receiving one Plan: CPU ms of `pickle.loads` here, median of 20.\n\n"
-            f"{head}\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows) + "\n")
+            f"its Plans; the spinning child is a control: a busy core and no planning.  Receiving one "
+            f"Plan: CPU ms here to unpickle the `CompactPlan` the child sends (`plan/compact.py`: flat "
+            f"arrays) and rebuild the Plan; mean of 20 (the collector's full passes, set off every few "
+            f"Plans, are part of the cost), each Plan held while the next two arrive, with the cyclic "
+            f"collector on (as the loader receives it) and paused; the objects of one Plan the collector "
+            f"tracks (walks in each full pass); beside them, the same for a pickled Plan object (how Plans "
+            f"crossed before).\n\n"
+            f"{head}\n|" + " --- |" * 15 + "\n" + "\n".join(rows) + "\n")
 
 
 def main() -> None:

@@ -4,7 +4,10 @@ A planning *thread* (``prefetch.py``) shares the interpreter lock with the threa
 that launches the step's kernels: ``benchmarks/planning_interference.py``
 measured a launch-bound host loop several times slower while it plans.  A child
 process has its own interpreter; the caller's thread only waits on it (the lock
-released) and then unpickles the Plan.
+released) and then receives the Plan as a :class:`~megatron_zeppelin.plan.compact.CompactPlan`
+(a few flat arrays: a few objects to unpickle, one per placement and span to
+rebuild, where a pickled Plan object set off the garbage collector's walks of
+this process).
 
 The child is started with ``spawn`` (a forked CUDA context is unusable): it
 imports this torch-free module and the planner it names, and, as ``spawn``
@@ -24,6 +27,7 @@ from typing import Any, Sequence
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.plan import Plan
+from megatron_zeppelin.plan.compact import CompactPlan
 from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.planner.surrogate import surrogate_clock
 
@@ -76,8 +80,8 @@ def _install(plan_fn: PlanFn) -> None:
     _child_plan_fn = plan_fn
 
 
-def _plan_in_child(seq_lens: list[int]) -> Plan:
-    return _child_plan_fn(seq_lens)  # type: ignore[misc]
+def _plan_in_child(seq_lens: list[int]) -> CompactPlan:
+    return CompactPlan.of(_child_plan_fn(seq_lens))  # type: ignore[misc]
 
 
 class PlanningProcess:
@@ -96,10 +100,11 @@ class PlanningProcess:
 
     def __call__(self, seq_lens: Sequence[int]) -> Plan:
         try:
-            return self._pool.submit(_plan_in_child, [int(n) for n in seq_lens]).result()
+            compact = self._pool.submit(_plan_in_child, [int(n) for n in seq_lens]).result()
         except BrokenProcessPool:
             raise RuntimeError("the planning process (--zeppelin-prefetch process) died (killed, or out of "
                                "memory?); rerun with --zeppelin-prefetch thread to plan in this process") from None
+        return compact.plan()
 
     def close(self) -> None:
         """Stop the child (after the batch in flight, if any)."""
