@@ -162,7 +162,7 @@ class Plan:
     def linear_tokens_per_rank(self) -> list[int]:
         return [sum([s.end - s.start for s in spans]) for spans in self.linear]
 
-    def attn_pairs_per_rank(self, num_heads: int = 1) -> list[int]:
+    def attn_pairs_per_rank(self) -> list[int]:
         """Causal (query, key) pairs each rank computes.  A Ulysses rank computes
         all pairs of ``1/d`` of the heads; it is counted as ``pairs / d``."""
         pairs = [0] * self.world_size

@@ -31,7 +31,7 @@ the same order on both ends, and a stream runs its kernels in posting order.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import MISSING, dataclass, replace
+from dataclasses import MISSING, dataclass
 from itertools import chain
 from typing import Any, Callable, Iterable, Sequence
 
@@ -271,11 +271,6 @@ class Schedule:
                 by_lane.setdefault(lane_of(op), {}).setdefault(self.wave(op.id), []).append(op)
             self._batches[rank] = {lane: [waves[w] for w in sorted(waves)] for lane, waves in by_lane.items()}
         return self._batches[rank]
-
-    def shifted(self, offset: int) -> tuple[Op, ...]:
-        """The ops renumbered by ``offset`` (to concatenate schedules)."""
-        return tuple(replace(op, id=op.id + offset, deps=tuple(d + offset for d in op.deps))
-                     for op in self.ops)
 
 
 @dataclass(frozen=True)
