@@ -232,3 +232,30 @@ def test_an_empty_validation_split_turns_evaluation_off_in_one_line(world, prefi
     assert [r[:3] for r in results] == [(None, None, 0)] * 4 and not any(r[3] for r in results[1:])
     assert results[0][3].splitlines() == ["zeppelin: --split 100,0,0 gives the validation split no document: evaluation is off (as with "
                      "--eval-iters 0, not 2); give it a share, e.g. --split 98,2,0, to evaluate"]
+
+
+def _ring_grad_dtype_case(rank, world_size, prefix):
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_zeppelin.integration.hooks import build_train_valid_test_loaders
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        args = megatron_namespace(prefix, 1, "off")
+        # A bf16 model (Megatron sets params_dtype from --bf16) with fp32 dK/dV, not the default.
+        args.bf16, args.params_dtype, args.zeppelin_ring_grad_dtype = True, torch.bfloat16, "fp32"
+        args.split, args.zeppelin_prefetch = "100,0,0", "off"
+        train, _, _ = build_train_valid_test_loaders(args)
+        context = next(train).packed_seq_params.context
+        train.close()
+        return train.make_plan.cost.ring_grad_dtype, train.make_plan.cost.model.dtype_bytes, context.ring_grad_dtype
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_the_ring_gradient_dtype_reaches_the_cost_model_and_the_steps_context(world, prefix):
+    """--zeppelin-ring-grad-dtype fp32 on a bf16 model: the cost model that plans
+    and every step's context (which the engine reads) carry fp32; a flag parsed and
+    dropped on the way would leave the default, model."""
+    assert world.run(_ring_grad_dtype_case, prefix) == [("fp32", 2, "fp32")] * 4
