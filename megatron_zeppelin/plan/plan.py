@@ -131,15 +131,17 @@ class Plan:
     # ------------------------------------------------------------------ views
     def attention_spans(self, rank: int) -> list[Span]:
         """Rank's tokens in the attention layout, in buffer order: placements in
-        plan order, each placement's shards in order."""
-        return self._attention_index()[rank]
-
-    def _attention_index(self) -> list[list[Span]]:
-        cached = self.__dict__.get("_attn_index")
+        plan order, each placement's shards in order.  Built for the rank asked
+        (cached): a training process holds one rank's tokens, and every rank's
+        spans would be one object per token range of the batch kept with the Plan."""
+        cached = self.__dict__.get("_attn_spans")
         if cached is None:
-            cached = attention_buffers(self.world_size, self.attention)
-            object.__setattr__(self, "_attn_index", cached)
-        return cached
+            cached = {}
+            object.__setattr__(self, "_attn_spans", cached)
+        spans = cached.get(rank)
+        if spans is None:
+            spans = cached[rank] = attention_buffer(rank, self.attention)
+        return spans
 
     def packed_leads(self) -> dict[int, int]:
         """Placement index of every packed ring's or packed Ulysses group's member
@@ -395,6 +397,18 @@ def attention_buffers(world_size: int, attention: Sequence[SeqPlacement]) -> lis
             for s, e in ranges:
                 buffer.append(Span(seq, s, e))
     return buffers
+
+
+def attention_buffer(rank: int, attention: Sequence[SeqPlacement]) -> list[Span]:
+    """One rank's tokens in the attention layout (:func:`attention_buffers`' entry
+    for ``rank``, without building the other ranks')."""
+    buffer = []
+    for p in attention:
+        if rank in p.ranks:
+            seq = p.seq
+            for s, e in p.shards[p.ranks.index(rank)]:
+                buffer.append(Span(seq, s, e))
+    return buffer
 
 
 def attention_tokens(world_size: int, attention: Sequence[SeqPlacement]) -> list[int]:
