@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_zeppelin.errors import PlanError
-from megatron_zeppelin.plan import (Mode, Plan, SeqPlacement, Span, Transfer, causal_pairs, chunk_bounds,
-                                    placement, zigzag_shards)
+from megatron_zeppelin.plan import (Mode, Plan, SeqPlacement, Span, Transfer, attention_buffers, causal_pairs,
+                                    chunk_bounds, placement, zigzag_shards)
 from megatron_zeppelin.planner.base import same_layout_linear
 
 
@@ -66,6 +66,8 @@ def test_valid_plans_roundtrip_and_remap_schedule_covers_moves(data, topo):
     again = Plan.from_json(plan.to_json())
     assert again == plan and again.fingerprint() == plan.fingerprint()
     assert sum(plan.attention_tokens_per_rank()) == sum(lens)
+    # One rank's spans (what a training process asks for) are its entry of every rank's.
+    assert [plan.attention_spans(r) for r in range(world)] == attention_buffers(world, plan.attention)
     assert plan.remap_schedule() == []  # same layout: nothing moves
     # Rotate the linear layout by one rank: every token moves exactly once.
     rotated = plan.linear[1:] + plan.linear[:1]
