@@ -59,6 +59,9 @@ class CompactPlan:
     """``Plan.packed_rings`` (a few short tuples)."""
     packed_ulysses: tuple[tuple[int, ...], ...]
     """``Plan.packed_ulysses``."""
+    fingerprint: int
+    """``Plan.fingerprint()``, computed where the Plan was made (the rebuilt Plan
+    equals it, so the plan check's all-reduce costs the training thread no JSON)."""
 
     @classmethod
     def of(cls, plan: Plan) -> "CompactPlan":
@@ -81,7 +84,7 @@ class CompactPlan:
             linear_count=np.array([len(spans) for spans in plan.linear], dtype=np.int64),
             linear_spans=np.array([(sp.seq, sp.start, sp.end) for spans in plan.linear for sp in spans],
                                   dtype=np.int64).reshape(-1, 3),
-            packed_rings=plan.packed_rings, packed_ulysses=plan.packed_ulysses)
+            packed_rings=plan.packed_rings, packed_ulysses=plan.packed_ulysses, fingerprint=plan.fingerprint())
 
     def plan(self) -> Plan:
         """The Plan, rebuilt (not validated again: it was before :meth:`of`)."""
@@ -103,6 +106,8 @@ class CompactPlan:
         spans = list(map(Span, q, s, e))
         bounds = [0, *accumulate(self.linear_count.tolist())]
         linear = tuple(tuple(spans[a:b]) for a, b in zip(bounds, bounds[1:]))
-        return Plan(strategy=self.strategy, world_size=self.world_size, gpus_per_node=self.gpus_per_node,
+        plan = Plan(strategy=self.strategy, world_size=self.world_size, gpus_per_node=self.gpus_per_node,
                     seq_lens=tuple(lens), attention=attention, linear=linear, token_cap=self.token_cap,
                     routed=self.routed, packed_rings=self.packed_rings, packed_ulysses=self.packed_ulysses)
+        object.__setattr__(plan, "_fingerprint", self.fingerprint)     # Plan.fingerprint's cache
+        return plan

@@ -35,6 +35,7 @@ def assert_identical(got: Plan, plan: Plan) -> None:
     for f in dataclasses.fields(Plan):
         assert getattr(got, f.name) == getattr(plan, f.name), f.name
     assert got == plan and got.to_json() == plan.to_json()     # JSON: Python ints, not numpy's
+    assert got.fingerprint() == Plan.from_json(plan.to_json()).fingerprint()     # the carried one is the Plan's
     assert all(type(n) is int for n in got.seq_lens)
     assert all(type(r) is int and type(p.seq) is int for p in got.attention for r in p.ranks)
 
