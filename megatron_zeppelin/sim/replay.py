@@ -52,6 +52,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
+from megatron_zeppelin.plan.shards import causal_pairs
 from megatron_zeppelin.schedule.ops import TIERS, Schedule
 from megatron_zeppelin.sim.event_loop import run_chains
 
@@ -64,19 +65,36 @@ class OpTiming:
     end_s: float
 
 
-def compute_seconds(tier: str, backward: bool, tokens: int, pairs: int, block: int, lengths: tuple[int, ...],
-                    cost: CostModel) -> float:
-    """Cost-model duration of a compute op with these fields (one layer, one pass)."""
+def work_seconds(works: Sequence[tuple], cost: CostModel) -> np.ndarray:
+    """Cost-model duration (one layer, one pass) of each compute op's fields
+    ``(tier, backward, tokens, pairs, block, lengths)`` in ``works``, then a 0.0.
+
+    Attention is priced in one ``CostModel.attn_s`` over arrays (elementwise the
+    scalar's float operations, bit for bit); a work of whole local sequences
+    (``lengths``) sums theirs in order, as ``sum`` over the scalar answers."""
     n = cost.model.num_layers
-    if tier == "linear":
-        share = LINEAR_BWD_RATIO if backward else 1.0
-        return cost.linear_s(tokens) * share / ((1 + LINEAR_BWD_RATIO) * n)
-    share = ATTN_BWD_RATIO if backward else 1.0
-    if lengths:
-        seconds = sum(cost.local_attn_s(L) for L in lengths)
-    else:
-        seconds = cost.attn_s(pairs, block)
-    return seconds * share / ((1 + ATTN_BWD_RATIO) * n)
+    out = np.zeros(len(works) + 1)
+    attn, whole = [], []                     # attention by pairs; by whole sequences
+    for i, (tier, backward, tokens, _, _, lengths) in enumerate(works):
+        if tier == "linear":
+            share = LINEAR_BWD_RATIO if backward else 1.0
+            out[i] = cost.linear_s(tokens) * share / ((1 + LINEAR_BWD_RATIO) * n)
+        else:
+            (whole if lengths else attn).append(i)
+    if attn:
+        out[attn] = cost.attn_s(np.array([works[i][3] for i in attn]), np.array([works[i][4] for i in attn]))
+    if whole:
+        length = np.array([L for i in whole for L in works[i][5]])
+        each = cost.attn_s(causal_pairs(0, length), length).tolist()
+        at = 0
+        for i in whole:
+            out[i] = sum(each[at:at + len(works[i][5])])
+            at += len(works[i][5])
+    if attn or whole:
+        priced = attn + whole
+        share = np.where([works[i][1] for i in priced], ATTN_BWD_RATIO, 1.0)
+        out[priced] = out[priced] * share / ((1 + ATTN_BWD_RATIO) * n)
+    return out
 
 
 class CompiledSegment:
@@ -109,8 +127,7 @@ class CompiledSegment:
         self.tier = cols.tier                      # a compute op's: the replay sums busy time by it
         # Many compute ops share their fields (a ring's steps over equal shards,
         # equal linear shares): each distinct set of fields is priced once.
-        priced = np.array([compute_seconds(*key, cost) for key in cols.works] + [0.0])
-        self.seconds = priced[cols.work]           # a transfer's (-1: the 0.0) is set below
+        self.seconds = work_seconds(cols.works, cost)[cols.work]   # a transfer's (-1: the 0.0) is set below
         # A transfer holds NVLink inside a node, else a NIC: the one the op names
         # (a routed leg), or its sender's.  Durations and ports for all at once.
         gpn, nics = topo.gpus_per_node, topo.nics_per_node
@@ -190,8 +207,8 @@ class ChainReplay:
     """Per rank: when it left the last segment."""
     busy_s: dict[tuple[int, str], float]
     """(rank, tier) -> compute seconds, in the order each was first used."""
-    inside_s: list[list[float]]
-    """``inside_s[k][r]``: time rank ``r`` spent in segment ``k`` (enter to leave)."""
+    inside_s: np.ndarray
+    """``inside_s[k, r]``: time rank ``r`` spent in segment ``k`` (enter to leave)."""
     timings: list[list[OpTiming]] | None
     """Per segment, every op's start and end (when asked for)."""
 
@@ -264,12 +281,14 @@ def replay_chains(chains: Sequence[Sequence[CompiledSegment]], world: int, *, re
 
 def _chain_replay(n_inst: int, record: bool, finish, busy, order, entered, left, start, end, base, remaining,
                   created) -> ChainReplay:
-    stuck = [(k, r) for k, r in zip(*np.nonzero(remaining > 0)) if created[k]]
-    if stuck or not created.all():
+    if not created.all() or (remaining > 0).any():
+        stuck = [(k, r) for k, r in zip(*np.nonzero(remaining > 0)) if created[k]]
         raise RuntimeError(f"replay: segment/rank pairs {stuck[:6]} never finished")
-    used = sorted(zip(*np.nonzero(order >= 0)), key=lambda rt: order[rt])
-    busy_s = {(int(r), TIERS[t]): float(busy[r, t]) for r, t in used}
-    inside = (left - entered).tolist()
+    ranks, tiers = np.nonzero(order >= 0)
+    first = np.argsort(order[ranks, tiers])            # in first-use order (each order is used once)
+    ranks, tiers = ranks[first], tiers[first]
+    busy_s = dict(zip(zip(ranks.tolist(), [TIERS[t] for t in tiers.tolist()]), busy[ranks, tiers].tolist()))
+    inside = left - entered
     timings = None
     if record:
         starts, ends = start.tolist(), end.tolist()
@@ -332,10 +351,10 @@ def replay_step(parts: Sequence[tuple[str, Schedule, Schedule]], num_layers: int
         chains = [fwd * layers + list(reversed(bwd)) * layers for layers in depths]
         out = []
         for chain, result in zip(chains, replay_chains(chains, world_size, segments=segments)):
-            segment_s = {name: [0.0] * world_size for name in names}
-            for seg, inside in zip(chain, result.inside_s):
-                for r, x in enumerate(inside):
-                    segment_s[seg.name][r] += x
+            inside = {name: np.zeros(world_size) for name in names}
+            for seg, row in zip(chain, result.inside_s):      # per rank, a sum in chain order
+                inside[seg.name] += row
+            segment_s = {name: x.tolist() for name, x in inside.items()}
             out.append(StepReplay(result.step_s, result.finish_s, result.busy_s, segment_s))
         return out
 
