@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from numba import njit
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
 from megatron_zeppelin.plan.shards import causal_pairs
@@ -103,100 +104,141 @@ class CompiledSegment:
     Read from the schedule's columns, without making its ops."""
 
     def __init__(self, schedule: Schedule, cost: CostModel, name: str = "") -> None:
-        world = schedule.world_size
         topo = cost.cluster.topology
         cols = schedule.arrays()
         self.name = name
-        self.n = n = len(schedule)
+        self.n = len(schedule)
         self.is_comm, self.rank, self.peer, self.ndeps = cols.is_comm, cols.rank, cols.peer, cols.ndeps
-        dep = cols.dep
-        # Who depends on each op, in op order (the order the replay releases them).
-        user = np.repeat(np.arange(n, dtype=np.int64), self.ndeps)
-        by_dep = np.argsort(dep, kind="stable")
-        self.users_idx = user[by_dep]
-        self.users_ptr = _offsets(dep, n)
-        # Which ends of a transfer have a dependant on their rank (bit 0: its
-        # sender, bit 1: its receiver): only those release anything when it lands.
-        needed = dep[by_dep]
-        self.lands = np.zeros(n, np.int64)
-        np.bitwise_or.at(self.lands, needed, np.where(self.rank[self.users_idx] == self.rank[needed], 1, 0)
-                         | np.where(self.rank[self.users_idx] == self.peer[needed], 2, 0))
-        ids = np.arange(n, dtype=np.int64)
-        compute = ids[~self.is_comm]
-        comm = ids[self.is_comm]
         self.tier = cols.tier                      # a compute op's: the replay sums busy time by it
+        (self.users_ptr, self.users_idx, self.lands, self.port_out, self.port_in, self.lane_pos, self.op_lane,
+         self.op_bsend, self.op_brecv, self.bat_ptr, self.bat_idx, self.bat_need, self.rl_ptr, self.onr_ptr,
+         self.onr_idx, self.lane_width, self.n_ports) = _layout(
+            schedule.world_size, cols.is_comm, cols.rank, cols.peer, cols.ndeps, cols.dep, cols.wave, cols.nic,
+            topo.gpus_per_node, topo.nics_per_node, np.array(topo.nic_affinity, np.int64))
+        self.n_batches = len(self.bat_need)
         # Many compute ops share their fields (a ring's steps over equal shards,
         # equal linear shares): each distinct set of fields is priced once.
         self.seconds = work_seconds(cols.works, cost)[cols.work]   # a transfer's (-1: the 0.0) is set below
-        # A transfer holds NVLink inside a node, else a NIC: the one the op names
-        # (a routed leg), or its sender's.  Durations and ports for all at once.
-        gpn, nics = topo.gpus_per_node, topo.nics_per_node
-        affinity = np.array(topo.nic_affinity, np.int64)
-        src, dst = self.rank[comm], self.peer[comm]
-        named = cols.nic[comm]                                            # -1: no NIC named
+        # A transfer holds NVLink inside a node (unless it names a NIC: a routed leg), else a NIC.
+        comm = np.flatnonzero(cols.is_comm)
         nbytes = cols.nbytes[comm].astype(np.float64)
-        inside = src // gpn == dst // gpn
-        nvlink = inside & (named < 0)
+        nvlink = (self.port_out[comm] < 2 * schedule.world_size) & (cols.nic[comm] < 0)
         self.seconds[comm] = np.where(nvlink, cost.cluster.nvlink.transfer_s(nbytes),
                                       cost.cluster.nic.transfer_s(nbytes))
-        nic_out = np.where(named >= 0, named, affinity[src % gpn])
-        out = np.full(n, -1, np.int64)
-        inn = np.full(n, -1, np.int64)
-        out[comm] = np.where(inside, 2 * src, 2 * world + 2 * ((src // gpn) * nics + nic_out))
-        inn[comm] = np.where(inside, 2 * dst + 1, 2 * world + 2 * ((dst // gpn) * nics + affinity[dst % gpn]) + 1)
-        self.port_out, self.port_in = out, inn
-        # A compute op's place in its rank's lane (lanes run in op order).
-        self.lane_pos = np.zeros(n, np.int64)
-        crank = self.rank[compute]
-        order = np.argsort(crank, kind="stable")
-        first = _offsets(crank, world)
-        self.lane_pos[compute[order]] = np.arange(len(compute)) - np.repeat(first[:-1], np.diff(first))
-        # Communication lanes, as the engine runs them (``comm/lanes.py``): per
-        # rank, one lane per link class (0: intra-node, 1: through a NIC), each
-        # a sequence of batches -- the rank's transfers (sent or received) of
-        # one wave, posted together and done together.  Batches are numbered
-        # by (rank, lane, wave), so a (rank, lane)'s batches are consecutive.
-        link = (named >= 0).astype(np.int64)           # ``schedule.ops.lane_of``: a NIC named
-        wave = cols.wave[comm]
-        side_rank = np.concatenate([src, dst])
-        side_lane = np.concatenate([link, link])
-        side_wave = np.concatenate([wave, wave])
-        side_op = np.concatenate([comm, comm])
-        side_sends = np.concatenate([np.ones(len(comm), np.int64), np.zeros(len(comm), np.int64)])
-        waves = int(wave.max(initial=0)) + 1
-        key = (side_rank * 2 + side_lane) * waves + side_wave        # (rank, lane, wave), then op: unique
-        order = np.argsort(key * n + side_op)
-        key = key[order]
-        first = np.ones(len(order), np.bool_)
-        first[1:] = key[1:] != key[:-1]
-        batch_of = np.cumsum(first) - 1                     # each sorted side's batch
-        self.n_batches = nb = int(first.sum())
-        self.bat_idx = side_op[order]
-        self.bat_ptr = np.concatenate([np.flatnonzero(first), [len(order)]]).astype(np.int64)
-        self.bat_need = np.bincount(batch_of, weights=side_sends[order], minlength=nb).astype(np.int64)
-        self.rl_ptr = _offsets(key[first] // waves, 2 * world)
-        side_batch = np.empty(len(order), np.int64)
-        side_batch[order] = batch_of
-        self.op_lane = np.zeros(n, np.int64)
-        self.op_lane[comm] = link
-        self.op_bsend = np.full(n, -1, np.int64)
-        self.op_brecv = np.full(n, -1, np.int64)
-        self.op_bsend[comm] = side_batch[:len(comm)]
-        self.op_brecv[comm] = side_batch[len(comm):]
-        # Every op on a rank's lanes: its compute lane, then its transfers (sent or received).
-        who = np.concatenate([crank, src, dst])
-        lane = np.concatenate([np.zeros(len(compute), np.int64), np.ones(2 * len(comm), np.int64)])
-        what = np.concatenate([compute, comm, comm])
-        order = np.argsort((who * 2 + lane) * n + what)            # unique: a transfer's ends differ
-        self.onr_idx = what[order]
-        self.onr_ptr = _offsets(who, world)
-        self.lane_width = int(np.bincount(crank, minlength=1).max()) if len(compute) else 1
-        self.n_ports = int(max(out.max(initial=-1), inn.max(initial=-1))) + 1
 
 
-def _offsets(keys: np.ndarray, n: int) -> np.ndarray:
-    """CSR offsets of ``keys`` grouped into ``0 .. n - 1``."""
-    return np.concatenate([[0], np.cumsum(np.bincount(keys, minlength=n))]).astype(np.int64)
+@njit(cache=True)
+def _layout(world, is_comm, rank, peer, ndeps, dep, wave, named, gpn, nics, affinity):
+    """A segment's static arrays (``CompiledSegment``'s fields, in its order) from its columns."""
+    n = len(rank)
+    # Who depends on each op, in op order (the order the replay releases them),
+    # and which ends of a transfer have a dependant on their rank (bit 0: its
+    # sender, bit 1: its receiver): only those release anything when it lands.
+    users_ptr = np.zeros(n + 1, np.int64)
+    for x in range(len(dep)):
+        users_ptr[dep[x] + 1] += 1
+    users_ptr = np.cumsum(users_ptr)
+    fill = users_ptr[:-1].copy()
+    users_idx = np.empty(len(dep), np.int64)
+    lands = np.zeros(n, np.int64)
+    at = 0
+    for u in range(n):
+        for x in range(at, at + ndeps[u]):
+            d = dep[x]
+            users_idx[fill[d]] = u
+            fill[d] += 1
+            lands[d] |= (1 if rank[u] == rank[d] else 0) | (2 if rank[u] == peer[d] else 0)
+        at += ndeps[u]
+    # A transfer goes out through its sender's NVLink port inside a node, else
+    # the NIC it names (a routed leg) or its sender's, and in through its
+    # receiver's NVLink port or NIC.  A compute op's place in its rank's lane
+    # (lanes run in op order); how many ops each rank has on its lanes.
+    port_out = np.full(n, -1, np.int64)
+    port_in = np.full(n, -1, np.int64)
+    lane_pos = np.zeros(n, np.int64)
+    on_rank = np.zeros(world, np.int64)
+    computes = np.zeros(world, np.int64)
+    n_comm = 0
+    for i in range(n):
+        r = rank[i]
+        if not is_comm[i]:
+            lane_pos[i] = computes[r]
+            computes[r] += 1
+            on_rank[r] += 1
+            continue
+        n_comm += 1
+        q = peer[i]
+        on_rank[r] += 1
+        on_rank[q] += 1
+        if r // gpn == q // gpn:
+            port_out[i], port_in[i] = 2 * r, 2 * q + 1
+        else:
+            nic = named[i] if named[i] >= 0 else affinity[r % gpn]
+            port_out[i] = 2 * world + 2 * ((r // gpn) * nics + nic)
+            port_in[i] = 2 * world + 2 * ((q // gpn) * nics + affinity[q % gpn]) + 1
+    # Communication lanes, as the engine runs them (``comm/lanes.py``): per
+    # rank, one lane per link class (0: intra-node, 1: through a NIC named:
+    # ``schedule.ops.lane_of``), each a sequence of batches -- the rank's
+    # transfers (sent or received) of one wave, posted together and done
+    # together.  Batches are numbered by (rank, lane, wave), so a (rank, lane)'s
+    # batches are consecutive; a batch lists its transfers in op order.
+    op_lane = np.zeros(n, np.int64)
+    waves = 1
+    for i in range(n):
+        if is_comm[i]:
+            op_lane[i] = 1 if named[i] >= 0 else 0
+            waves = max(waves, wave[i] + 1)
+    side_key = np.empty(2 * n_comm, np.int64)     # (rank, lane, wave, op) of each end, sender's first
+    c = 0
+    for i in range(n):
+        if is_comm[i]:
+            for end in (rank[i], peer[i]):
+                side_key[c] = ((end * 2 + op_lane[i]) * waves + wave[i]) * n + i
+                c += 1
+    order = np.argsort(side_key)                  # unique keys: a transfer's two ends differ in rank
+    op_bsend = np.full(n, -1, np.int64)
+    op_brecv = np.full(n, -1, np.int64)
+    bat_ptr = np.zeros(2 * n_comm + 1, np.int64)
+    bat_idx = np.empty(2 * n_comm, np.int64)
+    bat_need = np.zeros(2 * n_comm, np.int64)
+    rl_ptr = np.zeros(2 * world + 1, np.int64)
+    nb = -1
+    last = -1
+    for x in range(2 * n_comm):
+        key = side_key[order[x]]
+        i = key % n
+        group = key // n                          # (rank, lane, wave)
+        if group != last:
+            nb += 1
+            bat_ptr[nb] = x
+            rl_ptr[group // waves + 1] += 1
+            last = group
+        bat_idx[x] = i
+        if order[x] % 2 == 0:                     # the sender's end
+            op_bsend[i] = nb
+            bat_need[nb] += 1
+        else:
+            op_brecv[i] = nb
+    nb += 1
+    bat_ptr[nb] = 2 * n_comm
+    # Every op on a rank's lanes: its compute lane, then its transfers (sent or received), in op order.
+    onr_ptr = np.zeros(world + 1, np.int64)
+    onr_ptr[1:] = np.cumsum(on_rank)
+    fill = onr_ptr[:-1].copy()
+    onr_idx = np.empty(onr_ptr[world], np.int64)
+    for i in range(n):
+        if not is_comm[i]:
+            onr_idx[fill[rank[i]]] = i
+            fill[rank[i]] += 1
+    for i in range(n):
+        if is_comm[i]:
+            for end in (rank[i], peer[i]):
+                onr_idx[fill[end]] = i
+                fill[end] += 1
+    lane_width = max(computes.max(), 1) if n > n_comm else 1
+    n_ports = max(port_out.max(), port_in.max()) + 1 if n else 0
+    return (users_ptr, users_idx, lands, port_out, port_in, lane_pos, op_lane, op_bsend, op_brecv,
+            bat_ptr[:nb + 1], bat_idx, bat_need[:nb], np.cumsum(rl_ptr), onr_ptr, onr_idx, lane_width, n_ports)
 
 
 @dataclass
