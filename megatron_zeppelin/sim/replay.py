@@ -188,38 +188,42 @@ def _layout(world, is_comm, rank, peer, ndeps, dep, wave, named, gpn, nics, affi
         if is_comm[i]:
             op_lane[i] = 1 if named[i] >= 0 else 0
             waves = max(waves, wave[i] + 1)
-    side_key = np.empty(2 * n_comm, np.int64)     # (rank, lane, wave, op) of each end, sender's first
-    c = 0
+    # A counting sort of the transfers' ends by (rank, lane, wave), each group in op order.
+    groups = 2 * world * waves
+    bat_ptr = np.zeros(groups + 1, np.int64)
     for i in range(n):
         if is_comm[i]:
             for end in (rank[i], peer[i]):
-                side_key[c] = ((end * 2 + op_lane[i]) * waves + wave[i]) * n + i
-                c += 1
-    order = np.argsort(side_key)                  # unique keys: a transfer's two ends differ in rank
+                bat_ptr[(end * 2 + op_lane[i]) * waves + wave[i] + 1] += 1
+    bat_ptr = np.cumsum(bat_ptr)
+    fill = bat_ptr[:-1].copy()
+    bat_idx = np.empty(2 * n_comm, np.int64)
+    sends = np.zeros(2 * n_comm, np.bool_)
+    for i in range(n):
+        if is_comm[i]:
+            for end in (rank[i], peer[i]):
+                g = (end * 2 + op_lane[i]) * waves + wave[i]
+                bat_idx[fill[g]] = i
+                sends[fill[g]] = end == rank[i]
+                fill[g] += 1
+    # The groups that hold any are the batches, numbered in that order.
     op_bsend = np.full(n, -1, np.int64)
     op_brecv = np.full(n, -1, np.int64)
-    bat_ptr = np.zeros(2 * n_comm + 1, np.int64)
-    bat_idx = np.empty(2 * n_comm, np.int64)
     bat_need = np.zeros(2 * n_comm, np.int64)
     rl_ptr = np.zeros(2 * world + 1, np.int64)
-    nb = -1
-    last = -1
-    for x in range(2 * n_comm):
-        key = side_key[order[x]]
-        i = key % n
-        group = key // n                          # (rank, lane, wave)
-        if group != last:
-            nb += 1
-            bat_ptr[nb] = x
-            rl_ptr[group // waves + 1] += 1
-            last = group
-        bat_idx[x] = i
-        if order[x] % 2 == 0:                     # the sender's end
-            op_bsend[i] = nb
-            bat_need[nb] += 1
-        else:
-            op_brecv[i] = nb
-    nb += 1
+    nb = 0
+    for g in range(groups):
+        if bat_ptr[g + 1] == bat_ptr[g]:
+            continue
+        bat_ptr[nb] = bat_ptr[g]
+        rl_ptr[g // waves + 1] += 1
+        for x in range(bat_ptr[g], bat_ptr[g + 1]):
+            if sends[x]:
+                op_bsend[bat_idx[x]] = nb
+                bat_need[nb] += 1
+            else:
+                op_brecv[bat_idx[x]] = nb
+        nb += 1
     bat_ptr[nb] = 2 * n_comm
     # Every op on a rank's lanes: its compute lane, then its transfers (sent or received), in op order.
     onr_ptr = np.zeros(world + 1, np.int64)
