@@ -318,29 +318,40 @@ def replay_chains(chains: Sequence[Sequence[CompiledSegment]], world: int, *, re
     """Replay each of ``chains`` from time 0, as :func:`replay_chain` does; the
     instances they begin with alike are replayed once (``event_loop.run_chains``).
     ``segments``: their distinct segments, laid out already."""
+    return [_chain_replay(len(chain), record, *out)
+            for chain, out in zip(chains, _run_chains(chains, world, record, segments))]
+
+
+def _run_chains(chains: Sequence[Sequence[CompiledSegment]], world: int, record: bool,
+                segments: SegmentSet | None) -> list[tuple]:
+    """``event_loop.run_chains`` of ``chains``, each checked to have run every op."""
     if segments is None:
         segments = SegmentSet(list({id(seg): seg for chain in chains for seg in chain}.values()))
     chain_segs = [np.array([segments.index[id(seg)] for seg in chain], np.int64) for chain in chains]
-    return [_chain_replay(len(chain), record, *out)
-            for chain, out in zip(chains, run_chains(world, chain_segs, segments.arrays, record))]
+    out = run_chains(world, chain_segs, segments.arrays, record)
+    for *_, remaining, created in out:
+        if not created.all() or (remaining > 0).any():
+            stuck = [(k, r) for k, r in zip(*np.nonzero(remaining > 0)) if created[k]]
+            raise RuntimeError(f"replay: segment/rank pairs {stuck[:6]} never finished")
+    return out
 
 
 def _chain_replay(n_inst: int, record: bool, finish, busy, order, entered, left, start, end, base, remaining,
                   created) -> ChainReplay:
-    if not created.all() or (remaining > 0).any():
-        stuck = [(k, r) for k, r in zip(*np.nonzero(remaining > 0)) if created[k]]
-        raise RuntimeError(f"replay: segment/rank pairs {stuck[:6]} never finished")
-    ranks, tiers = np.nonzero(order >= 0)
-    first = np.argsort(order[ranks, tiers])            # in first-use order (each order is used once)
-    ranks, tiers = ranks[first], tiers[first]
-    busy_s = dict(zip(zip(ranks.tolist(), [TIERS[t] for t in tiers.tolist()]), busy[ranks, tiers].tolist()))
-    inside = left - entered
     timings = None
     if record:
         starts, ends = start.tolist(), end.tolist()
         timings = [[OpTiming(s, e) for s, e in zip(starts[base[k]:base[k + 1]], ends[base[k]:base[k + 1]])]
                    for k in range(n_inst)]
-    return ChainReplay(finish.tolist(), busy_s, inside, timings)
+    return ChainReplay(finish.tolist(), _busy_sums(busy, order), left - entered, timings)
+
+
+def _busy_sums(busy: np.ndarray, order: np.ndarray) -> dict[tuple[int, str], float]:
+    """(rank, tier) -> ``busy[rank, tier]``, for each pair used (``order`` >= 0), in first-use order."""
+    ranks, tiers = np.nonzero(order >= 0)
+    first = np.argsort(order[ranks, tiers])            # each order is used once
+    ranks, tiers = ranks[first], tiers[first]
+    return dict(zip(zip(ranks.tolist(), [TIERS[t] for t in tiers.tolist()]), busy[ranks, tiers].tolist()))
 
 
 def replay_schedule(schedule: Schedule, cost: CostModel) -> ChainReplay:
@@ -393,28 +404,30 @@ def replay_step(parts: Sequence[tuple[str, Schedule, Schedule]], num_layers: int
 
     segments = SegmentSet(fwd + bwd)
 
-    def run(*depths: int) -> list[StepReplay]:
+    def run(*depths: int) -> list[tuple]:
+        """Per depth: finish per rank, busy [rank, tier], their first-use order, time per part and rank."""
         chains = [fwd * layers + list(reversed(bwd)) * layers for layers in depths]
         out = []
-        for chain, result in zip(chains, replay_chains(chains, world_size, segments=segments)):
+        for chain, (finish, busy, order, entered, left, *_) in zip(chains, _run_chains(chains, world_size, False,
+                                                                                        segments)):
             inside = {name: np.zeros(world_size) for name in names}
-            for seg, row in zip(chain, result.inside_s):      # per rank, a sum in chain order
+            for seg, row in zip(chain, left - entered):      # per rank, a sum in chain order
                 inside[seg.name] += row
-            segment_s = {name: x.tolist() for name, x in inside.items()}
-            out.append(StepReplay(result.step_s, result.finish_s, result.busy_s, segment_s))
+            out.append((finish, busy, order, inside))
         return out
 
     m = max(replayed_layers, 2)
     if exact or num_layers <= m:
-        return run(num_layers)[0]
-    small, big = run(m - 1, m)        # their first m - 1 forward layers replay once
-    extra = num_layers - m
+        finish, busy, order, inside = run(num_layers)[0]
+    else:
+        small, big = run(m - 1, m)        # their first m - 1 forward layers replay once
+        extra = num_layers - m
 
-    def grow(a: float, b: float) -> float:
-        return a + (a - b) * extra
+        def grow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+            return a + (a - b) * extra      # elementwise: the same float operations as on each number
 
-    finish = [grow(a, b) for a, b in zip(big.finish_s, small.finish_s)]
-    busy = {key: grow(v, small.busy_s.get(key, 0.0)) for key, v in big.busy_s.items()}
-    segment_s = {name: [grow(a, b) for a, b in zip(big.segment_s[name], small.segment_s[name])]
-                 for name in names}
-    return StepReplay(max(finish), finish, busy, segment_s)
+        finish, busy, order = grow(big[0], small[0]), grow(big[1], small[1]), big[2]
+        inside = {name: grow(big[3][name], small[3][name]) for name in names}
+    finish_s = finish.tolist()
+    return StepReplay(max(finish_s), finish_s, _busy_sums(busy, order),
+                      {name: x.tolist() for name, x in inside.items()})
