@@ -1,9 +1,9 @@
 """A min-heap of ``(key, order)`` pairs in two arrays, compiled with numba.
 
-The replay's event queue (``sim/event_loop.py``: time, push order) and the
-packing's bins (``planner/packing_fit.py``: tokens, bin) both pop the least
+The packing's bins (``planner/packing_fit.py``: tokens, bin) pop the least
 pair first; the orders are unique, so the pop sequence does not depend on the
-heap's layout.  Comparisons only: no arithmetic on the keys.
+heap's layout.  (The replay's pending ends, ``sim/event_loop.py``, are a sorted
+list instead: there a new end lies behind a third of them.)  Comparisons only: no arithmetic on the keys.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from itertools import chain
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
+from numba import njit
 
 from megatron_zeppelin.errors import ZeppelinError
 
@@ -140,7 +141,8 @@ class Schedule:
         self._arrays: OpArrays | None = None
         self._dep_arrays: tuple[np.ndarray, np.ndarray] | None = None
         self._lanes: dict[int, RankOps] = {}
-        self._waves: list[int] = []
+        self._waves: list[int] | None = None
+        self._wave_levels: np.ndarray | None = None
         self._batches: dict[int, dict[str, list[list[Op]]]] = {}
         _validate(self)
 
@@ -224,18 +226,17 @@ class Schedule:
         backward ring the next K/V is posted before the dK/dV that waits for
         the step's kernel, not in its batch (where it would wait for the kernel
         too, and the ring would lose its overlap)."""
-        if not self._waves:
-            level: list[int] = []
-            for deps, kind in zip(self._deps, self.column("kind")):
-                if not deps:
-                    before = -1
-                elif len(deps) == 1:
-                    before = level[deps[0]]
-                else:
-                    before = max(map(level.__getitem__, deps))
-                level.append(before + 1 if kind == COMM else before + 2)
-            self._waves = level
+        if self._waves is None:
+            self._waves = self.wave_levels().tolist()
         return self._waves
+
+    def wave_levels(self) -> np.ndarray:
+        """:meth:`waves` as an int64 array (computed once, by a compiled pass over
+        the dependency arrays)."""
+        if self._wave_levels is None:
+            is_comm = np.fromiter(map(COMM.__eq__, self.column("kind")), np.bool_, len(self))
+            self._wave_levels = _wave_levels(*self.dependency_arrays(), is_comm)
+        return self._wave_levels
 
     def calls_apart(self) -> list[tuple["Schedule", list[int]]]:
         """A whole step's schedule (:attr:`calls` set) as one schedule per engine
@@ -329,7 +330,22 @@ class OpArrays:
             nic[comm] = [-1 if (x := f.get("nic")) is None else x for f in rows]
         return cls(is_comm, np.fromiter(schedule.column("rank"), np.int64, n),
                    np.fromiter(schedule.column("peer"), np.int64, n), *schedule.dependency_arrays(),
-                   np.asarray(schedule.waves(), np.int64), tier, work, list(index), nbytes, nic)
+                   schedule.wave_levels(), tier, work, list(index), nbytes, nic)
+
+
+@njit(cache=True)
+def _wave_levels(ndeps: np.ndarray, dep: np.ndarray, is_comm: np.ndarray) -> np.ndarray:
+    """Each op's wave (:meth:`Schedule.waves`) from its dependencies (``ndeps``
+    per op, ``dep`` all of them in op order), in one pass in op order."""
+    level = np.empty(len(ndeps), np.int64)
+    at = 0
+    for i in range(len(ndeps)):
+        before = -1
+        for x in range(at, at + ndeps[i]):
+            before = max(before, level[dep[x]])
+        at += ndeps[i]
+        level[i] = before + 1 if is_comm[i] else before + 2
+    return level
 
 
 _OP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Op) if f.default is not MISSING}

@@ -50,8 +50,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from numba import njit
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
+from megatron_zeppelin.plan.shards import causal_pairs
 from megatron_zeppelin.schedule.ops import TIERS, Schedule
 from megatron_zeppelin.sim.event_loop import run_chains
 
@@ -64,19 +66,36 @@ class OpTiming:
     end_s: float
 
 
-def compute_seconds(tier: str, backward: bool, tokens: int, pairs: int, block: int, lengths: tuple[int, ...],
-                    cost: CostModel) -> float:
-    """Cost-model duration of a compute op with these fields (one layer, one pass)."""
+def work_seconds(works: Sequence[tuple], cost: CostModel) -> np.ndarray:
+    """Cost-model duration (one layer, one pass) of each compute op's fields
+    ``(tier, backward, tokens, pairs, block, lengths)`` in ``works``, then a 0.0.
+
+    Attention is priced in one ``CostModel.attn_s`` over arrays (elementwise the
+    scalar's float operations, bit for bit); a work of whole local sequences
+    (``lengths``) sums theirs in order, as ``sum`` over the scalar answers."""
     n = cost.model.num_layers
-    if tier == "linear":
-        share = LINEAR_BWD_RATIO if backward else 1.0
-        return cost.linear_s(tokens) * share / ((1 + LINEAR_BWD_RATIO) * n)
-    share = ATTN_BWD_RATIO if backward else 1.0
-    if lengths:
-        seconds = sum(cost.local_attn_s(L) for L in lengths)
-    else:
-        seconds = cost.attn_s(pairs, block)
-    return seconds * share / ((1 + ATTN_BWD_RATIO) * n)
+    out = np.zeros(len(works) + 1)
+    attn, whole = [], []                     # attention by pairs; by whole sequences
+    for i, (tier, backward, tokens, _, _, lengths) in enumerate(works):
+        if tier == "linear":
+            share = LINEAR_BWD_RATIO if backward else 1.0
+            out[i] = cost.linear_s(tokens) * share / ((1 + LINEAR_BWD_RATIO) * n)
+        else:
+            (whole if lengths else attn).append(i)
+    if attn:
+        out[attn] = cost.attn_s(np.array([works[i][3] for i in attn]), np.array([works[i][4] for i in attn]))
+    if whole:
+        length = np.array([L for i in whole for L in works[i][5]])
+        each = cost.attn_s(causal_pairs(0, length), length).tolist()
+        at = 0
+        for i in whole:
+            out[i] = sum(each[at:at + len(works[i][5])])
+            at += len(works[i][5])
+    if attn or whole:
+        priced = attn + whole
+        share = np.where([works[i][1] for i in priced], ATTN_BWD_RATIO, 1.0)
+        out[priced] = out[priced] * share / ((1 + ATTN_BWD_RATIO) * n)
+    return out
 
 
 class CompiledSegment:
@@ -85,101 +104,145 @@ class CompiledSegment:
     Read from the schedule's columns, without making its ops."""
 
     def __init__(self, schedule: Schedule, cost: CostModel, name: str = "") -> None:
-        world = schedule.world_size
         topo = cost.cluster.topology
         cols = schedule.arrays()
         self.name = name
-        self.n = n = len(schedule)
+        self.n = len(schedule)
         self.is_comm, self.rank, self.peer, self.ndeps = cols.is_comm, cols.rank, cols.peer, cols.ndeps
-        dep = cols.dep
-        # Who depends on each op, in op order (the order the replay releases them).
-        user = np.repeat(np.arange(n, dtype=np.int64), self.ndeps)
-        by_dep = np.argsort(dep, kind="stable")
-        self.users_idx = user[by_dep]
-        self.users_ptr = _offsets(dep, n)
-        # Which ends of a transfer have a dependant on their rank (bit 0: its
-        # sender, bit 1: its receiver): only those release anything when it lands.
-        needed = dep[by_dep]
-        self.lands = np.zeros(n, np.int64)
-        np.bitwise_or.at(self.lands, needed, np.where(self.rank[self.users_idx] == self.rank[needed], 1, 0)
-                         | np.where(self.rank[self.users_idx] == self.peer[needed], 2, 0))
-        ids = np.arange(n, dtype=np.int64)
-        compute = ids[~self.is_comm]
-        comm = ids[self.is_comm]
         self.tier = cols.tier                      # a compute op's: the replay sums busy time by it
+        (self.users_ptr, self.users_idx, self.lands, self.port_out, self.port_in, self.lane_pos, self.op_lane,
+         self.op_bsend, self.op_brecv, self.bat_ptr, self.bat_idx, self.bat_need, self.rl_ptr, self.onr_ptr,
+         self.onr_idx, self.lane_width, self.n_ports) = _layout(
+            schedule.world_size, cols.is_comm, cols.rank, cols.peer, cols.ndeps, cols.dep, cols.wave, cols.nic,
+            topo.gpus_per_node, topo.nics_per_node, np.array(topo.nic_affinity, np.int64))
+        self.n_batches = len(self.bat_need)
         # Many compute ops share their fields (a ring's steps over equal shards,
         # equal linear shares): each distinct set of fields is priced once.
-        priced = np.array([compute_seconds(*key, cost) for key in cols.works] + [0.0])
-        self.seconds = priced[cols.work]           # a transfer's (-1: the 0.0) is set below
-        # A transfer holds NVLink inside a node, else a NIC: the one the op names
-        # (a routed leg), or its sender's.  Durations and ports for all at once.
-        gpn, nics = topo.gpus_per_node, topo.nics_per_node
-        affinity = np.array(topo.nic_affinity, np.int64)
-        src, dst = self.rank[comm], self.peer[comm]
-        named = cols.nic[comm]                                            # -1: no NIC named
+        self.seconds = work_seconds(cols.works, cost)[cols.work]   # a transfer's (-1: the 0.0) is set below
+        # A transfer holds NVLink inside a node (unless it names a NIC: a routed leg), else a NIC.
+        comm = np.flatnonzero(cols.is_comm)
         nbytes = cols.nbytes[comm].astype(np.float64)
-        inside = src // gpn == dst // gpn
-        nvlink = inside & (named < 0)
+        nvlink = (self.port_out[comm] < 2 * schedule.world_size) & (cols.nic[comm] < 0)
         self.seconds[comm] = np.where(nvlink, cost.cluster.nvlink.transfer_s(nbytes),
                                       cost.cluster.nic.transfer_s(nbytes))
-        nic_out = np.where(named >= 0, named, affinity[src % gpn])
-        out = np.full(n, -1, np.int64)
-        inn = np.full(n, -1, np.int64)
-        out[comm] = np.where(inside, 2 * src, 2 * world + 2 * ((src // gpn) * nics + nic_out))
-        inn[comm] = np.where(inside, 2 * dst + 1, 2 * world + 2 * ((dst // gpn) * nics + affinity[dst % gpn]) + 1)
-        self.port_out, self.port_in = out, inn
-        # A compute op's place in its rank's lane (lanes run in op order).
-        self.lane_pos = np.zeros(n, np.int64)
-        crank = self.rank[compute]
-        order = np.argsort(crank, kind="stable")
-        first = _offsets(crank, world)
-        self.lane_pos[compute[order]] = np.arange(len(compute)) - np.repeat(first[:-1], np.diff(first))
-        # Communication lanes, as the engine runs them (``comm/lanes.py``): per
-        # rank, one lane per link class (0: intra-node, 1: through a NIC), each
-        # a sequence of batches -- the rank's transfers (sent or received) of
-        # one wave, posted together and done together.  Batches are numbered
-        # by (rank, lane, wave), so a (rank, lane)'s batches are consecutive.
-        link = (named >= 0).astype(np.int64)           # ``schedule.ops.lane_of``: a NIC named
-        wave = cols.wave[comm]
-        side_rank = np.concatenate([src, dst])
-        side_lane = np.concatenate([link, link])
-        side_wave = np.concatenate([wave, wave])
-        side_op = np.concatenate([comm, comm])
-        side_sends = np.concatenate([np.ones(len(comm), np.int64), np.zeros(len(comm), np.int64)])
-        waves = int(wave.max(initial=0)) + 1
-        key = (side_rank * 2 + side_lane) * waves + side_wave        # (rank, lane, wave), then op: unique
-        order = np.argsort(key * n + side_op)
-        key = key[order]
-        first = np.ones(len(order), np.bool_)
-        first[1:] = key[1:] != key[:-1]
-        batch_of = np.cumsum(first) - 1                     # each sorted side's batch
-        self.n_batches = nb = int(first.sum())
-        self.bat_idx = side_op[order]
-        self.bat_ptr = np.concatenate([np.flatnonzero(first), [len(order)]]).astype(np.int64)
-        self.bat_need = np.bincount(batch_of, weights=side_sends[order], minlength=nb).astype(np.int64)
-        self.rl_ptr = _offsets(key[first] // waves, 2 * world)
-        side_batch = np.empty(len(order), np.int64)
-        side_batch[order] = batch_of
-        self.op_lane = np.zeros(n, np.int64)
-        self.op_lane[comm] = link
-        self.op_bsend = np.full(n, -1, np.int64)
-        self.op_brecv = np.full(n, -1, np.int64)
-        self.op_bsend[comm] = side_batch[:len(comm)]
-        self.op_brecv[comm] = side_batch[len(comm):]
-        # Every op on a rank's lanes: its compute lane, then its transfers (sent or received).
-        who = np.concatenate([crank, src, dst])
-        lane = np.concatenate([np.zeros(len(compute), np.int64), np.ones(2 * len(comm), np.int64)])
-        what = np.concatenate([compute, comm, comm])
-        order = np.argsort((who * 2 + lane) * n + what)            # unique: a transfer's ends differ
-        self.onr_idx = what[order]
-        self.onr_ptr = _offsets(who, world)
-        self.lane_width = int(np.bincount(crank, minlength=1).max()) if len(compute) else 1
-        self.n_ports = int(max(out.max(initial=-1), inn.max(initial=-1))) + 1
 
 
-def _offsets(keys: np.ndarray, n: int) -> np.ndarray:
-    """CSR offsets of ``keys`` grouped into ``0 .. n - 1``."""
-    return np.concatenate([[0], np.cumsum(np.bincount(keys, minlength=n))]).astype(np.int64)
+@njit(cache=True)
+def _layout(world, is_comm, rank, peer, ndeps, dep, wave, named, gpn, nics, affinity):
+    """A segment's static arrays (``CompiledSegment``'s fields, in its order) from its columns."""
+    n = len(rank)
+    # Who depends on each op, in op order (the order the replay releases them),
+    # and which ends of a transfer have a dependant on their rank (bit 0: its
+    # sender, bit 1: its receiver): only those release anything when it lands.
+    users_ptr = np.zeros(n + 1, np.int64)
+    for x in range(len(dep)):
+        users_ptr[dep[x] + 1] += 1
+    users_ptr = np.cumsum(users_ptr)
+    fill = users_ptr[:-1].copy()
+    users_idx = np.empty(len(dep), np.int64)
+    lands = np.zeros(n, np.int64)
+    at = 0
+    for u in range(n):
+        for x in range(at, at + ndeps[u]):
+            d = dep[x]
+            users_idx[fill[d]] = u
+            fill[d] += 1
+            lands[d] |= (1 if rank[u] == rank[d] else 0) | (2 if rank[u] == peer[d] else 0)
+        at += ndeps[u]
+    # A transfer goes out through its sender's NVLink port inside a node, else
+    # the NIC it names (a routed leg) or its sender's, and in through its
+    # receiver's NVLink port or NIC.  A compute op's place in its rank's lane
+    # (lanes run in op order); how many ops each rank has on its lanes.
+    port_out = np.full(n, -1, np.int64)
+    port_in = np.full(n, -1, np.int64)
+    lane_pos = np.zeros(n, np.int64)
+    on_rank = np.zeros(world, np.int64)
+    computes = np.zeros(world, np.int64)
+    n_comm = 0
+    for i in range(n):
+        r = rank[i]
+        if not is_comm[i]:
+            lane_pos[i] = computes[r]
+            computes[r] += 1
+            on_rank[r] += 1
+            continue
+        n_comm += 1
+        q = peer[i]
+        on_rank[r] += 1
+        on_rank[q] += 1
+        if r // gpn == q // gpn:
+            port_out[i], port_in[i] = 2 * r, 2 * q + 1
+        else:
+            nic = named[i] if named[i] >= 0 else affinity[r % gpn]
+            port_out[i] = 2 * world + 2 * ((r // gpn) * nics + nic)
+            port_in[i] = 2 * world + 2 * ((q // gpn) * nics + affinity[q % gpn]) + 1
+    # Communication lanes, as the engine runs them (``comm/lanes.py``): per
+    # rank, one lane per link class (0: intra-node, 1: through a NIC named:
+    # ``schedule.ops.lane_of``), each a sequence of batches -- the rank's
+    # transfers (sent or received) of one wave, posted together and done
+    # together.  Batches are numbered by (rank, lane, wave), so a (rank, lane)'s
+    # batches are consecutive; a batch lists its transfers in op order.
+    op_lane = np.zeros(n, np.int64)
+    waves = 1
+    for i in range(n):
+        if is_comm[i]:
+            op_lane[i] = 1 if named[i] >= 0 else 0
+            waves = max(waves, wave[i] + 1)
+    # A counting sort of the transfers' ends by (rank, lane, wave), each group in op order.
+    groups = 2 * world * waves
+    bat_ptr = np.zeros(groups + 1, np.int64)
+    for i in range(n):
+        if is_comm[i]:
+            for end in (rank[i], peer[i]):
+                bat_ptr[(end * 2 + op_lane[i]) * waves + wave[i] + 1] += 1
+    bat_ptr = np.cumsum(bat_ptr)
+    fill = bat_ptr[:-1].copy()
+    bat_idx = np.empty(2 * n_comm, np.int64)
+    sends = np.zeros(2 * n_comm, np.bool_)
+    for i in range(n):
+        if is_comm[i]:
+            for end in (rank[i], peer[i]):
+                g = (end * 2 + op_lane[i]) * waves + wave[i]
+                bat_idx[fill[g]] = i
+                sends[fill[g]] = end == rank[i]
+                fill[g] += 1
+    # The groups that hold any are the batches, numbered in that order.
+    op_bsend = np.full(n, -1, np.int64)
+    op_brecv = np.full(n, -1, np.int64)
+    bat_need = np.zeros(2 * n_comm, np.int64)
+    rl_ptr = np.zeros(2 * world + 1, np.int64)
+    nb = 0
+    for g in range(groups):
+        if bat_ptr[g + 1] == bat_ptr[g]:
+            continue
+        bat_ptr[nb] = bat_ptr[g]
+        rl_ptr[g // waves + 1] += 1
+        for x in range(bat_ptr[g], bat_ptr[g + 1]):
+            if sends[x]:
+                op_bsend[bat_idx[x]] = nb
+                bat_need[nb] += 1
+            else:
+                op_brecv[bat_idx[x]] = nb
+        nb += 1
+    bat_ptr[nb] = 2 * n_comm
+    # Every op on a rank's lanes: its compute lane, then its transfers (sent or received), in op order.
+    onr_ptr = np.zeros(world + 1, np.int64)
+    onr_ptr[1:] = np.cumsum(on_rank)
+    fill = onr_ptr[:-1].copy()
+    onr_idx = np.empty(onr_ptr[world], np.int64)
+    for i in range(n):
+        if not is_comm[i]:
+            onr_idx[fill[rank[i]]] = i
+            fill[rank[i]] += 1
+    for i in range(n):
+        if is_comm[i]:
+            for end in (rank[i], peer[i]):
+                onr_idx[fill[end]] = i
+                fill[end] += 1
+    lane_width = max(computes.max(), 1) if n > n_comm else 1
+    n_ports = max(port_out.max(), port_in.max()) + 1 if n else 0
+    return (users_ptr, users_idx, lands, port_out, port_in, lane_pos, op_lane, op_bsend, op_brecv,
+            bat_ptr[:nb + 1], bat_idx, bat_need[:nb], np.cumsum(rl_ptr), onr_ptr, onr_idx, lane_width, n_ports)
 
 
 @dataclass
@@ -190,8 +253,8 @@ class ChainReplay:
     """Per rank: when it left the last segment."""
     busy_s: dict[tuple[int, str], float]
     """(rank, tier) -> compute seconds, in the order each was first used."""
-    inside_s: list[list[float]]
-    """``inside_s[k][r]``: time rank ``r`` spent in segment ``k`` (enter to leave)."""
+    inside_s: np.ndarray
+    """``inside_s[k, r]``: time rank ``r`` spent in segment ``k`` (enter to leave)."""
     timings: list[list[OpTiming]] | None
     """Per segment, every op's start and end (when asked for)."""
 
@@ -255,27 +318,40 @@ def replay_chains(chains: Sequence[Sequence[CompiledSegment]], world: int, *, re
     """Replay each of ``chains`` from time 0, as :func:`replay_chain` does; the
     instances they begin with alike are replayed once (``event_loop.run_chains``).
     ``segments``: their distinct segments, laid out already."""
+    return [_chain_replay(len(chain), record, *out)
+            for chain, out in zip(chains, _run_chains(chains, world, record, segments))]
+
+
+def _run_chains(chains: Sequence[Sequence[CompiledSegment]], world: int, record: bool,
+                segments: SegmentSet | None) -> list[tuple]:
+    """``event_loop.run_chains`` of ``chains``, each checked to have run every op."""
     if segments is None:
         segments = SegmentSet(list({id(seg): seg for chain in chains for seg in chain}.values()))
     chain_segs = [np.array([segments.index[id(seg)] for seg in chain], np.int64) for chain in chains]
-    return [_chain_replay(len(chain), record, *out)
-            for chain, out in zip(chains, run_chains(world, chain_segs, segments.arrays, record))]
+    out = run_chains(world, chain_segs, segments.arrays, record)
+    for *_, remaining, created in out:
+        if not created.all() or (remaining > 0).any():
+            stuck = [(k, r) for k, r in zip(*np.nonzero(remaining > 0)) if created[k]]
+            raise RuntimeError(f"replay: segment/rank pairs {stuck[:6]} never finished")
+    return out
 
 
 def _chain_replay(n_inst: int, record: bool, finish, busy, order, entered, left, start, end, base, remaining,
                   created) -> ChainReplay:
-    stuck = [(k, r) for k, r in zip(*np.nonzero(remaining > 0)) if created[k]]
-    if stuck or not created.all():
-        raise RuntimeError(f"replay: segment/rank pairs {stuck[:6]} never finished")
-    used = sorted(zip(*np.nonzero(order >= 0)), key=lambda rt: order[rt])
-    busy_s = {(int(r), TIERS[t]): float(busy[r, t]) for r, t in used}
-    inside = (left - entered).tolist()
     timings = None
     if record:
         starts, ends = start.tolist(), end.tolist()
         timings = [[OpTiming(s, e) for s, e in zip(starts[base[k]:base[k + 1]], ends[base[k]:base[k + 1]])]
                    for k in range(n_inst)]
-    return ChainReplay(finish.tolist(), busy_s, inside, timings)
+    return ChainReplay(finish.tolist(), _busy_sums(busy, order), left - entered, timings)
+
+
+def _busy_sums(busy: np.ndarray, order: np.ndarray) -> dict[tuple[int, str], float]:
+    """(rank, tier) -> ``busy[rank, tier]``, for each pair used (``order`` >= 0), in first-use order."""
+    ranks, tiers = np.nonzero(order >= 0)
+    first = np.argsort(order[ranks, tiers])            # each order is used once
+    ranks, tiers = ranks[first], tiers[first]
+    return dict(zip(zip(ranks.tolist(), [TIERS[t] for t in tiers.tolist()]), busy[ranks, tiers].tolist()))
 
 
 def replay_schedule(schedule: Schedule, cost: CostModel) -> ChainReplay:
@@ -328,28 +404,30 @@ def replay_step(parts: Sequence[tuple[str, Schedule, Schedule]], num_layers: int
 
     segments = SegmentSet(fwd + bwd)
 
-    def run(*depths: int) -> list[StepReplay]:
+    def run(*depths: int) -> list[tuple]:
+        """Per depth: finish per rank, busy [rank, tier], their first-use order, time per part and rank."""
         chains = [fwd * layers + list(reversed(bwd)) * layers for layers in depths]
         out = []
-        for chain, result in zip(chains, replay_chains(chains, world_size, segments=segments)):
-            segment_s = {name: [0.0] * world_size for name in names}
-            for seg, inside in zip(chain, result.inside_s):
-                for r, x in enumerate(inside):
-                    segment_s[seg.name][r] += x
-            out.append(StepReplay(result.step_s, result.finish_s, result.busy_s, segment_s))
+        for chain, (finish, busy, order, entered, left, *_) in zip(chains, _run_chains(chains, world_size, False,
+                                                                                        segments)):
+            inside = {name: np.zeros(world_size) for name in names}
+            for seg, row in zip(chain, left - entered):      # per rank, a sum in chain order
+                inside[seg.name] += row
+            out.append((finish, busy, order, inside))
         return out
 
     m = max(replayed_layers, 2)
     if exact or num_layers <= m:
-        return run(num_layers)[0]
-    small, big = run(m - 1, m)        # their first m - 1 forward layers replay once
-    extra = num_layers - m
+        finish, busy, order, inside = run(num_layers)[0]
+    else:
+        small, big = run(m - 1, m)        # their first m - 1 forward layers replay once
+        extra = num_layers - m
 
-    def grow(a: float, b: float) -> float:
-        return a + (a - b) * extra
+        def grow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+            return a + (a - b) * extra      # elementwise: the same float operations as on each number
 
-    finish = [grow(a, b) for a, b in zip(big.finish_s, small.finish_s)]
-    busy = {key: grow(v, small.busy_s.get(key, 0.0)) for key, v in big.busy_s.items()}
-    segment_s = {name: [grow(a, b) for a, b in zip(big.segment_s[name], small.segment_s[name])]
-                 for name in names}
-    return StepReplay(max(finish), finish, busy, segment_s)
+        finish, busy, order = grow(big[0], small[0]), grow(big[1], small[1]), big[2]
+        inside = {name: grow(big[3][name], small[3][name]) for name in names}
+    finish_s = finish.tolist()
+    return StepReplay(max(finish_s), finish_s, _busy_sums(busy, order),
+                      {name: x.tolist() for name, x in inside.items()})
