@@ -36,7 +36,6 @@ from itertools import chain
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
-from numba import njit
 
 from megatron_zeppelin.errors import ZeppelinError
 
@@ -231,11 +230,20 @@ class Schedule:
         return self._waves
 
     def wave_levels(self) -> np.ndarray:
-        """:meth:`waves` as an int64 array (computed once, by a compiled pass over
-        the dependency arrays)."""
+        """:meth:`waves` as an int64 array (computed once).  A Python pass, not a
+        compiled one: the engine reads the waves, and its import stays free of
+        numba (the GPU machine carries no compiler wheels; see docs/gpu-check.md)."""
         if self._wave_levels is None:
-            is_comm = np.fromiter(map(COMM.__eq__, self.column("kind")), np.bool_, len(self))
-            self._wave_levels = _wave_levels(*self.dependency_arrays(), is_comm)
+            level: list[int] = []
+            for deps, kind in zip(self._deps, self.column("kind")):
+                if not deps:
+                    before = -1
+                elif len(deps) == 1:
+                    before = level[deps[0]]
+                else:
+                    before = max(map(level.__getitem__, deps))
+                level.append(before + 1 if kind == COMM else before + 2)
+            self._wave_levels = np.asarray(level, np.int64)
         return self._wave_levels
 
     def calls_apart(self) -> list[tuple["Schedule", list[int]]]:
@@ -331,21 +339,6 @@ class OpArrays:
         return cls(is_comm, np.fromiter(schedule.column("rank"), np.int64, n),
                    np.fromiter(schedule.column("peer"), np.int64, n), *schedule.dependency_arrays(),
                    schedule.wave_levels(), tier, work, list(index), nbytes, nic)
-
-
-@njit(cache=True)
-def _wave_levels(ndeps: np.ndarray, dep: np.ndarray, is_comm: np.ndarray) -> np.ndarray:
-    """Each op's wave (:meth:`Schedule.waves`) from its dependencies (``ndeps``
-    per op, ``dep`` all of them in op order), in one pass in op order."""
-    level = np.empty(len(ndeps), np.int64)
-    at = 0
-    for i in range(len(ndeps)):
-        before = -1
-        for x in range(at, at + ndeps[i]):
-            before = max(before, level[dep[x]])
-        at += ndeps[i]
-        level[i] = before + 1 if is_comm[i] else before + 2
-    return level
 
 
 _OP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Op) if f.default is not MISSING}

@@ -163,3 +163,11 @@ def test_planning_packages_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
             "import megatron_zeppelin.schedule, megatron_zeppelin.sim.replay, megatron_zeppelin.sim.cli\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_engine_imports_without_numba():
+    # The engine reads schedules on the GPU machine, which carries no compiler
+    # wheels (docs/gpu-check.md): only the simulator and the planners compile.
+    code = ("import sys; sys.modules['numba'] = None\n"
+            "import megatron_zeppelin.schedule, megatron_zeppelin.attention.engine, megatron_zeppelin.remap\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
