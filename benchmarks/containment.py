@@ -81,7 +81,7 @@ def baselines(lens: list[int], cost: CostModel, cap: int, time_limit_s: float) -
 
 def gaps(args: argparse.Namespace) -> str:
     rng = random.Random(args.seed)
-    native, engine, engine_in_cap = [], [], []     # (gap, winner) per batch where zeppelin is slower
+    native, engine, engine_in_cap = [], [], []     # (gap, winner, batch) per batch where zeppelin is slower
     cpu = []
     n = 0
     for _ in range(args.batches):
@@ -103,7 +103,8 @@ def gaps(args: argparse.Namespace) -> str:
             steps = {k: pick(v) for k, v in base.items() if pick(v) is not None}
             best = min(steps, key=steps.get)
             if mine > steps[best] * (1 + 1e-9):
-                out.append((mine / steps[best] - 1, best.rstrip("0123456789")))
+                out.append((mine / steps[best] - 1, best.rstrip("0123456789"), (lens, cluster, nodes, gpn, cap,
+                                                                                routing, remap)))
     lines = [f"{n} batches (seed {args.seed}); the decision's CPU per batch: median "
              f"{statistics.median(cpu) * 1e3:.0f} ms, max {max(cpu) * 1e3:.0f} ms", "",
              "| zeppelin against | slower on | median gap | max gap | the best baseline then |",
@@ -117,6 +118,10 @@ def gaps(args: argparse.Namespace) -> str:
             lines.append(f"| {what} | {len(rows)} of {n} | {statistics.median(g):.2f} % | {max(g):.2f} % | {who} |")
         else:
             lines.append(f"| {what} | 0 of {n} | - | - | - |")
+    if native:      # each batch as tests/planner/test_containment.py takes it in an @example
+        lines += ["", "Batches where a baseline as the simulator times it is faster (lengths, cluster, nodes, "
+                  "GPUs per node, cap, routing, remap):"]
+        lines += [f"* {best} {gap * 100:.2f} %: {case!r}" for gap, best, case in native]
     return "\n".join(lines)
 
 
