@@ -68,7 +68,7 @@ from megatron_zeppelin.planner.hybrid_cp import CpGroup, HybridCpPlanner, hybrid
 from megatron_zeppelin.planner.hybrid_cp import group_layout as cp_layout
 from megatron_zeppelin.planner.packing import check_lengths
 from megatron_zeppelin.planner.plan_arrays import PlanArrays, Placements, layout_arrays, pack_rings
-from megatron_zeppelin.planner.rounds import merge_rounds
+from megatron_zeppelin.planner.rounds import RoundsPlan, merge_rounds
 from megatron_zeppelin.planner.static_groups import StaticGroupPlanner
 from megatron_zeppelin.planner.te_cp import TeCpPlanner
 from megatron_zeppelin.planner.ulysses_sp import UlyssesSpPlanner
@@ -262,6 +262,29 @@ def _rank_tokens(length: int, size: int) -> int:
     (zigzag: two of ``2 size`` chunks; local on the first rank when shorter
     than ``2 size``: ``hybrid_cp.group_layout``)."""
     return length if size == 1 or length < 2 * size else 2 * -(-length // (2 * size))
+
+
+def hybrid_cp_passes(seq_lens: Sequence[int], ctx: PlanContext) -> RoundsPlan | None:
+    """Megatron's hybrid CP schedule of several rounds, each within the cap, as
+    Zeppelin's passes (each round a pass; relabelled, direct, capped); None for
+    one round (:func:`hybrid_cp_drafts`), a round over the cap (its
+    sub-samples, one after another, are what holds the cap: Zeppelin would run
+    each as a pass, with the trainer's barrier between passes), more than
+    :data:`SMALL_WORLD_GPUS` GPUs (the decision times it by the replay), or the
+    remap forced on.  The simulator times hybrid CP as these very rounds."""
+    lens = check_lengths(seq_lens)
+    cap = ctx.tokens_per_gpu
+    if ctx.topology.world_size > SMALL_WORLD_GPUS or (ctx.remap_enabled and not ctx.remap_decided):
+        return None
+    try:
+        rounds = HybridCpPlanner().plan_rounds(lens, ctx)
+    except InfeasibleError:
+        return None
+    if len(rounds.rounds) == 1 or any(max(r.attention_tokens_per_rank()) > cap for r in rounds.rounds):
+        return None
+    mine = dict(strategy=ZeppelinPlanner.name, routed=False)
+    return RoundsPlan(dataclasses.replace(rounds.merged, **mine).validate(),
+                      tuple(dataclasses.replace(r, token_cap=cap, **mine).validate() for r in rounds.rounds))
 
 
 def flexsp_greedy_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
