@@ -19,7 +19,8 @@ surrogate it compares them by (``planner/surrogate.py``):
 * Megatron-Core's hybrid CP groups (``megatron_hybrid_cp``) when its schedule
   is one round: as they are where no rank holds more than the cap, else (it
   runs a group's sub-samples one after another, so its round may exceed the
-  cap) with the sub-samples that put a group over it moved to groups with room;
+  cap), on up to 16 GPUs, with the sub-samples that put a group over it moved
+  to groups with room;
 * FlexSP's heterogeneous Ulysses groups from its greedy (``flexsp``: first fit
   under a bisected makespan), and FlexSP's own plan (its MILP's grouping) where
   the MILP is small (up to 16 GPUs and 400 columns), solved without a time
@@ -81,8 +82,9 @@ from megatron_zeppelin.topology import Topology
 #: that fit.
 STATIC_CP_SIZES = 2
 #: Worlds of up to this many GPUs get every static Ulysses SP size the simulator
-#: tries and FlexSP's MILP (its columns counted, :data:`FLEXSP_MILP`); larger ones
-#: neither: cutting 1,024 sequences into FlexSP's buckets alone took 26 ms of
+#: tries, FlexSP's MILP (its columns counted, :data:`FLEXSP_MILP`), hybrid CP's
+#: round over the cap moved within it and its rounds as passes; larger ones
+#: none: cutting 1,024 sequences into FlexSP's buckets alone took 26 ms of
 #: the decision's 50 ms at 64 GPUs (where the MILP has 127 slots, well over its
 #: column limit), and Ulysses groups across nodes 820 ms.
 SMALL_WORLD_GPUS = 16
@@ -210,8 +212,11 @@ def static_ulysses_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Dra
 
 def hybrid_cp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
     """Megatron's hybrid CP schedule when it is one round: as it is where no rank
-    holds more than the cap, else with the sub-samples that put a group over it
-    moved to groups with room (:func:`sub_samples_within_cap`)."""
+    holds more than the cap, else, on up to :data:`SMALL_WORLD_GPUS` GPUs, with
+    the sub-samples that put a group over it moved to groups with room
+    (:func:`sub_samples_within_cap`; pricing that candidate cost the decision
+    8 ms of its 50 at 64 GPUs, where it won no pick of
+    ``tests/planner/golden/decision_picks.json``)."""
     lens = check_lengths(seq_lens)
     cap = ctx.tokens_per_gpu
     try:
@@ -223,6 +228,8 @@ def hybrid_cp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
         return []
     draft = _draft(HybridCpPlanner.name, ctx, lens, cp_layout(groups, lens))
     if max(draft.tokens_per_rank(), default=0) > cap:
+        if ctx.topology.world_size > SMALL_WORLD_GPUS:
+            return []
         within = sub_samples_within_cap(groups, lens, cap)
         if within is None:
             return []
