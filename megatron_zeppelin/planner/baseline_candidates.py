@@ -337,7 +337,8 @@ def flexsp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
         return []
     if sum(lens) > topo.world_size * cap or any(-(-L // sizes[-1]) > cap for L in lens):
         return []       # FlexSP splits it into micro-batches, or cannot place it
-    groups = one_pass_groups(lens, sizes, topo.world_size, cap, ctx.cost, FLEXSP_MILP)
+    # Priced as FlexSP plans it: direct crossings (its all-to-alls do not route).
+    groups = one_pass_groups(lens, sizes, topo.world_size, cap, ctx.cost.routed(False), FLEXSP_MILP)
     if groups is None:
         return []
     return _with_packed_copies([_draft("flexsp", ctx, lens, flexsp_layout(groups, range(len(lens))))])
