@@ -46,6 +46,13 @@ class PlanContext:
     Zeppelin decides per batch with it whether to remap and which plan's
     crossings to route (``planner/zeppelin_decide.py``); without it Zeppelin
     plans once with the flags as given."""
+    rounds_model: Callable[[Sequence[Plan]], float] | None = None
+    """Modeled step seconds of a batch run as the given plans' passes one after
+    another (the simulator's ``sim/rounds.py: rounds_timeline``), set where the
+    caller runs a planner's ``plan_rounds`` as passes (the simulator and the
+    trainer; Megatron-LM's hooks run one Plan per batch and leave it None).
+    With ``step_model``, Zeppelin's decision then also offers Megatron hybrid
+    CP's schedule of several passes (``DecidingZeppelinPlanner.plan_rounds``)."""
 
     @property
     def local_heads(self) -> tuple[int, int]:

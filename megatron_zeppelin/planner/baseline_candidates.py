@@ -12,14 +12,19 @@ surrogate it compares them by (``planner/surrogate.py``):
   whole-sequence packing), the two smallest ``c`` that hold the batch in one
   pass, the sizes a static run picks (a run whose maximum length is longer
   than the batch's longest sequence launches a wider ``c``: not held);
-* static Ulysses SP (``ulysses_sp``), every ``d >= 2`` up to a node that
-  does (the two smallest beyond a node when none within does; the
-  simulator's layout search also tries wider groups: not held);
+* static Ulysses SP (``ulysses_sp``), every ``d >= 2`` that does on up to
+  16 GPUs; beyond, every such ``d`` up to a node (the two smallest beyond a
+  node when none within does; the simulator's layout search also tries wider
+  groups: not held there);
 * Megatron-Core's hybrid CP groups (``megatron_hybrid_cp``) when its schedule
-  is one round and no rank holds more than the cap (it runs sub-samples one
-  after another, so its merged plan may exceed it);
+  is one round: as they are where no rank holds more than the cap, else (it
+  runs a group's sub-samples one after another, so its round may exceed the
+  cap), on up to 16 GPUs, with the sub-samples that put a group over it moved
+  to groups with room;
 * FlexSP's heterogeneous Ulysses groups from its greedy (``flexsp``: first fit
-  under a bisected makespan), not its MILP, which takes seconds per batch.
+  under a bisected makespan), and FlexSP's own plan (its MILP's grouping) where
+  the MILP is small (up to 16 GPUs and 400 columns), solved without a time
+  limit so that every rank gets the same plan.
 
 What does not carry over is how TE *executes* a plan: its ring sends dK/dV
 in the model dtype where the engine accumulates and sends them in fp32.  The
@@ -58,13 +63,13 @@ import numpy as np
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Plan, rings_by_ranks, ulysses_by_ranks
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.planner.flexsp import greedy_groups, seq_time_fn, ulysses_sizes
+from megatron_zeppelin.planner.flexsp import MilpLimits, greedy_groups, one_pass_groups, seq_time_fn, ulysses_sizes
 from megatron_zeppelin.planner.flexsp import group_layout as flexsp_layout
-from megatron_zeppelin.planner.hybrid_cp import HybridCpPlanner, hybrid_cp_schedule
+from megatron_zeppelin.planner.hybrid_cp import CpGroup, HybridCpPlanner, hybrid_cp_schedule, workload
 from megatron_zeppelin.planner.hybrid_cp import group_layout as cp_layout
 from megatron_zeppelin.planner.packing import check_lengths
 from megatron_zeppelin.planner.plan_arrays import PlanArrays, Placements, layout_arrays, pack_rings
-from megatron_zeppelin.planner.rounds import merge_rounds
+from megatron_zeppelin.planner.rounds import RoundsPlan, merge_rounds
 from megatron_zeppelin.planner.static_groups import StaticGroupPlanner
 from megatron_zeppelin.planner.te_cp import TeCpPlanner
 from megatron_zeppelin.planner.ulysses_sp import UlyssesSpPlanner
@@ -76,6 +81,13 @@ from megatron_zeppelin.topology import Topology
 #: search, ``planner/te_cp.py: CP_SIZES_PER_TP``) stops after the first two
 #: that fit.
 STATIC_CP_SIZES = 2
+#: Worlds of up to this many GPUs get every static Ulysses SP size the simulator
+#: tries, FlexSP's MILP (its columns counted, :data:`FLEXSP_MILP`), hybrid CP's
+#: round over the cap moved within it and its rounds as passes; larger ones
+#: none: cutting 1,024 sequences into FlexSP's buckets alone took 26 ms of
+#: the decision's 50 ms at 64 GPUs (where the MILP has 127 slots, well over its
+#: column limit), and Ulysses groups across nodes 820 ms.
+SMALL_WORLD_GPUS = 16
 
 
 @dataclass
@@ -179,15 +191,19 @@ def _with_packed_copies(drafts: list[Draft]) -> list[Draft]:
 def static_ulysses_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
     """Static Ulysses SP's layouts that hold the batch in one pass, at SP sizes
     of at least 2 dividing the KV heads (size 1 is :func:`uniform_cp_plans`'
-    ``c = 1``): every such size up to a node -- a wider group is not always
-    slower, a whole node's all-to-all beats two half-node groups on some
-    batches -- and the two smallest beyond it when none fits a node.  Wider
-    groups across nodes are left out: the engine runs one all-to-all per
-    sequence, and on 600 short documents over 64 GPUs a 32-rank group's plan
-    took minutes to replay, for a layout that crosses the NICs with every
-    sequence."""
+    ``c = 1``): on up to :data:`SMALL_WORLD_GPUS` GPUs every such size, the
+    sizes the simulator's layout search tries (``ulysses_sp.ulysses_layouts``;
+    on 2 x 4 GPUs a group across both nodes beat every group within one by
+    2.5 %); on larger worlds every such size up to a node -- a wider group is
+    not always slower, a whole node's all-to-all beats two half-node groups on
+    some batches -- and the two smallest beyond it when none fits a node.
+    Wider groups across nodes are left out there: the engine runs one
+    all-to-all per sequence, and pricing 32-rank groups of 1,024 sequences
+    took the decision at 64 GPUs from 39 to 860 ms of CPU."""
     kv, gpn = ctx.local_heads[1], ctx.topology.gpus_per_node
     sizes = [d for d in _powers_of_two(2, ctx.topology.world_size) if kv % d == 0]
+    if ctx.topology.world_size <= SMALL_WORLD_GPUS:
+        return _with_packed_copies(_static_drafts(UlyssesSpPlanner(), seq_lens, ctx, sizes=sizes, keep=len(sizes)))
     in_node = _static_drafts(UlyssesSpPlanner(), seq_lens, ctx, sizes=[d for d in sizes if d <= gpn],
                              keep=len(sizes))
     return _with_packed_copies(in_node or _static_drafts(UlyssesSpPlanner(), seq_lens, ctx,
@@ -195,18 +211,87 @@ def static_ulysses_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Dra
 
 
 def hybrid_cp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
-    """Megatron's hybrid CP schedule when it is one round within the cap."""
+    """Megatron's hybrid CP schedule when it is one round: as it is where no rank
+    holds more than the cap, else, on up to :data:`SMALL_WORLD_GPUS` GPUs, with
+    the sub-samples that put a group over it moved to groups with room
+    (:func:`sub_samples_within_cap`; pricing that candidate cost the decision
+    8 ms of its 50 at 64 GPUs, where it won no pick of
+    ``tests/planner/golden/decision_picks.json``)."""
     lens = check_lengths(seq_lens)
+    cap = ctx.tokens_per_gpu
     try:
         # The first round says whether another follows: no need to schedule it.
-        groups, more = next(hybrid_cp_schedule(lens, ctx.tokens_per_gpu, ctx.topology.world_size), ([], False))
-        if more:
-            return []
-        draft = _draft(HybridCpPlanner.name, ctx, lens, cp_layout(groups, lens))
+        groups, more = next(hybrid_cp_schedule(lens, cap, ctx.topology.world_size), ([], False))
     except InfeasibleError:
         return []
-    # One round of groups can hold more than the cap (sub-samples run one after another).
-    return [draft] if max(draft.tokens_per_rank(), default=0) <= ctx.tokens_per_gpu else []
+    if more:
+        return []
+    draft = _draft(HybridCpPlanner.name, ctx, lens, cp_layout(groups, lens))
+    if max(draft.tokens_per_rank(), default=0) > cap:
+        if ctx.topology.world_size > SMALL_WORLD_GPUS:
+            return []
+        within = sub_samples_within_cap(groups, lens, cap)
+        if within is None:
+            return []
+        draft = _draft(HybridCpPlanner.name, ctx, lens, cp_layout(within, lens))
+    return [draft] if max(draft.tokens_per_rank(), default=0) <= cap else []
+
+
+def sub_samples_within_cap(groups: Sequence[CpGroup], lens: Sequence[int], cap: int) -> list[CpGroup] | None:
+    """A round of hybrid CP's groups with no rank over ``cap``: while a group's
+    sub-samples (Megatron runs them one after another, each a micro-batch that
+    holds the cap) hold more than ``cap`` tokens per rank together, its last
+    (shortest) one moves to the least-loaded group (Megatron's workload) it fits.
+    None when one fits nowhere.  Zeppelin's engine runs a batch in one pass
+    under the cap, so it cannot run the round itself; the simulator times the
+    round as one pass over the cap (docs/results/decision.md, "Containment")."""
+    out = [CpGroup(g.size, list(g.seqs), g.load, g.first_rank) for g in groups]
+    used = [sum(_rank_tokens(lens[s], g.size) for s in g.seqs) for g in out]
+    for i, g in enumerate(out):
+        while used[i] > cap and len(g.seqs) > 1:
+            seq = g.seqs.pop()
+            used[i] -= _rank_tokens(lens[seq], g.size)
+            g.load -= workload(lens[seq], cap)
+            room = [j for j, h in enumerate(out) if j != i and used[j] + _rank_tokens(lens[seq], h.size) <= cap]
+            if not room:
+                return None
+            j = min(room, key=lambda j: (out[j].load, j))
+            out[j].seqs.append(seq)
+            used[j] += _rank_tokens(lens[seq], out[j].size)
+            out[j].load += workload(lens[seq], cap)
+        if used[i] > cap:
+            return None
+    return out
+
+
+def _rank_tokens(length: int, size: int) -> int:
+    """The most tokens a rank of a group of ``size`` holds of one sequence
+    (zigzag: two of ``2 size`` chunks; local on the first rank when shorter
+    than ``2 size``: ``hybrid_cp.group_layout``)."""
+    return length if size == 1 or length < 2 * size else 2 * -(-length // (2 * size))
+
+
+def hybrid_cp_passes(seq_lens: Sequence[int], ctx: PlanContext) -> RoundsPlan | None:
+    """Megatron's hybrid CP schedule of several rounds, each within the cap, as
+    Zeppelin's passes (each round a pass; relabelled, direct, capped); None for
+    one round (:func:`hybrid_cp_drafts`), a round over the cap (its
+    sub-samples, one after another, are what holds the cap: Zeppelin would run
+    each as a pass, with the trainer's barrier between passes), more than
+    :data:`SMALL_WORLD_GPUS` GPUs (the decision times it by the replay), or the
+    remap forced on.  The simulator times hybrid CP as these very rounds."""
+    lens = check_lengths(seq_lens)
+    cap = ctx.tokens_per_gpu
+    if ctx.topology.world_size > SMALL_WORLD_GPUS or (ctx.remap_enabled and not ctx.remap_decided):
+        return None
+    try:
+        rounds = HybridCpPlanner().plan_rounds(lens, ctx)
+    except InfeasibleError:
+        return None
+    if len(rounds.rounds) == 1 or any(max(r.attention_tokens_per_rank()) > cap for r in rounds.rounds):
+        return None
+    mine = dict(strategy=ZeppelinPlanner.name, routed=False)
+    return RoundsPlan(dataclasses.replace(rounds.merged, **mine).validate(),
+                      tuple(dataclasses.replace(r, token_cap=cap, **mine).validate() for r in rounds.rounds))
 
 
 def flexsp_greedy_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
@@ -226,12 +311,46 @@ def flexsp_greedy_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draf
     return _with_packed_copies([_draft("flexsp", ctx, lens, flexsp_layout(shortest_first, range(len(lens))))])
 
 
+#: FlexSP's MILP as the decision solves it: no time limit (where one stops a
+#: solve, the incumbent depends on the machine's speed, and every rank plans
+#: alike), a node limit, and only MILPs of at most this many columns (its size:
+#: group slots x the length buckets each may hold).  On the property test's
+#: batches (2-16 GPUs) the MILPs have up to 283 columns and solve in 2 ms of
+#: CPU (median) to 0.3 s; 128 sequences on 8 GPUs (391 columns) took 0.86 s.
+#: At 64 GPUs and 64 sequences FlexSP's MILP took 2 s, at 1,024 sequences it ran
+#: into a 5 s limit (docs/results/decision.md, "Containment").
+FLEXSP_MILP = MilpLimits(time_limit_s=float("inf"), max_nodes=2000, max_columns=400)
+
+
+
+def flexsp_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:
+    """FlexSP's own plan of a batch it runs in one pass (its grouping by the
+    MILP, started from the greedy, or the greedy where that models faster:
+    ``flexsp.one_pass_groups``, what ``FlexSpPlanner`` runs), in its order,
+    when its MILP is small enough (:data:`FLEXSP_MILP`, :data:`SMALL_WORLD_GPUS`).
+    Where FlexSP's own solve also ends before its time limit, this is the
+    very plan the simulator's ``flexsp`` runs."""
+    lens = check_lengths(seq_lens)
+    cap, topo = ctx.tokens_per_gpu, ctx.topology
+    sizes = ulysses_sizes(topo.world_size, ctx.local_heads[1])
+    if topo.world_size > SMALL_WORLD_GPUS:
+        return []
+    if sum(lens) > topo.world_size * cap or any(-(-L // sizes[-1]) > cap for L in lens):
+        return []       # FlexSP splits it into micro-batches, or cannot place it
+    # Priced as FlexSP plans it: direct crossings (its all-to-alls do not route).
+    groups = one_pass_groups(lens, sizes, topo.world_size, cap, ctx.cost.routed(False), FLEXSP_MILP)
+    if groups is None:
+        return []
+    return _with_packed_copies([_draft("flexsp", ctx, lens, flexsp_layout(groups, range(len(lens))))])
+
+
 #: Every source of candidates (``benchmarks/containment.py --latency`` times each).
 SOURCES: dict[str, Callable[[Sequence[int], PlanContext], list[Draft]]] = {
     "te_cp": uniform_cp_drafts,
     "ulysses_sp": static_ulysses_drafts,
     "megatron_hybrid_cp": hybrid_cp_drafts,
     "flexsp_greedy": flexsp_greedy_drafts,
+    "flexsp_milp": flexsp_drafts,
 }
 #: Batches of more sequences get static CP's layouts only (as before these
 #: candidates existed).  Building a baseline's Plan costs about 0.05 ms of CPU

@@ -259,16 +259,28 @@ class _Milp:
 _MS = 1e3
 
 
+def _slot_sizes(buckets: Sequence[Bucket], sizes: Sequence[int], world: int, cap: int) -> list[int]:
+    """The group size of every candidate slot: ``N / d`` of each size ``d``,
+    fewer below the size the longest sequences need (FlexSP's pruning: small
+    groups share what the longest sequences leave)."""
+    need = [_min_size(b.boundary, cap, sizes) for b in buckets]
+    biggest = max(need)
+    n_big = sum(len(b.seqs) for b, d in zip(buckets, need) if d == biggest)
+    return [d for d in sizes for _ in range((world - (biggest * n_big if d < biggest else 0)) // d)]
+
+
+def milp_columns(buckets: Sequence[Bucket], sizes: Sequence[int], world: int, cap: int) -> int:
+    """Columns of :func:`build_milp`'s MILP (C, and per slot ``u`` and an ``x``
+    per bucket it may hold), without building it."""
+    return 1 + sum(1 + sum(_fits(b.boundary, b.shortest, d, cap) for b in buckets)
+                   for d in _slot_sizes(buckets, sizes, world, cap))
+
+
 def build_milp(buckets: Sequence[Bucket], sizes: Sequence[int], world: int, cap: int,
                t: Callable[[int, int], float]) -> _Milp:
     """Columns and rows of the MILP in the module docstring, plus two cuts and
     symmetry breaking."""
-    need = [_min_size(b.boundary, cap, sizes) for b in buckets]
-    biggest = max(need)
-    n_big = sum(len(b.seqs) for b, d in zip(buckets, need) if d == biggest)
-    slot_sizes = []
-    for d in sizes:  # FlexSP's pruning: small groups share what the longest sequences leave.
-        slot_sizes += [d] * ((world - (biggest * n_big if d < biggest else 0)) // d)
+    slot_sizes = _slot_sizes(buckets, sizes, world, cap)
     # Cut: C is at least the slowest bucket's best single-sequence time.
     c_min = max(min(t(b.boundary, d) for d in sizes if _fits(b.boundary, b.shortest, d, cap))
                 for b in buckets) * _MS
@@ -314,11 +326,33 @@ def solve_milp(buckets: Sequence[Bucket], sizes: Sequence[int], world: int, cap:
     """Solve FlexSP's bucketed MILP with HiGHS; returns the used groups as
     ``(size, {bucket: count})`` (the incumbent at the time limit), or None if
     HiGHS found no solution."""
-    m = build_milp(buckets, sizes, world, cap, t)
+    return solve_built(build_milp(buckets, sizes, world, cap, t), buckets, t, MilpLimits(time_limit_s), start)
+
+
+@dataclass(frozen=True)
+class MilpLimits:
+    """How far a solve of FlexSP's MILP may go."""
+
+    time_limit_s: float
+    """HiGHS' time limit (FlexSP's own planner: ``PlanContext.time_limit_s``).
+    Where it stops the solve, the incumbent depends on the machine's speed."""
+    max_nodes: int | None = None
+    """HiGHS' branch-and-bound node limit (None: none).  Single-threaded, HiGHS
+    takes the same path on every machine, so a solve bounded by nodes alone
+    gives every rank the same grouping (Zeppelin's decision plans on each rank)."""
+    max_columns: int | None = None
+    """Skip the solve of a MILP with more columns (None: any size)."""
+
+
+def solve_built(m: _Milp, buckets: Sequence[Bucket], t: Callable[[int, int], float], limits: MilpLimits,
+                start: list[tuple[int, dict[int, int]]] | None = None) -> list[tuple[int, dict[int, int]]] | None:
+    """:func:`solve_milp` of the built MILP ``m`` under ``limits``."""
     n, rows = len(m.lb), m.rows
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("time_limit", float(limits.time_limit_s))
+    if limits.max_nodes is not None:
+        h.setOptionValue("mip_max_nodes", int(limits.max_nodes))
     h.setOptionValue("mip_rel_gap", MIP_REL_GAP)
     h.setOptionValue("threads", 1)
     obj = np.zeros(n)
@@ -415,27 +449,39 @@ class FlexSpPlanner:
     def _solve(self, lens: tuple[int, ...], seqs: list[int], sizes: list[int],
                ctx: PlanContext) -> list[SeqPlacement] | None:
         """Placements of the sequences ``seqs`` in one pass, or None."""
-        cap, world = ctx.tokens_per_gpu, ctx.topology.world_size
-        sub = [lens[i] for i in seqs]
-        t = seq_time_fn(ctx.cost)
-        buckets = bucket_lengths(sub, world * cap)
-        # Start: the greedy on the MILP's own data (boundaries, bucket minima).
-        padded = [(k, b.boundary, b.shortest) for k, b in enumerate(buckets) for _ in b.seqs]
-        hint = greedy_groups([p[1] for p in padded], [p[2] for p in padded], sizes, world, cap, t.column)
-        start = None if hint is None else [(d, dict(Counter(padded[i][0] for i in items)))
-                                           for d, items in hint]
-        groups = solve_milp(buckets, sizes, world, cap, t, ctx.time_limit_s, start)
-        greedy = greedy_groups(sub, sub, sizes, world, cap, t.column)
-        members = None if groups is None else _assign(groups, buckets, sub, t)
-        if members is None:
-            logger.debug("flexsp: no MILP solution in %.1f s; using the greedy grouping",
-                         ctx.time_limit_s)
-            members = greedy
-        elif greedy is not None and _makespan(greedy, sub, t) < _makespan(members, sub, t):
-            # Bucket padding can make the MILP's optimum slightly worse on real lengths.
-            logger.debug("flexsp: greedy grouping beats the MILP's on real lengths")
-            members = greedy
+        members = one_pass_groups([lens[i] for i in seqs], sizes, ctx.topology.world_size, ctx.tokens_per_gpu,
+                                  ctx.cost, MilpLimits(ctx.time_limit_s))
         return None if members is None else group_placements(members, seqs, lens)
+
+
+def one_pass_groups(lens: Sequence[int], sizes: Sequence[int], world: int, cap: int, cost: CostModel,
+                    limits: MilpLimits) -> list[Group] | None:
+    """FlexSP's grouping of ``lens`` in one pass (members index into ``lens``):
+    the MILP's, started from the greedy on the MILP's own data, or the greedy's
+    on the real lengths where the MILP has none or the greedy models faster.
+    None when neither holds the batch, or when the MILP has more than
+    ``limits.max_columns`` columns."""
+    t = seq_time_fn(cost)
+    buckets = bucket_lengths(lens, world * cap)
+    if limits.max_columns is not None and milp_columns(buckets, sizes, world, cap) > limits.max_columns:
+        return None
+    milp = build_milp(buckets, sizes, world, cap, t)
+    # Start: the greedy on the MILP's own data (boundaries, bucket minima).
+    padded = [(k, b.boundary, b.shortest) for k, b in enumerate(buckets) for _ in b.seqs]
+    hint = greedy_groups([p[1] for p in padded], [p[2] for p in padded], sizes, world, cap, t.column)
+    start = None if hint is None else [(d, dict(Counter(padded[i][0] for i in items)))
+                                       for d, items in hint]
+    groups = solve_built(milp, buckets, t, limits, start)
+    greedy = greedy_groups(lens, lens, sizes, world, cap, t.column)
+    members = None if groups is None else _assign(groups, buckets, lens, t)
+    if members is None:
+        logger.debug("flexsp: no MILP solution within %s; using the greedy grouping", limits)
+        return greedy
+    if greedy is not None and _makespan(greedy, lens, t) < _makespan(members, lens, t):
+        # Bucket padding can make the MILP's optimum slightly worse on real lengths.
+        logger.debug("flexsp: greedy grouping beats the MILP's on real lengths")
+        return greedy
+    return members
 
 
 def group_placements(groups: list[Group], seqs: Sequence[int], lens: Sequence[int]) -> list[SeqPlacement]:

@@ -116,7 +116,8 @@ def group_layout(groups: Sequence[CpGroup], lens: Sequence[int]) -> Placements:
     return Placements.of_blocks(seq, np.where(local, 0, MODE_CODE[Mode.RING]), first, np.where(local, 1, size))
 
 
-def _workload(length: int, cap: int) -> float:
+def workload(length: int, cap: int) -> float:
+    """``get_total_workload`` of one sub-sample: ``L**2 / gpus_needed(L)``."""
     return length * length / gpus_needed(length, cap)
 
 
@@ -125,12 +126,12 @@ def _make_buckets(samples: list[tuple[int, int]], cap: int) -> list[deque]:
     when a bucket would pass 110 % of the mean work or later buckets would starve
     (Megatron's bookkeeping, including its double count of closed buckets)."""
     k = len({gpus_needed(L, cap) for _, L in samples})
-    target = sum(_workload(L, cap) for _, L in samples) / k
+    target = sum(workload(L, cap) for _, L in samples) / k
     buckets: list[deque] = []
     cur: list[tuple[int, int]] = []
     cur_work, remaining_k = 0.0, k
     for i, (seq, L) in enumerate(samples):
-        work = _workload(L, cap)
+        work = workload(L, cap)
         if cur and (cur_work + work > target * BUCKET_OVERSHOOT
                     or len(samples) - i <= remaining_k - len(buckets)):
             buckets.append(deque(cur))
@@ -188,7 +189,7 @@ def _next_round(samples: list[tuple[int, int]], lens: Sequence[int], cap: int, w
         else:
             _, order, best = heapq.heappop(same)
         best.seqs.append(seq)
-        best.load += _workload(L, cap)
+        best.load += workload(L, cap)
         heapq.heappush(same, (best.load, order, best))
         top = max(top, best.load)
         while buckets and not buckets[0]:
@@ -209,7 +210,7 @@ def _next_round(samples: list[tuple[int, int]], lens: Sequence[int], cap: int, w
         top = next(g for g in groups if g.load == hi)
         if len(top.seqs) <= 1:
             break
-        work = _workload(lens[top.seqs[-1]], cap)
+        work = workload(lens[top.seqs[-1]], cap)
         loads = [g.load - work if g is top else g.load for g in groups]
         if max(loads) - min(loads) >= gap:
             break

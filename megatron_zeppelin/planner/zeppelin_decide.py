@@ -43,9 +43,10 @@ from typing import Callable, Sequence
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.planner.baseline_candidates import Draft, baseline_drafts
+from megatron_zeppelin.planner.baseline_candidates import Draft, baseline_drafts, hybrid_cp_passes
 from megatron_zeppelin.planner.fastest import Floor, fastest, first_least, surrogate_cost
 from megatron_zeppelin.planner.plan_arrays import PlanArrays
+from megatron_zeppelin.planner.rounds import RoundsPlan
 from megatron_zeppelin.planner.surrogate import StepSurrogate
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
 from megatron_zeppelin.planner.zeppelin.planner import PassDraft, gc_paused
@@ -77,6 +78,21 @@ class DecidingZeppelinPlanner:
         # resumes, which then scans only the plan that runs.
         with gc_paused():
             return decide(seq_lens, ctx)
+
+    def plan_rounds(self, seq_lens: Sequence[int], ctx: PlanContext) -> RoundsPlan:
+        """:meth:`plan`'s one pass, or, where the caller runs passes
+        (``ctx.rounds_model``), Megatron hybrid CP's schedule of several
+        passes when that clock puts it faster (ties: the one pass).  Both are
+        timed by ``ctx.rounds_model``, the clock the simulator times hybrid CP
+        by, so the plan run is no slower than hybrid CP's rounds by it."""
+        plan = self.plan(seq_lens, ctx)
+        one = RoundsPlan(plan, (plan,))
+        if ctx.rounds_model is None or ctx.step_model is None:
+            return one
+        passes = hybrid_cp_passes(seq_lens, ctx)
+        if passes is None or ctx.rounds_model(passes.rounds) >= ctx.rounds_model(one.rounds):
+            return one
+        return passes
 
 
 def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None = None) -> Plan:

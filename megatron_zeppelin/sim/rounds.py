@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.cost.step_sync import forward_backward_split, step_sync
@@ -43,6 +43,11 @@ def rounds_timeline(rounds: Sequence[Plan], cost: CostModel) -> StepTimeline:
     """The step of ``rounds`` run one after another: the first round's timeline
     (for plots and imbalance) with the step time of all of them."""
     return round_timelines(rounds, cost)[0]
+
+
+def rounds_clock(cost: CostModel) -> Callable[[Sequence[Plan]], float]:
+    """``PlanContext.rounds_model`` under ``cost``: :func:`rounds_timeline`'s step."""
+    return lambda rounds: rounds_timeline(rounds, cost).step_s
 
 
 def round_timelines(rounds: Sequence[Plan], cost: CostModel) -> tuple[StepTimeline, tuple[StepTimeline, ...]]:
@@ -90,6 +95,7 @@ def timed_batch(planner: Planner, lens: Sequence[int], ctx: PlanContext) -> Time
     An :class:`~megatron_zeppelin.errors.InfeasibleError` is not remembered."""
     key = (getattr(planner, "name", type(planner).__name__), ctx.cost, ctx.tokens_per_gpu, ctx.cp_size,
            ctx.time_limit_s, ctx.tp_size, ctx.remap_enabled, ctx.remap_decided, ctx.step_model is not None,
+           ctx.rounds_model is not None,
            tuple(int(x) for x in lens))
     hit = _timed.get(key)
     if hit is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.planner.base import PlanContext, Planner
 from megatron_zeppelin.planner.surrogate import surrogate_clock
+from megatron_zeppelin.sim.rounds import rounds_clock
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,9 @@ def plan_context(s: Strategy, tokens_per_gpu: int, time_limit_s: float) -> PlanC
     """The context ``s`` plans every batch with (``tokens_per_gpu`` per GPU).
     Its decisions compare candidates by the replay's certified surrogate
     (``planner/surrogate.py``), so the planner's latency is what a user's
-    planner pays."""
+    planner pays; a schedule of several passes against the one pass by the
+    replay of both (``rounds_model``: the simulator runs passes)."""
     return PlanContext(cost=s.cost, tokens_per_gpu=tokens_per_gpu * s.tp_size, cp_size=s.cp_size,
                        time_limit_s=time_limit_s, remap_enabled=s.remap_enabled, tp_size=s.tp_size,
-                       remap_decided=s.decide, step_model=surrogate_clock(s.cost) if s.decide else None)
+                       remap_decided=s.decide, step_model=surrogate_clock(s.cost) if s.decide else None,
+                       rounds_model=rounds_clock(s.cost) if s.decide else None)
