@@ -3,11 +3,13 @@
 # Zeppelin on 2 simulated nodes x 2 GPUs (CPU, gloo), train the plain data-parallel
 # reference on the same global batches, and compare them step by step.
 #
-# The data is text the model can learn: this repository's own documentation, one
-# document per Markdown section (a few dozen to a few thousand bytes each, so the
-# planner sees short and long sequences), byte-tokenized into a Megatron indexed
-# dataset.  The loss falls from ln(vocab) as the model learns which bytes follow
-# which; both curves go to $OUT/loss.png when matplotlib is installed.
+# The data is text the model can learn: this repository's own documentation as of
+# 2026-11-26 (configs/demo/docs-2026-11-26.jsonl.gz, frozen so that the run's figures do
+# not move as the docs change), one document per Markdown section (a few dozen to a
+# few thousand bytes each, so the planner sees short and long sequences),
+# byte-tokenized into a Megatron indexed dataset.  The loss falls from ln(vocab) as
+# the model learns which bytes follow which; both curves go to $OUT/loss.png when
+# matplotlib is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -16,11 +18,9 @@ OUT=${OUT:-runs/demo}
 mkdir -p "$OUT/data"
 rm -f "$OUT"/*.jsonl
 "$PY" - "$OUT" <<'PY'
-import json, pathlib, re, sys
+import gzip, pathlib, re, sys
 out = pathlib.Path(sys.argv[1])
-sections = [s.strip() for f in sorted(pathlib.Path("docs").rglob("*.md")) + [pathlib.Path("README.md")]
-            for s in re.split(r"\n(?=#+ )", f.read_text()) if len(s.strip()) > 40]
-(out / "data" / "docs.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in sections))
+(out / "data" / "docs.jsonl").write_bytes(gzip.decompress(pathlib.Path("configs/demo/docs-2026-11-26.jsonl.gz").read_bytes()))
 # The tiny preset with room for the byte tokenizer's 257 ids (256 bytes + end of document).
 tiny = pathlib.Path("configs/models/tiny.yaml").read_text()
 (out / "tiny-bytes.yaml").write_text(re.sub(r"(?m)^name: tiny$", "name: tiny-bytes",
@@ -28,9 +28,8 @@ tiny = pathlib.Path("configs/models/tiny.yaml").read_text()
 PY
 "$PY" -m megatron_zeppelin.data.prepare --input "$OUT/data/docs.jsonl" --output-prefix "$OUT/data/docs" \
     --tokenizer byte
-# lr 0.003: at 0.005 the docs of 2026-11-26 (fourth session) gave a loss spike at step 22 (5.42 against
-# ~3.5) that amplified the runs' fp32 summation-order differences (1.5e-6) to 1.9e-4, over the compare's
-# 1e-4; the code of the session's start gave the same on those docs.
+# lr 0.003: at 0.005 the docs of 2026-11-26 gave a loss spike at step 22 (5.42 against ~3.5) that
+# amplified the runs' fp32 summation-order differences (1.5e-6) to 1.9e-4, over the compare's 1e-4.
 COMMON=(--nodes 2 --gpus-per-node 2 --model "$OUT/tiny-bytes.yaml" --data "$OUT/data/docs"
         --max-seq-len 1024 --tokens-per-gpu 512 --steps "${STEPS:-40}" --lr "${LR:-0.003}" --seed 1)
 echo "== zeppelin: planner + attention engine + routing + remap, 4 CPU processes =="
