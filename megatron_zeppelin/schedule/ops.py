@@ -120,7 +120,10 @@ class Schedule:
 
     def __init__(self, world_size: int, ops: Sequence[Op] = (), messages: dict[int, tuple] | None = None, *,
                  rows: tuple[list[dict[str, Any]], list[tuple[int, ...]]] | None = None,
-                 calls: Sequence[int] | None = None) -> None:
+                 calls: Sequence[int] | None = None, waves: Sequence[int] | None = None) -> None:
+        """``waves``: every op's wave, when the dependencies do not say it (a
+        rank's projection, :meth:`projection`, keeps its ops' waves in the whole
+        schedule but not the other ranks' ops they were computed through)."""
         self.world_size = world_size
         """Ranks the schedule spans."""
         self.calls: list[int] | None = None if calls is None else list(calls)
@@ -140,7 +143,9 @@ class Schedule:
         self._arrays: OpArrays | None = None
         self._dep_arrays: tuple[np.ndarray, np.ndarray] | None = None
         self._lanes: dict[int, RankOps] = {}
-        self._waves: list[int] = []
+        self._waves: list[int] = [] if waves is None else list(waves)
+        self._tags: dict[int, dict[int, int]] = {}
+        self._own: dict[int, dict[int, int]] = {}
         self._batches: dict[int, dict[str, list[list[Op]]]] = {}
         _validate(self)
 
@@ -272,6 +277,51 @@ class Schedule:
             self._batches[rank] = {lane: [waves[w] for w in sorted(waves)] for lane, waves in by_lane.items()}
         return self._batches[rank]
 
+    def pair_tags(self, rank: int) -> dict[int, int]:
+        """Transfer op id -> its index among the transfers between its two ends,
+        in op order (computed once per rank).  Both ends count the same
+        transfers in the same order, in the whole schedule and in either end's
+        :meth:`projection` alike: what tags a transfer on the wire."""
+        if rank not in self._tags:
+            seen: dict[int, int] = {}
+            tags = self._tags[rank] = {}
+            for op in self.lanes(rank).comm:
+                other = op.peer if op.rank == rank else op.rank
+                tags[op.id] = seen[other] = seen.get(other, -1) + 1
+        return self._tags[rank]
+
+    def own_index(self, rank: int) -> dict[int, int]:
+        """Op id -> its index among ``rank``'s ops, in op order: the op's id in
+        ``rank``'s :meth:`projection` (computed once per rank)."""
+        if rank not in self._own:
+            lanes = self.lanes(rank)
+            ids = sorted(op.id for op in (*lanes.compute, *lanes.comm))
+            self._own[rank] = {op_id: i for i, op_id in enumerate(ids)}
+        return self._own[rank]
+
+    def projection(self, rank: int) -> "Schedule":
+        """The ops on ``rank``'s lanes (:meth:`Op.on`), in op order and renumbered,
+        with their waves here and the messages they carry.  A dependency on an
+        op off ``rank`` is dropped: only a receive has one (it is posted ahead,
+        and its wave is kept), a send or compute op waits for its own rank's
+        ops only (else :class:`ScheduleError`)."""
+        new_id = self.own_index(rank)
+        ids = sorted(new_id, key=new_id.__getitem__)
+        kinds, peers = self.column("kind", ids), self.column("peer", ids)
+        deps = []
+        for i, kind, peer in zip(ids, kinds, peers):
+            mine = tuple(new_id[d] for d in self._deps[i] if d in new_id)
+            if len(mine) != len(self._deps[i]) and not (kind == COMM and peer == rank):
+                raise ScheduleError(f"schedule: op {i} on rank {rank} waits for op(s) off its rank; "
+                                    "its projection cannot run it")
+            deps.append(mine)
+        waves = self.waves()
+        fields = self.rows(ids) if self._fields is not None else [
+            {f: getattr(self._ops[i], f) for f in _ROW_FIELDS} for i in ids]
+        carried = {f["key"][0] for f, kind in zip(fields, kinds) if kind == COMM}
+        return Schedule(self.world_size, messages={m: b for m, b in self.messages.items() if m in carried},
+                        rows=(list(fields), deps), waves=[waves[i] for i in ids])
+
 
 @dataclass(frozen=True)
 class OpArrays:
@@ -384,6 +434,7 @@ class ScheduleBuilder:
         self._deps: list[tuple[int, ...]] = []
         self._fields: list[dict[str, Any]] = []
         self.messages: dict[int, tuple] = {}
+        self._next_message = 0
 
     def add(self, order: tuple, deps: Iterable[int] = (), **fields: Any) -> int:
         self.orders.append(order)
@@ -396,9 +447,16 @@ class ScheduleBuilder:
 
     def message(self, binding: tuple) -> int:
         """A new message id, bound to ``binding``."""
-        mid = len(self.messages)
+        mid = self._next_message
+        self._next_message += 1
         self.messages[mid] = binding
         return mid
+
+    def skip_messages(self, count: int) -> None:
+        """Leave out ``count`` message ids: those of a ring or group whose ops a
+        rank's schedule leaves out, so that the ids after them are the whole
+        schedule's."""
+        self._next_message += count
 
     def sorted_handles(self) -> list[int]:
         """Handles in built order: by sort key, ties in insertion order (a stable sort)."""
