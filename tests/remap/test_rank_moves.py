@@ -1,0 +1,66 @@
+"""A rank's switch reads only its own moves: ``Plan.remap_moves(r)`` is
+``remap_schedule()`` restricted to ``r``, ``Plan.remap_pairs()`` (carried by a
+``CompactPlan`` from the planning child) numbers the messages as before, and
+``build_exchange(plan, r)`` equals the maps made from every rank's moves."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from megatron_zeppelin.plan import Plan, Span
+from megatron_zeppelin.plan.compact import CompactPlan
+from megatron_zeppelin.remap.exchange import _RowIndex, build_exchange
+from tests.plan.test_plan import make_plan, random_plan
+
+
+def random_linear(rng: random.Random, world: int, lens: list[int]) -> tuple:
+    """Every sequence cut at random points, each piece on a random rank."""
+    linear = [[] for _ in range(world)]
+    for seq, L in enumerate(lens):
+        cuts = sorted({0, L, *(rng.randrange(1, L) for _ in range(rng.randint(0, 3)) if L > 1)})
+        for a, b in zip(cuts, cuts[1:]):
+            linear[rng.randrange(world)].append(Span(seq, a, b))
+    for spans in linear:
+        rng.shuffle(spans)
+    return tuple(map(tuple, linear))
+
+
+def exchange_from_every_move(plan: Plan, rank: int):
+    """The maps as made from ``remap_schedule()`` (every rank's moves): the oracle."""
+    attn, linear = _RowIndex(plan.attention_spans(rank)), _RowIndex(plan.linear[rank])
+    grouped: dict[tuple[int, int], list] = {}
+    for t in plan.remap_schedule():
+        grouped.setdefault((t.src, t.dst), []).append(t)
+    pairs, send, recv = [], {}, {}
+    for mid, ((src, dst), moves) in enumerate(grouped.items()):
+        pairs.append((src, dst, sum(t.length for t in moves)))
+        if src == rank:
+            send[mid] = torch.cat([attn.rows(t.seq, t.start, t.end) for t in moves])
+        if dst == rank:
+            recv[mid] = torch.cat([linear.rows(t.seq, t.start, t.end) for t in moves])
+    return tuple(pairs), send, recv
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data(), st.sampled_from([(2, 1), (4, 2), (8, 4)]), st.integers(0, 2**31))
+def test_a_ranks_moves_and_maps_are_its_part_of_every_ranks(data, topo, seed):
+    world, gpn = topo
+    lens, placements = random_plan(data.draw, world, gpn)
+    plan = make_plan(lens, placements, linear=random_linear(random.Random(seed), world, lens),
+                     world=world, gpn=gpn).validate()
+    every = plan.remap_schedule()
+    rebuilt = pickle.loads(pickle.dumps(CompactPlan.of(plan))).plan()
+    assert rebuilt.remap_pairs() == plan.remap_pairs()          # carried, equal to the Plan's own
+    for rank in range(world):
+        assert plan.remap_moves(rank) == [t for t in every if rank in (t.src, t.dst)]
+        pairs, send, recv = exchange_from_every_move(plan, rank)
+        for p in (plan, rebuilt):
+            ex = build_exchange(p, rank)
+            assert ex.pairs == pairs
+            assert ex.send_rows.keys() == send.keys() and ex.recv_rows.keys() == recv.keys()
+            assert all(torch.equal(ex.send_rows[m], send[m]) for m in send)
+            assert all(torch.equal(ex.recv_rows[m], recv[m]) for m in recv)
