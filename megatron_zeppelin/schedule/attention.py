@@ -173,7 +173,8 @@ def add_attention(b: ScheduleBuilder, prefix: tuple, plan: Plan, shape: AttnShap
     leads = plan.packed_leads()      # the plan's own packs, as the engine runs them
     for index, p in enumerate(plan.attention):
         if p.mode is Mode.LOCAL:
-            local.setdefault(p.ranks[0], []).append(index)
+            if rank is None or p.ranks[0] == rank:
+                local.setdefault(p.ranks[0], []).append(index)
         elif p.mode is Mode.RING:
             rings.setdefault(p.ranks if pack else (leads.get(index, index),), []).append(index)
         else:
@@ -193,8 +194,6 @@ def add_attention(b: ScheduleBuilder, prefix: tuple, plan: Plan, shape: AttnShap
             continue
         _add_ulysses(seg, transport, [(i, plan.attention[i]) for i in members], TIER_ORDER["ulysses"], shape,
                      backward)
-    if rank is not None:
-        local = {rank: local[rank]} if rank in local else {}
     for owner, indices in local.items():
         for pack, members in enumerate(_packs(plan, indices, shape.local_pack_tokens)):
             lengths = tuple(plan.seq_lens[plan.attention[i].seq] for i in members)

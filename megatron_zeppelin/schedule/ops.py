@@ -110,6 +110,10 @@ class RankOps:
     """Transfers this rank sends or receives, in lane order."""
 
 
+_NO_OPS = RankOps((), ())
+"""The lanes of a rank without ops."""
+
+
 class Schedule:
     """Ops of every rank in one global topological order.
 
@@ -142,7 +146,7 @@ class Schedule:
         self._columns: dict[str, list] = {}
         self._arrays: OpArrays | None = None
         self._dep_arrays: tuple[np.ndarray, np.ndarray] | None = None
-        self._lanes: dict[int, RankOps] = {}
+        self._lanes: dict[int, RankOps] | None = None
         self._waves: list[int] = [] if waves is None else list(waves)
         self._tags: dict[int, dict[int, int]] = {}
         self._own: dict[int, dict[int, int]] = {}
@@ -205,19 +209,20 @@ class Schedule:
 
     def lanes(self, rank: int) -> RankOps:
         """``rank``'s compute and communication lanes (computed once per rank)."""
-        if not self._lanes:      # every rank's in one pass over the ops (not one pass per rank)
-            compute: list[list[Op]] = [[] for _ in range(self.world_size)]
-            comm: list[list[Op]] = [[] for _ in range(self.world_size)]
+        if self._lanes is None:      # every rank's in one pass over the ops (not one pass per rank)
+            compute: dict[int, list[Op]] = {}
+            comm: dict[int, list[Op]] = {}
             for op in self.ops:
                 if op.kind == COMM:
-                    comm[op.rank].append(op)
+                    comm.setdefault(op.rank, []).append(op)
                     if op.peer != op.rank:
-                        comm[op.peer].append(op)
+                        comm.setdefault(op.peer, []).append(op)
                 else:
-                    compute[op.rank].append(op)
-            for r in range(self.world_size):
-                self._lanes[r] = RankOps(tuple(compute[r]), tuple(comm[r]))
-        return self._lanes[rank]
+                    compute.setdefault(op.rank, []).append(op)
+            # Only the ranks with ops (a rank's projection holds one rank's).
+            self._lanes = {r: RankOps(tuple(compute.get(r, ())), tuple(comm.get(r, ())))
+                           for r in compute.keys() | comm.keys()}
+        return self._lanes.get(rank, _NO_OPS)
 
     def waves(self) -> list[int]:
         """Every op's wave, in op order (computed once, from the columns): a
