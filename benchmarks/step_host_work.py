@@ -126,8 +126,9 @@ def run(args: argparse.Namespace) -> str:
             "every rank each step; the rank's projection grows with the rings and Ulysses groups that reach "
             "the rank (routed: also the rings with a member on its node, whose pieces it may relay).  Every "
             "rank's moves are no longer walked on the training thread (the child sends the pairs); what "
-            "`build_exchange` still costs is the rank's own index maps, tensors as long as its tokens "
-            "(`torch.arange` per span): work that grows with the tokens per GPU, not with the world.\n")
+            "`build_exchange` still costs is the rank's own index maps, arrays as long as its tokens (made with "
+            "numpy: torch's arange and cat ran on the intra-op threads, which spin on a loaded host): work that "
+            "grows with the tokens per GPU, not with the world.\n")
 
 
 def write_section(path: Path, section: str) -> None:

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_zeppelin.plan import Plan, Span
 from megatron_zeppelin.plan.compact import CompactPlan
-from megatron_zeppelin.remap.exchange import _RowIndex, build_exchange
+from megatron_zeppelin.remap.exchange import build_exchange
 from tests.plan.test_plan import make_plan, random_plan
 
 
@@ -29,19 +29,28 @@ def random_linear(rng: random.Random, world: int, lens: list[int]) -> tuple:
     return tuple(map(tuple, linear))
 
 
+def buffer_rows(spans) -> dict[tuple[int, int], int]:
+    """(seq, token) -> its row in a buffer holding ``spans`` in order."""
+    rows, offset = {}, 0
+    for sp in spans:
+        rows.update(((sp.seq, t), offset + t - sp.start) for t in range(sp.start, sp.end))
+        offset += sp.end - sp.start
+    return rows
+
+
 def exchange_from_every_move(plan: Plan, rank: int):
-    """The maps as made from ``remap_schedule()`` (every rank's moves): the oracle."""
-    attn, linear = _RowIndex(plan.attention_spans(rank)), _RowIndex(plan.linear[rank])
+    """The maps as made from ``remap_schedule()`` (every rank's moves), token by token: the oracle."""
+    attn, linear = buffer_rows(plan.attention_spans(rank)), buffer_rows(plan.linear[rank])
     grouped: dict[tuple[int, int], list] = {}
     for t in plan.remap_schedule():
         grouped.setdefault((t.src, t.dst), []).append(t)
     pairs, send, recv = [], {}, {}
     for mid, ((src, dst), moves) in enumerate(grouped.items()):
         pairs.append((src, dst, sum(t.length for t in moves)))
-        if src == rank:
-            send[mid] = torch.cat([attn.rows(t.seq, t.start, t.end) for t in moves])
-        if dst == rank:
-            recv[mid] = torch.cat([linear.rows(t.seq, t.start, t.end) for t in moves])
+        for mine, table, rows in ((src, send, attn), (dst, recv, linear)):
+            if mine == rank:
+                table[mid] = torch.tensor([rows[(t.seq, i)] for t in moves for i in range(t.start, t.end)],
+                                          dtype=torch.long)
     return tuple(pairs), send, recv
 
 
@@ -64,3 +73,8 @@ def test_a_ranks_moves_and_maps_are_its_part_of_every_ranks(data, topo, seed):
             assert ex.send_rows.keys() == send.keys() and ex.recv_rows.keys() == recv.keys()
             assert all(torch.equal(ex.send_rows[m], send[m]) for m in send)
             assert all(torch.equal(ex.recv_rows[m], recv[m]) for m in recv)
+            attn, linear = buffer_rows(plan.attention_spans(rank)), buffer_rows(plan.linear[rank])
+            kept = attn.keys() & linear.keys()                   # tokens the rank holds in both layouts
+            assert ex.keep_attn.dtype == ex.keep_linear.dtype == torch.long
+            assert sorted(zip(ex.keep_attn.tolist(), ex.keep_linear.tolist())) == sorted(
+                (attn[tok], linear[tok]) for tok in kept)
