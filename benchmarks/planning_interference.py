@@ -173,14 +173,15 @@ def batch_pieces(args: argparse.Namespace) -> np.ndarray:
     return PieceTable.from_lengths(load_lengths(resolve_lengths(args.lengths)), args.max_seq_len).lengths
 
 
-def benchmark_planning(args: argparse.Namespace, cluster, model, pieces: np.ndarray,
-                       world: int) -> tuple[CostModel, list[int], PlanFn]:
-    """The cost model, the batch and the planning function at ``world`` GPUs."""
+def benchmark_planning(args: argparse.Namespace, cluster, model, pieces: np.ndarray, world: int,
+                       decide: bool = True) -> tuple[CostModel, list[int], PlanFn]:
+    """The cost model, the batch and the planning function at ``world`` GPUs
+    (``decide=False``: every batch remaps)."""
     cost = CostModel(cluster.with_nodes(max(world // cluster.topology.gpus_per_node, 1)), model)
     lens = batch(pieces, world, np.random.default_rng(args.seed))
     cap = max(int(1.05 * sum(lens) / world), -(-args.max_seq_len // world))
     # As pretrain_gpt.py --zeppelin plans (build_plan_fn): routed crossings, remap and decision on.
-    return cost, lens, PlanFn("zeppelin", cost.routed(True), cap, remap=True, time_limit_s=10.0, decide=True)
+    return cost, lens, PlanFn("zeppelin", cost.routed(True), cap, remap=True, time_limit_s=10.0, decide=decide)
 
 
 def run(args: argparse.Namespace) -> str:

@@ -9,7 +9,8 @@ rank's training thread, once per step (every layer of the step reuses it):
   (what ``comm/lanes.py`` reads on the call) -- the rank's projection
   (``attention_schedule(..., rank)``), and beside it every rank's schedule,
   which the engine built before;
-* the layout switch's index maps (``remap/exchange.py: build_exchange``).
+* the layout switch's index maps (``remap/exchange.py: build_exchange``) and
+  its round schedule (``comm/rounds.py: start_round``, built once per step).
 
 For the Plan of ``benchmarks/planning_interference.py`` (Zeppelin with its
 decision, routed crossings and remap, as ``pretrain_gpt.py --zeppelin``
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks import e
 from planning_interference import (HOST_WORK_HEADING, add_batch_args, batch_pieces,  # noqa: E402
                                    benchmark_planning)
 
+from megatron_zeppelin.comm.rounds import _round_schedule  # noqa: E402
 from megatron_zeppelin.errors import exit_on_user_error  # noqa: E402
 from megatron_zeppelin.plan.compact import CompactPlan  # noqa: E402
 from megatron_zeppelin.model_config import load_model  # noqa: E402
@@ -75,13 +77,20 @@ def engine_schedules(plan, shape, transport, rank: int, own: bool) -> list:
     return out
 
 
+def round_lanes(sizes: tuple, transport, world: int, rank: int, own: bool) -> tuple:
+    """The switch's round schedule as a rank's ``start_round`` builds it (its
+    projection when ``own``), and its lanes, batches and tags."""
+    s, _ = _round_schedule(sizes, transport, world, rank if own else None)
+    return s, s.lanes(rank), s.wave_batches(rank), s.pair_tags(rank)
+
+
 def run(args: argparse.Namespace) -> str:
     cluster = load_cluster(args.cluster)
     model = load_model(args.model)
     pieces = batch_pieces(args)
     rows = []
-    for world in args.gpus:
-        cost, lens, plan_fn = benchmark_planning(args, cluster, model, pieces, world)
+    for world, decide in ((w, d) for w in args.gpus for d in (True, False)):
+        cost, lens, plan_fn = benchmark_planning(args, cluster, model, pieces, world, decide=decide)
         # As the training thread receives it from the planning child (remap pairs carried).
         plan = pickle.loads(pickle.dumps(CompactPlan.of(plan_fn(lens)))).plan()
         transport = transport_of(cost.routed(True))
@@ -91,6 +100,13 @@ def run(args: argparse.Namespace) -> str:
         own = [measured(lambda r=r: engine_schedules(plan, shape, transport, r, True)) for r in ranks]
         exchange = [measured(lambda r=r: build_exchange(plan, r)) for r in ranks]
         every_move = [measured(plan.remap_schedule)] * 3     # what build_exchange walked before, per rank
+        # The switch's round as start_round builds it (rows of the hidden size, in the model's dtype).
+        row = cost.model.hidden_size
+        sizes = tuple((i, s, d, n * row, cost.model.dtype_bytes)
+                      for i, (s, d, n) in enumerate(plan.remap_pairs()))
+        whole_round = [measured(lambda r=r: round_lanes(sizes, transport, world, r, False))
+                       for r in list(ranks)[:args.whole_ranks]]
+        own_round = [measured(lambda r=r: round_lanes(sizes, transport, world, r, True)) for r in ranks]
         whole = [measured(lambda r=r: engine_schedules(plan, shape, transport, r, False))
                  for r in list(ranks)[:args.whole_ranks]]
         t = plan.tier_counts()
@@ -100,35 +116,40 @@ def run(args: argparse.Namespace) -> str:
             return (f"{statistics.median(ms):.1f} / {max(ms):.1f} | "
                     f"{statistics.median(objs) / 1000:.1f}k / {max(objs) / 1000:.1f}k")
 
-        rows.append(f"| {world} | {t.local}/{t.intra}/{t.inter}/{t.ulysses}{' routed' if plan.routed else ''} "
+        tiers = f"{t.local}/{t.intra}/{t.inter}/{t.ulysses}{' routed' if plan.routed else ''}"
+        rows.append(f"| {world} | {'decided' if decide else 'remaps'} | {tiers} "
                     f"| {cell(whole)} | {cell(own)} | {len(plan.remap_pairs())} | {cell(every_move)} "
-                    f"| {cell(exchange)} |")
+                    f"| {cell(exchange)} | {cell(whole_round)} | {cell(own_round)} |")
         print(rows[-1], file=sys.stderr)
     command = "python benchmarks/step_host_work.py " + shlex.join(sys.argv[1:])
     return (f"{HOST_WORK_HEADING}\n\nCommand: `{command.strip()}`\n\n"
             f"What each rank's training thread derives from a step's Plan before the step's first attention and "
             f"layout switch (planning itself runs in the child process), for the Plan of "
-            f"`planning_interference.py` ({args.model} on {cluster.name}, Zeppelin with its decision): the "
+            f"`planning_interference.py` ({args.model} on {cluster.name}, Zeppelin with its decision: `decided`; "
+            f"and without it, every batch remapping: `remaps`): the "
             f"attention layer's forward and backward schedules with the rank's lanes, wave batches and wire tags "
             f"of each, as every rank's schedule (what the engine built before) and as the rank's projection "
             f"(what it builds now: the same ops, order, waves, message ids and bytes, "
             f"`tests/schedule/test_rank_schedule.py`); and the layout switch's index maps (`build_exchange`, on "
-            f"the Plan as the planning child sends it: the remap's message pairs come with it). "
+            f"the Plan as the planning child sends it: the remap's message pairs come with it) and the switch's "
+            f"round schedule with its lanes (`start_round`). "
             f"CPU ms with the collector paused and objects the collector tracks while the result is held, "
             f"median / largest over the ranks measured ({args.ranks or f'{args.sample} evenly spaced'}; every "
             f"rank's schedules: for the first {args.whole_ranks} of them), on the shared 2-core box.\n\n"
-            "| GPUs | tiers (local/intra/inter/ulysses) | every rank's schedules: CPU ms | tracked objects "
+            "| GPUs | plan | tiers (local/intra/inter/ulysses) | every rank's schedules: CPU ms | tracked objects "
             "| the rank's projection: CPU ms | tracked objects | remap messages | every rank's moves "
             "(`remap_schedule`, walked by `build_exchange` before): CPU ms | tracked objects "
-            "| `build_exchange` now: CPU ms | tracked objects |\n"
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows) + "\n\n"
+            "| `build_exchange` now: CPU ms | tracked objects | the switch's round, every rank's: CPU ms "
+            "| tracked objects | the rank's projection: CPU ms | tracked objects |\n"
+            "|" + " --- |" * 16 + "\n" + "\n".join(rows) + "\n\n"
             "What it says: every rank's schedules are work that grows with the world, which the engine did on "
             "every rank each step; the rank's projection grows with the rings and Ulysses groups that reach "
             "the rank (routed: also the rings with a member on its node, whose pieces it may relay).  Every "
             "rank's moves are no longer walked on the training thread (the child sends the pairs); what "
             "`build_exchange` still costs is the rank's own index maps, arrays as long as its tokens (made with "
             "numpy: torch's arange and cat ran on the intra-op threads, which spin on a loaded host): work that "
-            "grows with the tokens per GPU, not with the world.\n")
+            "grows with the tokens per GPU, not with the world.  The switch's round is the rank's projection too "
+            "(the messages it sends or receives, and the routed ones it may relay).\n")
 
 
 def write_section(path: Path, section: str) -> None:

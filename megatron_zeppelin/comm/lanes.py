@@ -269,8 +269,9 @@ class _Call:
             trace.begin_ns = time.monotonic_ns()
 
     def _what(self, op: Op, doing: str, cause: BaseException | None = None) -> Callable[[], str]:
-        """The one line a missed deadline gives: this rank, the op, the peer (and,
-        for a compute or send op, the ops it still waits for)."""
+        """The one line a missed deadline gives: this rank, the op (its id in this
+        rank's schedule: its projection), the peer (and, for a compute or send op,
+        the ops it still waits for)."""
         def text() -> str:
             peer = op.peer if op.rank == self.r.rank else op.rank
             missing = [d for d in op.deps if d not in self.done.ids] if doing != "receiving" else []

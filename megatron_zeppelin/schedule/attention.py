@@ -181,7 +181,7 @@ def add_attention(b: ScheduleBuilder, prefix: tuple, plan: Plan, shape: AttnShap
             groups.setdefault(p.ranks if pack else (leads.get(index, index),), []).append(index)
     for members in rings.values():
         lead = plan.attention[members[0]]
-        if rank is not None and not _reaches(lead.ranks, rank, transport):
+        if rank is not None and not reaches(lead.ranks, rank, transport):
             b.skip_messages(geo.ring_message_count(lead.size, backward))
             continue
         tier = plan.tier_of(lead)
@@ -204,11 +204,12 @@ def add_attention(b: ScheduleBuilder, prefix: tuple, plan: Plan, shape: AttnShap
     return seg.frontier()
 
 
-def _reaches(ranks: tuple[int, ...], rank: int, transport: Transport) -> bool:
-    """Whether a ring over ``ranks`` may have an op on ``rank``'s lanes: ``rank``
-    is a member, or, where messages leaving a node may be routed, a member
-    shares ``rank``'s node (``rank`` may then proxy a piece: its dispatch and
-    NIC legs leave from the sender's node, its combine leg from the receiver's)."""
+def reaches(ranks: tuple[int, ...], rank: int, transport: Transport) -> bool:
+    """Whether the messages among ``ranks`` (a ring's, or one message's two ends)
+    may have an op on ``rank``'s lanes: ``rank`` is one of them, or, where
+    messages leaving a node may be routed, one shares ``rank``'s node (``rank``
+    may then proxy a piece: its dispatch and NIC legs leave from the sender's
+    node, its combine leg from the receiver's)."""
     if rank in ranks:
         return True
     topo = transport.topology

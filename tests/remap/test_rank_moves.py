@@ -1,20 +1,25 @@
 """A rank's switch reads only its own moves: ``Plan.remap_moves(r)`` is
 ``remap_schedule()`` restricted to ``r``, ``Plan.remap_pairs()`` (carried by a
 ``CompactPlan`` from the planning child) numbers the messages as before, and
-``build_exchange(plan, r)`` equals the maps made from every rank's moves."""
+``build_exchange(plan, r)`` equals the maps made from every rank's moves; the
+round that carries them is the rank's projection of every rank's round."""
 
 from __future__ import annotations
 
+import math
 import pickle
 import random
 
 import torch
 from hypothesis import given, settings, strategies as st
 
+from megatron_zeppelin.comm.rounds import _round_schedule
 from megatron_zeppelin.plan import Plan, Span
 from megatron_zeppelin.plan.compact import CompactPlan
 from megatron_zeppelin.remap.exchange import build_exchange
+from megatron_zeppelin.schedule.attention import Transport
 from tests.plan.test_plan import make_plan, random_plan
+from tests.schedule.test_rank_schedule import TOPOS, assert_projection
 
 
 def random_linear(rng: random.Random, world: int, lens: list[int]) -> tuple:
@@ -78,3 +83,20 @@ def test_a_ranks_moves_and_maps_are_its_part_of_every_ranks(data, topo, seed):
             assert ex.keep_attn.dtype == ex.keep_linear.dtype == torch.long
             assert sorted(zip(ex.keep_attn.tolist(), ex.keep_linear.tolist())) == sorted(
                 (attn[tok], linear[tok]) for tok in kept)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from(range(len(TOPOS))), st.booleans())
+def test_a_ranks_round_is_its_projection_of_the_whole(seed, topo_index, routed):
+    """A switch's round (``start_round``) on one rank: its projection of every
+    rank's round, also on a proxy that relays pieces of others' messages."""
+    topo = TOPOS[topo_index]
+    rng, world = random.Random(seed), topo.world_size
+    sizes = tuple((mid, rng.randrange(world), rng.randrange(world), rng.randint(0, 40), rng.choice([2, 4]))
+                  for mid in rng.sample(range(100), rng.randint(1, 12)))
+    transport = Transport(topo, 0 if routed else math.inf)
+    full, ids = _round_schedule(sizes, transport, world)
+    for rank in range(world):
+        mine, my_ids = _round_schedule(sizes, transport, world, rank)
+        assert_projection(full, mine, rank)
+        assert my_ids == {m: ids[m] for m in mine.messages}
