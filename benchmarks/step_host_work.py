@@ -170,6 +170,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="replace this section of that file (e.g. docs/results/planning_interference.md)")
     args = p.parse_args()
+    if args.ranks and max(args.ranks) >= min(args.gpus) or min(args.ranks or [0]) < 0:
+        p.error(f"--ranks must lie in 0..{min(args.gpus) - 1} (the smallest --gpus)")
+    if args.sample < 1 or args.whole_ranks < 1:
+        p.error("--sample and --whole-ranks must be >= 1")
     report = exit_on_user_error(lambda: run(args))
     print(report)
     if args.out is not None:
