@@ -52,6 +52,8 @@ from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths  # n
 from megatron_zeppelin.topology import load_cluster  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+#: The section ``step_host_work.py`` writes into this benchmark's results file.
+HOST_WORK_HEADING = "## The training thread's per-step host work"
 
 
 def host_loop(ops: int, x: torch.Tensor) -> float:
@@ -157,19 +159,40 @@ def with_planning(plan_once, loop, shorter_switch: bool) -> float:
         worker.join()
 
 
+def add_batch_args(p: argparse.ArgumentParser) -> None:
+    """The cluster, model and batch the benchmark plans (``step_host_work.py`` plans the same)."""
+    p.add_argument("--gpus", type=lambda s: [int(v) for v in s.split(",")], default=[64, 1024])
+    p.add_argument("--cluster", default="h100-8x400g")
+    p.add_argument("--model", default="llama-7b")
+    p.add_argument("--lengths", default="synthetic-longtail")
+    p.add_argument("--max-seq-len", type=int, default=524288)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def batch_pieces(args: argparse.Namespace) -> np.ndarray:
+    return PieceTable.from_lengths(load_lengths(resolve_lengths(args.lengths)), args.max_seq_len).lengths
+
+
+def benchmark_planning(args: argparse.Namespace, cluster, model, pieces: np.ndarray, world: int,
+                       decide: bool = True) -> tuple[CostModel, list[int], PlanFn]:
+    """The cost model, the batch and the planning function at ``world`` GPUs
+    (``decide=False``: every batch remaps)."""
+    cost = CostModel(cluster.with_nodes(max(world // cluster.topology.gpus_per_node, 1)), model)
+    lens = batch(pieces, world, np.random.default_rng(args.seed))
+    cap = max(int(1.05 * sum(lens) / world), -(-args.max_seq_len // world))
+    # As pretrain_gpt.py --zeppelin plans (build_plan_fn): routed crossings, remap and decision on.
+    return cost, lens, PlanFn("zeppelin", cost.routed(True), cap, remap=True, time_limit_s=10.0, decide=decide)
+
+
 def run(args: argparse.Namespace) -> str:
     cluster = load_cluster(args.cluster)
     model = load_model(args.model)
-    pieces = PieceTable.from_lengths(load_lengths(resolve_lengths(args.lengths)), args.max_seq_len).lengths
+    pieces = batch_pieces(args)
     x = torch.zeros(64, 64)
     loop = lambda: host_loop(args.ops, x)  # noqa: E731
     rows = []
     for world in args.gpus:
-        cost = CostModel(cluster.with_nodes(max(world // cluster.topology.gpus_per_node, 1)), model)
-        lens = batch(pieces, world, np.random.default_rng(args.seed))
-        cap = max(int(1.05 * sum(lens) / world), -(-args.max_seq_len // world))
-        # As pretrain_gpt.py --zeppelin plans (build_plan_fn): routed crossings, remap and decision on.
-        plan_fn = PlanFn("zeppelin", cost.routed(True), cap, remap=True, time_limit_s=10.0, decide=True)
+        _, lens, plan_fn = benchmark_planning(args, cluster, model, pieces, world)
         plan_once = lambda: plan_fn(lens)  # noqa: E731
         plan_once()                                  # compiled loops loaded, caches warm
         t0 = time.process_time()
@@ -221,19 +244,16 @@ def run(args: argparse.Namespace) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gpus", type=lambda s: [int(v) for v in s.split(",")], default=[64, 1024])
-    p.add_argument("--cluster", default="h100-8x400g")
-    p.add_argument("--model", default="llama-7b")
-    p.add_argument("--lengths", default="synthetic-longtail")
-    p.add_argument("--max-seq-len", type=int, default=524288)
+    add_batch_args(p)
     p.add_argument("--ops", type=int, default=5000, help="torch ops in the host loop")
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "planning_interference.md")
     args = p.parse_args()
     report = exit_on_user_error(lambda: run(args))
     print(report)
-    args.out.write_text(report, encoding="utf-8")
+    old = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
+    kept = old[old.index(HOST_WORK_HEADING):] if HOST_WORK_HEADING in old else ""    # step_host_work.py's
+    args.out.write_text(report + ("\n" + kept if kept else ""), encoding="utf-8")
 
 
 if __name__ == "__main__":

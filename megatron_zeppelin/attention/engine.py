@@ -89,21 +89,23 @@ class LayerSchedules:
 
 
 def build_schedule(plan: Plan, shape: AttnShape, comm: LaneCommunicator | None,
-                   cache: dict | None = None) -> LayerSchedules:
+                   cache: dict | None = None, rank: int | None = None) -> LayerSchedules:
     """Forward and backward schedules of ``plan``'s attention layer.  ``cache``: a
     dict that lives as long as ``plan`` (the step context's), so a model's layers
     derive them once.  Without a communicator the transport is direct (the plan
-    must then move nothing)."""
+    must then move nothing).  ``rank``: that rank's projection of each (what it
+    executes, built from the rings and groups that reach it: per-step host work
+    on the training thread that does not grow with the world); None: every rank's."""
     transport = comm.transport_for(plan.routed) if isinstance(comm, LaneCommunicator) else Transport(
         Topology(nodes=1, gpus_per_node=plan.world_size, nics_per_node=1))
-    key = ("layer_schedules", shape, transport)
+    key = ("layer_schedules", shape, transport, rank)
     if cache is not None and key in cache:
         return cache[key]
     for p in plan.attention:     # before any geometry: a clear PlanError, not a shape error later
         if p.mode is Mode.ULYSSES:
             check_heads(p, shape.q_heads, shape.kv_heads)
-    entry = LayerSchedules(plan, attention_schedule(plan, shape, transport, False),
-                           attention_schedule(plan, shape, transport, True))
+    entry = LayerSchedules(plan, attention_schedule(plan, shape, transport, False, rank),
+                           attention_schedule(plan, shape, transport, True, rank))
     if cache is not None:
         cache[key] = entry
     return entry
@@ -149,7 +151,7 @@ def attention_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan:
 def _prepare(q, k, v, plan, rank, comm, backend, softmax_scale, counter, cache, ring_grad_dtype) -> "_Run":
     if isinstance(backend, str):
         backend = get_backend(backend)
-    layer = build_schedule(plan, attn_shape(q, k, ring_grad_dtype), comm, cache)
+    layer = build_schedule(plan, attn_shape(q, k, ring_grad_dtype), comm, cache, rank)
     expected = sum(p.rows.stop - p.rows.start for p in layer.pieces(rank).values())
     if q.shape[0] != expected or k.shape[0] != expected or v.shape[0] != expected:
         raise ValueError(f"rank {rank} holds {expected} tokens in the plan's attention layout, "

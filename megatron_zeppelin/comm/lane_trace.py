@@ -15,11 +15,14 @@ class OpTrace:
     are the host's enqueue and completion-seen times, not kernel times."""
 
     ops: int
-    """Ops in the call's schedule (what the step schedule's segment must hold)."""
+    """This rank's ops in the call's schedule (what the step schedule's segment
+    must hold on this rank)."""
     start_ns: dict[int, int] = field(default_factory=dict)
-    """Op id -> when it started here (compute: kernel start; send: post)."""
+    """Op's index among this rank's ops of the call, in op order (its id in the
+    rank's projection, ``Schedule.own_index``) -> when it started here
+    (compute: kernel start; send: post)."""
     end_ns: dict[int, int] = field(default_factory=dict)
-    """Op id -> when it ended here (compute: kernel end; receive: landed)."""
+    """The same index -> when it ended here (compute: kernel end; receive: landed)."""
     begin_ns: int = 0
     """When the call began on this rank."""
     finish_ns: int = 0
@@ -34,8 +37,8 @@ class StepRecorder:
         self.marks: dict[str, int] = {}
         """Named instants of the step (e.g. ``backward_begin``), monotonic ns."""
 
-    def new_call(self, schedule: Schedule) -> OpTrace:
-        trace = OpTrace(len(schedule.ops), begin_ns=time.monotonic_ns())
+    def new_call(self, schedule: Schedule, rank: int) -> OpTrace:
+        trace = OpTrace(len(schedule.own_index(rank)), begin_ns=time.monotonic_ns())
         self.calls.append(trace)
         return trace
 

@@ -28,8 +28,10 @@ checker (``comm/stream_check.py``).  The stream protocol (``docs/engine.md``):
 No rank waits for the world: a rank only waits for the ops it depends on.
 Every wait has a deadline: a stalled or dead peer ends the call with
 :class:`CommTimeoutError` naming the rank, the op and its peer, never a hang.
-Transfers are tagged with the op id and the call's number modulo
-:data:`CALLS_IN_FLIGHT` (so a fast rank's next call never matches a slow
+Transfers are tagged with their index among the transfers between their two
+ends (``Schedule.pair_tags``: the same in the whole schedule and in either
+end's projection, which is what a rank's engine runs) and the call's number
+modulo :data:`CALLS_IN_FLIGHT` (so a fast rank's next call never matches a slow
 rank's current one).
 """
 
@@ -194,7 +196,7 @@ class LaneRunner:
         ``call.run_compute()`` then runs the compute lane, ``call.wait()`` finishes.
         Collective: every rank starts every schedule, also one without ops of its
         own, because calls are numbered in order and the number is in the tags."""
-        trace = recorder.new_call(schedule) if recorder is not None else None
+        trace = recorder.new_call(schedule, self.rank) if recorder is not None else None
         call = _Call(self, schedule, binding, trace, self._calls % CALLS_IN_FLIGHT)
         self._calls += 1
         call.launch()
@@ -232,6 +234,8 @@ class _Call:
         lanes = schedule.lanes(me)
         self.compute_ops = lanes.compute
         self.batches = schedule.wave_batches(me)
+        self.tags = schedule.pair_tags(me)
+        self.own = schedule.own_index(me) if trace is not None else {}
         self.done = _Done()
         self.events: dict[int, Any] = {}
         """Op id -> the event recorded after it (compute: caller's stream; receive: its lane's)."""
@@ -265,8 +269,9 @@ class _Call:
             trace.begin_ns = time.monotonic_ns()
 
     def _what(self, op: Op, doing: str, cause: BaseException | None = None) -> Callable[[], str]:
-        """The one line a missed deadline gives: this rank, the op, the peer (and,
-        for a compute or send op, the ops it still waits for)."""
+        """The one line a missed deadline gives: this rank, the op (its id in this
+        rank's schedule: its projection), the peer (and, for a compute or send op,
+        the ops it still waits for)."""
         def text() -> str:
             peer = op.peer if op.rank == self.r.rank else op.rank
             missing = [d for d in op.deps if d not in self.done.ids] if doing != "receiving" else []
@@ -278,7 +283,7 @@ class _Call:
         return text
 
     def _tag(self, op: Op) -> int:
-        return op.id * CALLS_IN_FLIGHT + self.parity
+        return self.tags[op.id] * CALLS_IN_FLIGHT + self.parity
 
     def _view(self, op: Op, tensor: torch.Tensor) -> torch.Tensor:
         mid, piece, phase, offset, numel, itemsize = op.key
@@ -459,18 +464,20 @@ class _Call:
             self.trace.finish_ns = time.monotonic_ns()
 
     def _stamp(self, times: dict[int, int] | None, op: Op, stream: Any) -> None:
-        """``times[op] = now``: the host's clock, and on CUDA a timed event on ``stream``
-        that :meth:`_device_times` turns into the device's time."""
+        """``times[op] = now``, under the op's index among this rank's ops (``OpTrace``):
+        the host's clock, and on CUDA a timed event on ``stream`` that
+        :meth:`_device_times` turns into the device's time."""
         if times is None:
             return
-        times[op.id] = time.monotonic_ns()
+        index = self.own[op.id]
+        times[index] = time.monotonic_ns()
         event = self.r.streams.new_event(timing=True)
         self.r.streams.record(event, stream)
-        self.timed.append((times, op.id, event))
+        self.timed.append((times, index, event))
 
     def _device_times(self) -> None:
         """Replace host stamps by device times (CUDA), on the host clock of the call's start."""
-        for times, op_id, event in self.timed:
+        for times, index, event in self.timed:
             ms = self.r.streams.elapsed_ms(self.zero, event)
             if ms is not None:
-                times[op_id] = self.trace.begin_ns + round(ms * 1e6)
+                times[index] = self.trace.begin_ns + round(ms * 1e6)

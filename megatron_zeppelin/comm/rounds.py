@@ -22,7 +22,7 @@ from megatron_zeppelin.comm.collectives import warm_up_nccl
 from megatron_zeppelin.comm.lanes import LaneRunner, StepRecorder, _Call
 from megatron_zeppelin.comm.p2p import TorchP2P
 from megatron_zeppelin.comm.streams import StreamOps
-from megatron_zeppelin.schedule.attention import Transport, add_transfer
+from megatron_zeppelin.schedule.attention import Transport, add_transfer, reaches
 from megatron_zeppelin.schedule.ops import Op, Schedule, ScheduleBuilder
 from megatron_zeppelin.topology import Topology
 
@@ -125,7 +125,7 @@ class LaneCommunicator:
                 recvs[m.id].copy_(sends[m.id])
         key = (routed, sizes)
         if key not in self._rounds:
-            self._rounds[key] = _round_schedule(sizes, transport, self.topology.world_size)
+            self._rounds[key] = _round_schedule(sizes, transport, self.topology.world_size, self.rank)
             if len(self._rounds) > ROUND_SCHEDULES_KEPT:
                 self._rounds.popitem(last=False)
         schedule, ids = self._rounds[key]
@@ -152,18 +152,25 @@ class LaneCommunicator:
 ROUND_SCHEDULES_KEPT = 16
 
 
-def _round_schedule(sizes: tuple, transport: Transport, world_size: int) -> tuple[Schedule, dict[int, int]]:
+def _round_schedule(sizes: tuple, transport: Transport, world_size: int,
+                    rank: int | None = None) -> tuple[Schedule, dict[int, int]]:
     """A round's messages ``(id, src, dst, numel, itemsize)`` as a transfer-only
-    schedule, and schedule message id -> round message id."""
+    schedule, and schedule message id -> round message id.  ``rank``: the
+    schedule's projection onto ``rank`` (``Schedule.projection``), built from
+    the messages that reach it only (its own, and routed ones it may relay): a
+    message's hops wait only for each other, so each keeps its wave."""
     b = ScheduleBuilder(world_size)
-    ids = {}
     for index, (mid_, src, dst, numel, itemsize) in enumerate(sizes):
         if src == dst:
             continue
-        ids[len(b.messages)] = mid_
+        if rank is not None and not reaches((src, dst), rank, transport):
+            b.skip_messages(1)
+            continue
         add_transfer(b, (index,), transport, ("round", mid_), src, dst, numel, itemsize, [],
                      tier="remap", name="remap", backward=False, route_id=mid_)
-    return b.build(), ids
+    built = b.build()
+    schedule = built if rank is None else built.projection(rank)
+    return schedule, {mid: binding[1] for mid, binding in schedule.messages.items()}
 
 
 def _check(messages: Sequence[Message], sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],

@@ -63,6 +63,9 @@ class CompactPlan:
     fingerprint: int
     """``Plan.fingerprint()``, computed where the Plan was made (the rebuilt Plan
     equals it, so the plan check's all-reduce costs the training thread no JSON)."""
+    remap_pairs: np.ndarray
+    """``[n, 3]``: ``Plan.remap_pairs()``, computed where the Plan was made (every
+    rank's switch numbers its messages by them; making them walks every rank's moves)."""
 
     @classmethod
     def of(cls, plan: Plan) -> "CompactPlan":
@@ -85,7 +88,8 @@ class CompactPlan:
             linear_count=np.array([len(spans) for spans in plan.linear], dtype=np.int64),
             linear_spans=np.array([(sp.seq, sp.start, sp.end) for spans in plan.linear for sp in spans],
                                   dtype=np.int64).reshape(-1, 3),
-            packed_rings=plan.packed_rings, packed_ulysses=plan.packed_ulysses, fingerprint=plan.fingerprint())
+            packed_rings=plan.packed_rings, packed_ulysses=plan.packed_ulysses, fingerprint=plan.fingerprint(),
+            remap_pairs=np.array(plan.remap_pairs(), dtype=np.int64).reshape(-1, 3))
 
     def plan(self) -> Plan:
         """The Plan, rebuilt (not validated again: it was before :meth:`of`)."""
@@ -111,4 +115,5 @@ class CompactPlan:
                     seq_lens=tuple(lens), attention=attention, linear=linear, token_cap=self.token_cap,
                     routed=self.routed, packed_rings=self.packed_rings, packed_ulysses=self.packed_ulysses)
         object.__setattr__(plan, "_fingerprint", self.fingerprint)     # Plan.fingerprint's cache
+        object.__setattr__(plan, "_remap_pairs", tuple(map(tuple, self.remap_pairs.tolist())))   # remap_pairs'
         return plan

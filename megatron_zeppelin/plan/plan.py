@@ -195,23 +195,41 @@ class Plan:
         """Messages that turn the attention layout into the linear layout (reverse
         each for the way back).  Tokens whose owner is the same in both layouts do
         not appear.  Sorted by (src, dst, seq, start)."""
-        owners: dict[int, list[tuple[int, int, int]]] = {}
+        owners = {p.seq: _owners(p) for p in self.attention}
+        return _moves(owners, ((dst, sp) for dst, spans in enumerate(self.linear) for sp in spans))
+
+    def remap_moves(self, rank: int) -> list[Transfer]:
+        """The moves of :meth:`remap_schedule` from or to ``rank``, in its order,
+        without making the other ranks' (what one rank's switch reads): one pass
+        over the placements and the linear spans, which looks up a sequence only
+        when ``rank`` holds it."""
+        wanted = {sp.seq for sp in self.linear[rank]}
+        held: dict[int, list[tuple[int, int, int]]] = {}
+        to_me: dict[int, list[tuple[int, int, int]]] = {}
         for p in self.attention:
-            owners[p.seq] = sorted((s, e, r) for r, ranges in zip(p.ranks, p.shards)
-                                   for s, e in ranges)
-        moves = []
-        for dst, spans in enumerate(self.linear):
-            for sp in spans:
-                pieces = owners[sp.seq]
-                i = max(bisect.bisect_right(pieces, (sp.start, float("inf"), 0)) - 1, 0)
-                while i < len(pieces) and pieces[i][0] < sp.end:
-                    s, e, src = pieces[i]
-                    lo, hi = max(s, sp.start), min(e, sp.end)
-                    if lo < hi and src != dst:
-                        moves.append(Transfer(src, dst, sp.seq, lo, hi))
-                    i += 1
+            if rank in p.ranks:
+                held[p.seq] = sorted((s, e, rank) for s, e in p.shards[p.ranks.index(rank)])
+            if p.seq in wanted:
+                to_me[p.seq] = _owners(p)
+        moves = _moves(to_me, ((rank, sp) for sp in self.linear[rank]))
+        moves += _moves(held, ((dst, sp) for dst, spans in enumerate(self.linear) if dst != rank
+                               for sp in spans if sp.seq in held))
         moves.sort(key=lambda t: (t.src, t.dst, t.seq, t.start))
         return moves
+
+    def remap_pairs(self) -> tuple[tuple[int, int, int], ...]:
+        """``(src, dst, tokens)`` of :meth:`remap_schedule`, one per pair in its
+        order: the switch's messages, numbered by position.  Cached (a planning
+        child sends it with the Plan: at 1,024 GPUs every rank's moves cost the
+        training thread tens of ms)."""
+        cached = self.__dict__.get("_remap_pairs")
+        if cached is None:
+            tokens: dict[tuple[int, int], int] = {}
+            for t in self.remap_schedule():
+                tokens[(t.src, t.dst)] = tokens.get((t.src, t.dst), 0) + t.length
+            cached = tuple((s, d, n) for (s, d), n in tokens.items())
+            object.__setattr__(self, "_remap_pairs", cached)
+        return cached
 
     # ------------------------------------------------------------- validation
     def validate(self) -> "Plan":
@@ -379,6 +397,29 @@ class Plan:
             cached = int.from_bytes(digest, "little") >> 1
             object.__setattr__(self, "_fingerprint", cached)
         return cached
+
+
+def _owners(p: SeqPlacement) -> list[tuple[int, int, int]]:
+    """``(start, end, rank)`` of every shard range of ``p``, sorted."""
+    return sorted((s, e, r) for r, ranges in zip(p.ranks, p.shards) for s, e in ranges)
+
+
+def _moves(owners: dict[int, list[tuple[int, int, int]]], targets) -> list[Transfer]:
+    """Moves of the tokens of ``targets`` (``(dst, span)`` pairs of the linear
+    layout) from their ``owners`` in the attention layout (sequence -> sorted
+    ``(start, end, src)``) where the two differ, sorted by (src, dst, seq, start)."""
+    moves = []
+    for dst, sp in targets:
+        pieces = owners[sp.seq]
+        i = max(bisect.bisect_right(pieces, (sp.start, float("inf"), 0)) - 1, 0)
+        while i < len(pieces) and pieces[i][0] < sp.end:
+            s, e, src = pieces[i]
+            lo, hi = max(s, sp.start), min(e, sp.end)
+            if lo < hi and src != dst:
+                moves.append(Transfer(src, dst, sp.seq, lo, hi))
+            i += 1
+    moves.sort(key=lambda t: (t.src, t.dst, t.seq, t.start))
+    return moves
 
 
 def _flag(value: Any, key: str) -> bool:

@@ -147,7 +147,7 @@ class _Segment:
 
 def add_attention(b: ScheduleBuilder, prefix: tuple, plan: Plan, shape: AttnShape, transport: Transport,
                   backward: bool, entry: dict[int, list[int]] | None = None, *,
-                  pack: bool = False) -> dict[int, list[int]]:
+                  pack: bool = False, rank: int | None = None) -> dict[int, list[int]]:
     """Add one layer's attention (forward or backward); return each rank's frontier.
 
     The plan's ``packed_rings`` run as one ring each and its ``packed_ulysses``
@@ -158,7 +158,13 @@ def add_attention(b: ScheduleBuilder, prefix: tuple, plan: Plan, shape: AttnShap
     and all Ulysses sequences of the same rank tuple as one group (FlexSP and
     DeepSpeed: one all-to-all per layer), for baselines the engine does not run.
     A plan that packs every ring and Ulysses rank tuple's sequences has the same
-    schedule with and without ``pack`` (same ops, same order)."""
+    schedule with and without ``pack`` (same ops, same order).
+
+    ``rank``: add only the rings and groups with an op on ``rank``'s lanes
+    (:func:`_reaches`), whole, and ``rank``'s local sequences; the ids of the
+    messages left out are skipped, so every message keeps its id.  Without
+    ``entry``, a ring's or group's ops wait only for its own ops, so each op
+    keeps its wave too (``attention_schedule``)."""
     seg = _Segment(b, prefix, entry or {})
     kv_numel = shape.kv_heads * shape.head_dim
     local: dict[int, list[int]] = {}
@@ -167,26 +173,50 @@ def add_attention(b: ScheduleBuilder, prefix: tuple, plan: Plan, shape: AttnShap
     leads = plan.packed_leads()      # the plan's own packs, as the engine runs them
     for index, p in enumerate(plan.attention):
         if p.mode is Mode.LOCAL:
-            local.setdefault(p.ranks[0], []).append(index)
+            if rank is None or p.ranks[0] == rank:
+                local.setdefault(p.ranks[0], []).append(index)
         elif p.mode is Mode.RING:
             rings.setdefault(p.ranks if pack else (leads.get(index, index),), []).append(index)
         else:
             groups.setdefault(p.ranks if pack else (leads.get(index, index),), []).append(index)
     for members in rings.values():
-        tier = plan.tier_of(plan.attention[members[0]])
+        lead = plan.attention[members[0]]
+        if rank is not None and not reaches(lead.ranks, rank, transport):
+            b.skip_messages(geo.ring_message_count(lead.size, backward))
+            continue
+        tier = plan.tier_of(lead)
         _add_ring(seg, transport, [(i, plan.attention[i]) for i in members], TIER_ORDER[tier], tier, kv_numel,
                   shape, backward)
     for members in groups.values():
+        lead = plan.attention[members[0]]
+        if rank is not None and rank not in lead.ranks:      # all-to-alls go direct: members only
+            b.skip_messages(geo.ulysses_message_count(lead.size))
+            continue
         _add_ulysses(seg, transport, [(i, plan.attention[i]) for i in members], TIER_ORDER["ulysses"], shape,
                      backward)
-    for rank, indices in local.items():
+    for owner, indices in local.items():
         for pack, members in enumerate(_packs(plan, indices, shape.local_pack_tokens)):
             lengths = tuple(plan.seq_lens[plan.attention[i].seq] for i in members)
-            seg.compute((_LAST, pack), rank, [], tier="local",
+            seg.compute((_LAST, pack), owner, [], tier="local",
                         name="local_bwd" if backward else "local_fwd", backward=backward,
                         pairs=sum(causal_pairs(0, n) for n in lengths), block=max(lengths),
                         lengths=lengths, key=("local", *members))
     return seg.frontier()
+
+
+def reaches(ranks: tuple[int, ...], rank: int, transport: Transport) -> bool:
+    """Whether the messages among ``ranks`` (a ring's, or one message's two ends)
+    may have an op on ``rank``'s lanes: ``rank`` is one of them, or, where
+    messages leaving a node may be routed, one shares ``rank``'s node (``rank``
+    may then proxy a piece: its dispatch and NIC legs leave from the sender's
+    node, its combine leg from the receiver's)."""
+    if rank in ranks:
+        return True
+    topo = transport.topology
+    if transport.min_routed_bytes == math.inf or topo.nics_per_node == 1:
+        return False
+    node, gpn = rank // topo.gpus_per_node, topo.gpus_per_node
+    return any(r // gpn == node for r in ranks)
 
 
 def _packs(plan: Plan, indices: list[int], pack_tokens: int) -> list[list[int]]:
@@ -268,9 +298,16 @@ def _add_ulysses(seg: _Segment, transport: Transport, members: list[tuple[int, o
                      backward=backward)
 
 
-def attention_schedule(plan: Plan, shape: AttnShape, transport: Transport, backward: bool) -> Schedule:
+def attention_schedule(plan: Plan, shape: AttnShape, transport: Transport, backward: bool,
+                       rank: int | None = None) -> Schedule:
     """One layer's attention as the engine runs it (the same ops, in the same
-    order, as that layer's segment of :func:`~megatron_zeppelin.schedule.step.step_schedule`)."""
+    order, as that layer's segment of :func:`~megatron_zeppelin.schedule.step.step_schedule`).
+
+    ``rank``: that schedule's projection onto ``rank`` (``Schedule.projection``:
+    its ops, order, waves, message ids and bindings), built from the rings and
+    groups that reach ``rank`` only -- what one rank executes, in work that
+    grows with what touches the rank, not with the world."""
     b = ScheduleBuilder(plan.world_size)
-    add_attention(b, (), plan, shape, transport, backward)
-    return b.build()
+    add_attention(b, (), plan, shape, transport, backward, rank=rank)
+    built = b.build()
+    return built if rank is None else built.projection(rank)

@@ -87,6 +87,17 @@ def ring_steps(placement: SeqPlacement, backward: bool) -> int:
     return placement.size + 1 if backward else placement.size
 
 
+def ring_message_count(k: int, backward: bool) -> int:
+    """Messages of a ring of ``k`` over all its steps (:func:`ring_messages`):
+    K/V on every step but the last, dK/dV on every backward step but the first."""
+    return k * (k - 1) + (k * k if backward else 0)
+
+
+def ulysses_message_count(d: int) -> int:
+    """Messages of a Ulysses group of ``d``: both all-to-alls (:func:`ulysses_messages`)."""
+    return 2 * d * (d - 1)
+
+
 def ulysses_messages(placement: SeqPlacement, step: int, backward: bool, q_heads: int, kv_heads: int,
                      head_dim: int) -> list[tuple[int, int, int]]:
     """``(src pos, dst pos, numel)`` of a Ulysses all-to-all: step 0 moves rows of

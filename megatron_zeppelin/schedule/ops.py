@@ -110,6 +110,10 @@ class RankOps:
     """Transfers this rank sends or receives, in lane order."""
 
 
+_NO_OPS = RankOps((), ())
+"""The lanes of a rank without ops."""
+
+
 class Schedule:
     """Ops of every rank in one global topological order.
 
@@ -120,7 +124,10 @@ class Schedule:
 
     def __init__(self, world_size: int, ops: Sequence[Op] = (), messages: dict[int, tuple] | None = None, *,
                  rows: tuple[list[dict[str, Any]], list[tuple[int, ...]]] | None = None,
-                 calls: Sequence[int] | None = None) -> None:
+                 calls: Sequence[int] | None = None, waves: Sequence[int] | None = None) -> None:
+        """``waves``: every op's wave, when the dependencies do not say it (a
+        rank's projection, :meth:`projection`, keeps its ops' waves in the whole
+        schedule but not the other ranks' ops they were computed through)."""
         self.world_size = world_size
         """Ranks the schedule spans."""
         self.calls: list[int] | None = None if calls is None else list(calls)
@@ -139,9 +146,11 @@ class Schedule:
         self._columns: dict[str, list] = {}
         self._arrays: OpArrays | None = None
         self._dep_arrays: tuple[np.ndarray, np.ndarray] | None = None
-        self._lanes: dict[int, RankOps] = {}
-        self._waves: list[int] | None = None
+        self._lanes: dict[int, RankOps] | None = None
+        self._waves: list[int] | None = None if waves is None else list(waves)
         self._wave_levels: np.ndarray | None = None
+        self._tags: dict[int, dict[int, int]] = {}
+        self._own: dict[int, dict[int, int]] = {}
         self._batches: dict[int, dict[str, list[list[Op]]]] = {}
         _validate(self)
 
@@ -201,19 +210,20 @@ class Schedule:
 
     def lanes(self, rank: int) -> RankOps:
         """``rank``'s compute and communication lanes (computed once per rank)."""
-        if not self._lanes:      # every rank's in one pass over the ops (not one pass per rank)
-            compute: list[list[Op]] = [[] for _ in range(self.world_size)]
-            comm: list[list[Op]] = [[] for _ in range(self.world_size)]
+        if self._lanes is None:      # every rank's in one pass over the ops (not one pass per rank)
+            compute: dict[int, list[Op]] = {}
+            comm: dict[int, list[Op]] = {}
             for op in self.ops:
                 if op.kind == COMM:
-                    comm[op.rank].append(op)
+                    comm.setdefault(op.rank, []).append(op)
                     if op.peer != op.rank:
-                        comm[op.peer].append(op)
+                        comm.setdefault(op.peer, []).append(op)
                 else:
-                    compute[op.rank].append(op)
-            for r in range(self.world_size):
-                self._lanes[r] = RankOps(tuple(compute[r]), tuple(comm[r]))
-        return self._lanes[rank]
+                    compute.setdefault(op.rank, []).append(op)
+            # Only the ranks with ops (a rank's projection holds one rank's).
+            self._lanes = {r: RankOps(tuple(compute.get(r, ())), tuple(comm.get(r, ())))
+                           for r in compute.keys() | comm.keys()}
+        return self._lanes.get(rank, _NO_OPS)
 
     def waves(self) -> list[int]:
         """Every op's wave, in op order (computed once, from the columns): a
@@ -226,14 +236,6 @@ class Schedule:
         the step's kernel, not in its batch (where it would wait for the kernel
         too, and the ring would lose its overlap)."""
         if self._waves is None:
-            self._waves = self.wave_levels().tolist()
-        return self._waves
-
-    def wave_levels(self) -> np.ndarray:
-        """:meth:`waves` as an int64 array (computed once).  A Python pass, not a
-        compiled one: the engine reads the waves, and its import stays free of
-        numba (the GPU machine carries no compiler wheels; see docs/gpu-check.md)."""
-        if self._wave_levels is None:
             level: list[int] = []
             for deps, kind in zip(self._deps, self.column("kind")):
                 if not deps:
@@ -243,7 +245,13 @@ class Schedule:
                 else:
                     before = max(map(level.__getitem__, deps))
                 level.append(before + 1 if kind == COMM else before + 2)
-            self._wave_levels = np.asarray(level, np.int64)
+            self._waves = level
+        return self._waves
+
+    def wave_levels(self) -> np.ndarray:
+        """:meth:`waves` as an int64 array (made once), as the columnar view takes it."""
+        if self._wave_levels is None:
+            self._wave_levels = np.asarray(self.waves(), np.int64)
         return self._wave_levels
 
     def calls_apart(self) -> list[tuple["Schedule", list[int]]]:
@@ -280,6 +288,51 @@ class Schedule:
                 by_lane.setdefault(lane_of(op), {}).setdefault(self.wave(op.id), []).append(op)
             self._batches[rank] = {lane: [waves[w] for w in sorted(waves)] for lane, waves in by_lane.items()}
         return self._batches[rank]
+
+    def pair_tags(self, rank: int) -> dict[int, int]:
+        """Transfer op id -> its index among the transfers between its two ends,
+        in op order (computed once per rank).  Both ends count the same
+        transfers in the same order, in the whole schedule and in either end's
+        :meth:`projection` alike: what tags a transfer on the wire."""
+        if rank not in self._tags:
+            seen: dict[int, int] = {}
+            tags = self._tags[rank] = {}
+            for op in self.lanes(rank).comm:
+                other = op.peer if op.rank == rank else op.rank
+                tags[op.id] = seen[other] = seen.get(other, -1) + 1
+        return self._tags[rank]
+
+    def own_index(self, rank: int) -> dict[int, int]:
+        """Op id -> its index among ``rank``'s ops, in op order: the op's id in
+        ``rank``'s :meth:`projection` (computed once per rank)."""
+        if rank not in self._own:
+            lanes = self.lanes(rank)
+            ids = sorted(op.id for op in (*lanes.compute, *lanes.comm))
+            self._own[rank] = {op_id: i for i, op_id in enumerate(ids)}
+        return self._own[rank]
+
+    def projection(self, rank: int) -> "Schedule":
+        """The ops on ``rank``'s lanes (:meth:`Op.on`), in op order and renumbered,
+        with their waves here and the messages they carry.  A dependency on an
+        op off ``rank`` is dropped: only a receive has one (it is posted ahead,
+        and its wave is kept), a send or compute op waits for its own rank's
+        ops only (else :class:`ScheduleError`)."""
+        new_id = self.own_index(rank)
+        ids = sorted(new_id, key=new_id.__getitem__)
+        kinds, peers = self.column("kind", ids), self.column("peer", ids)
+        deps = []
+        for i, kind, peer in zip(ids, kinds, peers):
+            mine = tuple(new_id[d] for d in self._deps[i] if d in new_id)
+            if len(mine) != len(self._deps[i]) and not (kind == COMM and peer == rank):
+                raise ScheduleError(f"schedule: op {i} on rank {rank} waits for op(s) off its rank; "
+                                    "its projection cannot run it")
+            deps.append(mine)
+        waves = self.waves()
+        fields = self.rows(ids) if self._fields is not None else [
+            {f: getattr(self._ops[i], f) for f in _ROW_FIELDS} for i in ids]
+        carried = {f["key"][0] for f, kind in zip(fields, kinds) if kind == COMM}
+        return Schedule(self.world_size, messages={m: b for m, b in self.messages.items() if m in carried},
+                        rows=(list(fields), deps), waves=[waves[i] for i in ids])
 
 
 @dataclass(frozen=True)
@@ -393,6 +446,7 @@ class ScheduleBuilder:
         self._deps: list[tuple[int, ...]] = []
         self._fields: list[dict[str, Any]] = []
         self.messages: dict[int, tuple] = {}
+        self._next_message = 0
 
     def add(self, order: tuple, deps: Iterable[int] = (), **fields: Any) -> int:
         self.orders.append(order)
@@ -405,9 +459,16 @@ class ScheduleBuilder:
 
     def message(self, binding: tuple) -> int:
         """A new message id, bound to ``binding``."""
-        mid = len(self.messages)
+        mid = self._next_message
+        self._next_message += 1
         self.messages[mid] = binding
         return mid
+
+    def skip_messages(self, count: int) -> None:
+        """Leave out ``count`` message ids: those of a ring or group whose ops a
+        rank's schedule leaves out, so that the ids after them are the whole
+        schedule's."""
+        self._next_message += count
 
     def sorted_handles(self) -> list[int]:
         """Handles in built order: by sort key, ties in insertion order (a stable sort)."""

@@ -15,7 +15,6 @@ exactly as their segment here (``segment_offsets``).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from megatron_zeppelin.plan.plan import Plan
@@ -40,10 +39,7 @@ class StepShape:
 def remap_messages(plan: Plan) -> list[tuple[int, int, int]]:
     """``(src, dst, tokens)`` of the attention -> linear switch, one per pair, in the
     order the remap exchange numbers them (``remap/exchange.py``)."""
-    grouped: OrderedDict[tuple[int, int], int] = OrderedDict()
-    for t in plan.remap_schedule():
-        grouped[(t.src, t.dst)] = grouped.get((t.src, t.dst), 0) + t.length
-    return [(s, d, n) for (s, d), n in grouped.items()]
+    return list(plan.remap_pairs())
 
 
 def add_switch(b: ScheduleBuilder, prefix: tuple, messages: list[tuple[int, int, int]], transport: Transport,

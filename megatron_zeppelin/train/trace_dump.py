@@ -4,7 +4,8 @@ Every rank records, per engine call (a layer's attention, a layout switch), when
 each of its ops ran (``comm/lanes.py``).  Rank 0 gathers the records and lays
 them onto the step schedule the simulator times (``schedule/step.py``): call
 ``i`` of the step is segment ``i`` of the schedule that the engine runs, and
-its op ``j`` is the segment's op ``j`` -- anything else means the engine did not
+the rank's op ``j`` of it is the segment's ``j``-th op on that rank (a rank runs
+its projection of the schedule) -- anything else means the engine did not
 execute the schedule, and the dump fails.  A linear op (projections, MLP,
 norms) is the time between the calls around it on its rank.  A transfer spans
 from its post on the sender to its landing on the receiver (one clock: all
@@ -44,20 +45,21 @@ def write_step_trace(path: Path, plan: Plan, num_layers: int, hidden_size: int, 
     engine_run = [key for key, _ in order if key[2] != "linear"]
     start_ns: dict[int, int] = {}
     end_ns: dict[int, int] = {}
+    on_rank = {key: _ops_by_rank(ops, *bounds[key]) for key in engine_run}
     for rank, rec in enumerate(records):
         calls = rec["calls"]
         if len(calls) != len(engine_run):
             raise ZeppelinError(f"--dump-trace: rank {rank} made {len(calls)} engine calls in the step, the "
                                 f"schedule has {len(engine_run)}; the engine did not run the schedule")
         for key, (n, starts, ends, _, _) in zip(engine_run, calls):
-            lo, hi = bounds[key]
-            if n != hi - lo:
+            mine = on_rank[key].get(rank, [])
+            if n != len(mine):
                 raise ZeppelinError(f"--dump-trace: rank {rank}'s call for {key} ran {n} ops, the schedule's "
-                                    f"segment holds {hi - lo}; the engine did not run the schedule")
+                                    f"segment holds {len(mine)} on it; the engine did not run the schedule")
             for local, t in starts.items():
-                start_ns[lo + local] = min(start_ns.get(lo + local, t), t)
+                start_ns[mine[local]] = min(start_ns.get(mine[local], t), t)
             for local, t in ends.items():
-                end_ns[lo + local] = max(end_ns.get(lo + local, t), t)
+                end_ns[mine[local]] = max(end_ns.get(mine[local], t), t)
         _linear_times(rank, rec, order, bounds, ops, start_ns, end_ns)
     missing = [op.id for op in ops if op.id not in end_ns or (op.kind == COMM and op.id not in start_ns)]
     if missing:
@@ -69,6 +71,16 @@ def write_step_trace(path: Path, plan: Plan, num_layers: int, hidden_size: int, 
     write_trace(path, step.schedule, times, {**meta, "source": "executed", "strategy": plan.strategy,
                                              "num_layers": num_layers,
                                              "engine": engine_settings(attn, transport)})
+
+
+def _ops_by_rank(ops, lo: int, hi: int) -> dict[int, list[int]]:
+    """Rank -> ids of the segment's ops ``[lo, hi)`` on its lanes, in op order."""
+    out: dict[int, list[int]] = {}
+    for op in ops[lo:hi]:
+        out.setdefault(op.rank, []).append(op.id)
+        if op.kind == COMM:
+            out.setdefault(op.peer, []).append(op.id)
+    return out
 
 
 def _linear_times(rank: int, rec: dict[str, Any], order, bounds, ops, start_ns, end_ns) -> None:
