@@ -12,6 +12,12 @@ rank's training thread, once per step (every layer of the step reuses it):
 * the layout switch's index maps (``remap/exchange.py: build_exchange``) and
   its round schedule (``comm/rounds.py: start_round``, built once per step).
 
+``--switch-calls`` measures instead what every layout switch CALL costs the
+host (4 per layer: to the linear layout and back, forward and backward): the
+remap's ``_Move.__call__`` and the communicator's ``start_round`` up to the lane
+runner, which here moves nothing (``_IdleRunner``).  Its section follows the
+other one in the same file.
+
 For the Plan of ``benchmarks/planning_interference.py`` (Zeppelin with its
 decision, routed crossings and remap, as ``pretrain_gpt.py --zeppelin``
 plans), CPU milliseconds with the cyclic collector paused, and the objects the
@@ -19,6 +25,7 @@ collector tracks while the result is held; over every rank (a rank's work
 depends on what reaches it), the median and the largest.
 
     python benchmarks/step_host_work.py --gpus 64,1024
+    python benchmarks/step_host_work.py --gpus 64,1024 --switch-calls --sample 8
 
 ``--out`` replaces this section in ``docs/results/planning_interference.md``
 (``planning_interference.py`` keeps it when it rewrites the file).
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import pickle
 import shlex
 import statistics
@@ -40,14 +48,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks import e
 from planning_interference import (HOST_WORK_HEADING, add_batch_args, batch_pieces,  # noqa: E402
                                    benchmark_planning)
 
-from megatron_zeppelin.comm.rounds import _round_schedule  # noqa: E402
+import torch  # noqa: E402
+
+from megatron_zeppelin.comm.base import ByteCounters  # noqa: E402
+from megatron_zeppelin.comm.rounds import LaneCommunicator, _round_schedule  # noqa: E402
 from megatron_zeppelin.errors import exit_on_user_error  # noqa: E402
 from megatron_zeppelin.plan.compact import CompactPlan  # noqa: E402
 from megatron_zeppelin.model_config import load_model  # noqa: E402
 from megatron_zeppelin.remap.exchange import build_exchange  # noqa: E402
+from megatron_zeppelin.remap.remap import layout_move, pad_rows  # noqa: E402
 from megatron_zeppelin.schedule.attention import attention_schedule  # noqa: E402
 from megatron_zeppelin.sim.timeline import step_shape, transport_of  # noqa: E402
+from megatron_zeppelin.step_context import RemapCounters  # noqa: E402
 from megatron_zeppelin.topology import load_cluster  # noqa: E402
+
+SWITCH_HEADING = "## The layout switch's per-call host work"
 
 
 def measured(work: Callable[[], object]) -> tuple[float, int]:
@@ -84,6 +99,68 @@ def round_lanes(sizes: tuple, transport, world: int, rank: int, own: bool) -> tu
     return s, s.lanes(rank), s.wave_batches(rank), s.pair_tags(rank)
 
 
+class _IdleRunner:
+    """A lane runner that takes a round and moves nothing: a switch call's host
+    work up to the lanes, with no peer to answer."""
+
+    stream = None
+
+    def start(self, schedule, binding, recorder=None) -> None:
+        return None
+
+
+def step_switches(plan, transport, rank: int, row: int, dtype: torch.dtype, layers: int,
+                  collect: bool) -> tuple[float, float, float]:
+    """CPU ms of a rank's layout switch calls over one step of ``layers`` layers
+    (4 calls each, as the forward and backward make them: ``layout_move`` and
+    the call, the maps cached on the step's context): the first layer's 4, each
+    later call (mean), and the whole step; the collector on or paused.
+
+    The tensors are on the meta device: hidden-size rows of the real shapes,
+    whose copies cost no host time (on a GPU they are the device's work).
+    """
+    cpu = torch.device("cpu")
+    comm = LaneCommunicator.__new__(LaneCommunicator)
+    comm._bind(None, rank, transport.topology, ByteCounters(), transport.min_routed_bytes, dtype, cpu,
+               _IdleRunner())
+    cache, counters = {}, RemapCounters()
+    tokens = sum(sp.length for sp in plan.attention_spans(rank))
+    meta = torch.device("meta")
+    x = torch.empty(tokens + pad_rows(tokens), row, dtype=dtype, device=meta)
+    times = []
+    gc.collect()
+    if not collect:
+        gc.disable()
+    try:
+        for _ in range(layers):
+            t0 = time.process_time()
+            y = x
+            for direction in ("to_linear", "to_attention") * 2:     # forward, then the backward's reverses
+                y = layout_move(plan=plan, rank=rank, comm=comm, direction=direction, device=meta,
+                                counters=counters, cache=cache)(y)
+            times.append((time.process_time() - t0) * 1e3)
+    finally:
+        gc.enable()
+    return times[0], statistics.fmean(times[1:]) / 4 if layers > 1 else math.nan, sum(times)
+
+
+def switch_rows(plan, cost, transport, world: int, decide: bool, ranks: list[int]) -> str:
+    """One table row of the switch calls' host work."""
+    row, layers = cost.model.hidden_size, cost.model.num_layers
+    dtype = torch.bfloat16 if cost.model.dtype_bytes == 2 else torch.float32
+    step_switches(plan, transport, ranks[0], row, dtype, 1, True)      # the meta kernels' first use, untimed
+    paused = [step_switches(plan, transport, r, row, dtype, layers, False) for r in ranks]
+    on = [step_switches(plan, transport, r, row, dtype, layers, True) for r in ranks]
+
+    def cell(xs: list[tuple], i: int) -> str:
+        v = [x[i] for x in xs]
+        return f"{statistics.median(v):.3f} / {max(v):.3f}"
+
+    return (f"| {world} | {'decided' if decide else 'remaps'}{' routed' if plan.routed else ''} "
+            f"| {len(plan.remap_pairs())} | {cell(paused, 0)} | {cell(paused, 1)} | {cell(on, 1)} "
+            f"| {cell(paused, 2)} | {cell(on, 2)} |")
+
+
 def run(args: argparse.Namespace) -> str:
     cluster = load_cluster(args.cluster)
     model = load_model(args.model)
@@ -97,6 +174,10 @@ def run(args: argparse.Namespace) -> str:
         transport = transport if plan.routed else transport.direct()     # LaneCommunicator.transport_for
         shape = step_shape(cost, True).attn
         ranks = args.ranks or list(range(0, world, -(-world // args.sample)))
+        if args.switch_calls:
+            rows.append(switch_rows(plan, cost, transport, world, decide, ranks))
+            print(rows[-1], file=sys.stderr)
+            continue
         own = [measured(lambda r=r: engine_schedules(plan, shape, transport, r, True)) for r in ranks]
         exchange = [measured(lambda r=r: build_exchange(plan, r)) for r in ranks]
         every_move = [measured(plan.remap_schedule)] * 3     # what build_exchange walked before, per rank
@@ -122,6 +203,8 @@ def run(args: argparse.Namespace) -> str:
                     f"| {cell(exchange)} | {cell(whole_round)} | {cell(own_round)} |")
         print(rows[-1], file=sys.stderr)
     command = "python benchmarks/step_host_work.py " + shlex.join(sys.argv[1:])
+    if args.switch_calls:
+        return switch_section(args, cluster, model, command, rows)
     return (f"{HOST_WORK_HEADING}\n\nCommand: `{command.strip()}`\n\n"
             f"What each rank's training thread derives from a step's Plan before the step's first attention and "
             f"layout switch (planning itself runs in the child process), for the Plan of "
@@ -152,11 +235,30 @@ def run(args: argparse.Namespace) -> str:
             "(the messages it sends or receives, and the routed ones it may relay).\n")
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace (or append) this benchmark's section of ``path``."""
+def switch_section(args: argparse.Namespace, cluster, model, command: str, rows: list[str]) -> str:
+    return (f"{SWITCH_HEADING}\n\nCommand: `{command.strip()}`\n\n"
+            f"What every layout switch call costs a rank's training thread, for the same Plans ({args.model} on "
+            f"{cluster.name}): a step's {model.num_layers} layers x 4 calls (to the linear layout and back, "
+            f"forward and backward), each `layout_move` and the call (`_Move.__call__`, the communicator's "
+            f"`start_round` up to the lane runner, which here moves nothing), the maps cached on the step's "
+            f"context as in training.  Tensors on the meta device (hidden-size rows of the real shapes; their "
+            f"copies are the device's work).  CPU ms, median / "
+            f"largest over the ranks measured ({args.ranks or f'{args.sample} evenly spaced'}), on the shared "
+            f"2-core box.\n\n"
+            "| GPUs | plan | remap messages | the step's first layer (4 calls, builds the maps and rounds): CPU ms "
+            "| each later call, collector paused: CPU ms | collector on: CPU ms "
+            "| the step's calls, collector paused: CPU ms | collector on: CPU ms |\n"
+            "|" + " --- |" * 8 + "\n" + "\n".join(rows) + "\n")
+
+
+def write_section(path: Path, heading: str, section: str) -> None:
+    """Replace (or append) the section under ``heading`` of ``path`` (up to the next
+    ``## `` heading)."""
     text = path.read_text(encoding="utf-8") if path.exists() else ""
-    head = text.split(HOST_WORK_HEADING)[0].rstrip("\n")
-    path.write_text((head + "\n\n" if head else "") + section, encoding="utf-8")
+    head, _, rest = text.partition(heading)
+    tail = rest[rest.index("\n## ") + 1:] if "\n## " in rest else ""
+    parts = [head.rstrip("\n"), section.rstrip("\n"), tail.rstrip("\n")]
+    path.write_text("\n\n".join(p for p in parts if p) + "\n", encoding="utf-8")
 
 
 def main() -> None:
@@ -167,6 +269,8 @@ def main() -> None:
     p.add_argument("--sample", type=int, default=64, help="ranks measured when --ranks is not given")
     p.add_argument("--whole-ranks", type=int, default=3,
                    help="ranks for which every rank's schedules are built (each costs the whole world)")
+    p.add_argument("--switch-calls", action="store_true",
+                   help="measure the layout switch calls of a step instead (their own section)")
     p.add_argument("--out", type=Path, default=None,
                    help="replace this section of that file (e.g. docs/results/planning_interference.md)")
     args = p.parse_args()
@@ -177,7 +281,7 @@ def main() -> None:
     report = exit_on_user_error(lambda: run(args))
     print(report)
     if args.out is not None:
-        write_section(args.out, report)
+        write_section(args.out, SWITCH_HEADING if args.switch_calls else HOST_WORK_HEADING, report)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping, Sequence
 
@@ -100,6 +101,8 @@ class LaneCommunicator:
         self._rounds: OrderedDict[tuple, tuple[Schedule, dict[int, int]]] = OrderedDict()
         """Round schedules by their messages: every layer of a step switches with the
         same ones, and rebuilding a routed round costs milliseconds at 64 ranks."""
+        self._prepared: OrderedDict[tuple[int, bool], _PreparedRound] = OrderedDict()
+        """Prepared rounds by (id of the messages tuple, routed): see ``start_round``."""
         self.recorder: StepRecorder | None = None
         """When set, every call's executed op times are recorded here (``--dump-trace``)."""
 
@@ -116,23 +119,48 @@ class LaneCommunicator:
     def start_round(self, messages: Sequence[Message], sends: Mapping[int, torch.Tensor],
                     recvs: Mapping[int, torch.Tensor], *, routed: bool = True) -> RoundPending:
         """Start a round (collective: every rank passes the same messages and
-        ``routed``, the step plan's ``Plan.routed``); returns at once."""
-        transport = self.transport_for(routed)
-        sizes = tuple((m.id, m.src, m.dst, m.numel, m.itemsize or self._local_itemsize(m, sends, recvs, transport))
-                      for m in messages)
-        for m in messages:
-            if m.src == m.dst == self.rank:
-                recvs[m.id].copy_(sends[m.id])
-        key = (routed, sizes)
-        if key not in self._rounds:
-            self._rounds[key] = _round_schedule(sizes, transport, self.topology.world_size, self.rank)
-            if len(self._rounds) > ROUND_SCHEDULES_KEPT:
-                self._rounds.popitem(last=False)
-        schedule, ids = self._rounds[key]
-        _check(messages, sends, recvs, self.rank)
+        ``routed``, the step plan's ``Plan.routed``); returns at once.  A tuple of
+        messages passed again (the remap keeps one per direction and row size for
+        the step) reuses its prepared round: work of this rank's own messages only."""
+        prepared = self._prepared_round(messages, sends, recvs, routed)
+        for mid in prepared.self_copies:
+            recvs[mid].copy_(sends[mid])
+        _check(prepared.own, sends, recvs, self.rank)
         # Started on every rank, with lanes or without: calls are numbered
         # collectively (their tags must agree).
-        return RoundPending(self.runner.start(schedule, _RoundBinding(ids, sends, recvs), self.recorder))
+        return RoundPending(self.runner.start(prepared.schedule, _RoundBinding(prepared.ids, sends, recvs),
+                                              self.recorder))
+
+    def _prepared_round(self, messages: Sequence[Message], sends: Mapping[int, torch.Tensor],
+                        recvs: Mapping[int, torch.Tensor], routed: bool) -> "_PreparedRound":
+        transport = self.transport_for(routed)
+        # By identity: hashing the sizes of every rank's messages costs O(world)
+        # per call.  Only tuples (immutable; the entry holds the tuple, so its id
+        # is not reused while cached), and only while this rank's tensors give the
+        # itemsizes they gave when it was built.
+        key = (id(messages), routed)
+        hit = self._prepared.get(key)
+        if hit is not None and all(self._local_itemsize(m, sends, recvs, transport) == itemsize
+                                   for m, itemsize in hit.tensor_sized):
+            self._prepared.move_to_end(key)
+            return hit
+        sizes = tuple((m.id, m.src, m.dst, m.numel, m.itemsize or self._local_itemsize(m, sends, recvs, transport))
+                      for m in messages)
+        round_key = (routed, sizes)
+        if round_key not in self._rounds:
+            self._rounds[round_key] = _round_schedule(sizes, transport, self.topology.world_size, self.rank)
+            if len(self._rounds) > ROUND_SCHEDULES_KEPT:
+                self._rounds.popitem(last=False)
+        schedule, ids = self._rounds[round_key]
+        own = tuple(m for m in messages if self.rank in (m.src, m.dst))
+        prepared = _PreparedRound(messages, schedule, ids, tuple(m.id for m in own if m.src == m.dst), own,
+                                  tuple((m, size[4]) for m, size in zip(messages, sizes)
+                                        if not m.itemsize and self.rank in (m.src, m.dst)))
+        if isinstance(messages, tuple):
+            self._prepared[key] = prepared
+            if len(self._prepared) > ROUND_SCHEDULES_KEPT:
+                self._prepared.popitem(last=False)
+        return prepared
 
     def _local_itemsize(self, m: Message, sends, recvs, transport: Transport) -> int:
         # Direct transfers have no proxy to size: the tensor's own element size
@@ -148,8 +176,27 @@ class LaneCommunicator:
         self.runner.close()
 
 
-#: Round schedules a communicator keeps (a step's switches use a handful).
+#: Round schedules (and prepared rounds) a communicator keeps (a step's switches use a handful).
 ROUND_SCHEDULES_KEPT = 16
+
+
+@dataclass(frozen=True)
+class _PreparedRound:
+    """What ``start_round`` derives from a round's messages on this rank."""
+
+    messages: Sequence[Message]
+    """The messages it was built from (held: the cache key is their id)."""
+    schedule: Schedule
+    """This rank's projection of the round's transfer schedule."""
+    ids: dict[int, int]
+    """Schedule message id -> round message id."""
+    self_copies: tuple[int, ...]
+    """Ids of the messages this rank sends to itself, in message order."""
+    own: tuple[Message, ...]
+    """The messages this rank sends or receives (the tensors it must pass), in message order."""
+    tensor_sized: tuple[tuple[Message, int], ...]
+    """This rank's messages without an itemsize, and the itemsize they were given
+    (direct: their tensor's element size)."""
 
 
 def _round_schedule(sizes: tuple, transport: Transport, world_size: int,

@@ -40,6 +40,10 @@ class RemapExchange:
     """Attention-buffer rows of the tokens this rank holds in both layouts..."""
     keep_linear: torch.Tensor
     """...and their linear-buffer rows, element for element."""
+    round_messages: dict[tuple[bool, int], tuple] = field(default_factory=dict, repr=False, compare=False)
+    """(to the linear layout, elements per row) -> the round's messages, built by
+    the first switch of the step that needs them: the communicator recognizes the
+    same tuple and reuses its prepared round."""
     _on_device: dict = field(default_factory=dict, repr=False, compare=False)
 
     def to(self, device: torch.device) -> "RemapExchange":

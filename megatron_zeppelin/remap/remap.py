@@ -86,11 +86,9 @@ class _Move:
         if self.to_linear:
             n_in, n_out, gather, scatter = ex.attn_tokens, ex.linear_tokens, ex.send_rows, ex.recv_rows
             keep_in, keep_out = ex.keep_attn, ex.keep_linear
-            messages = [Message(i, s, d, n) for i, (s, d, n) in enumerate(ex.pairs)]
         else:
             n_in, n_out, gather, scatter = ex.linear_tokens, ex.attn_tokens, ex.recv_rows, ex.send_rows
             keep_in, keep_out = ex.keep_linear, ex.keep_attn
-            messages = [Message(i, d, s, n) for i, (s, d, n) in enumerate(ex.pairs)]
         layout = "attention" if self.to_linear else "linear"
         if x.shape[0] != n_in + pad_rows(n_in):
             raise ValueError(f"rank {self.rank}: remap input has {x.shape[0]} rows, the plan's {layout} "
@@ -102,8 +100,7 @@ class _Move:
             raise ConfigError(f"remap buffer of {nbytes} bytes ({n_out} tokens x {row} elements x "
                               f"{x.element_size()} B) exceeds the limit of {self.limit} bytes; raise the "
                               "remap buffer limit or lower the tokens per GPU")
-        # Message numel is tokens x row: every rank has the same trailing dims.
-        messages = [Message(m.id, m.src, m.dst, m.numel * row) for m in messages]
+        messages = self._messages(row)
         sends = {i: x.index_select(0, rows).reshape(-1) for i, rows in gather.items()}
         recvs = {i: x.new_empty(rows.numel() * row) for i, rows in scatter.items()}
         before = _sent(self.comm.counters)
@@ -123,6 +120,19 @@ class _Move:
             self.counters.remap_intra_node += after[0] - before[0]
             self.counters.remap_inter_node += after[1] - before[1]
         return out
+
+
+    def _messages(self, row: int) -> tuple[Message, ...]:
+        """The round's messages for rows of ``row`` elements (numel: tokens x row;
+        every rank has the same trailing dims), built once per exchange, direction
+        and row: the step's later switches pass the same tuple."""
+        key = (self.to_linear, row)
+        messages = self.ex.round_messages.get(key)
+        if messages is None:
+            pairs = self.ex.pairs if self.to_linear else ((d, s, n) for s, d, n in self.ex.pairs)
+            messages = tuple(Message(i, s, d, n * row) for i, (s, d, n) in enumerate(pairs))
+            self.ex.round_messages[key] = messages
+        return messages
 
 
 def _sent(counters: ByteCounters) -> tuple[int, int]:

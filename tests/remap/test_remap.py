@@ -3,6 +3,7 @@ values and gradients over gloo (4 ranks = 2 nodes x 2 GPUs, spawned once)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -187,25 +188,36 @@ def test_mlp_factory_partial_of_megatron_0_19_is_rebound_to_the_remap_class():
 
 
 # ------------------------------------------------------------- multi-process
-def _there_and_back(rank, world_size, seeds, routed):
+def _communicator(rank, routed):
     topo = Topology(nodes=WORLD // GPN, gpus_per_node=GPN, nics_per_node=2)
-    comm = (RoutedCommunicator(None, topo, ByteCounters(), 0, dtype=torch.float32) if routed
+    return (RoutedCommunicator(None, topo, ByteCounters(), 0, dtype=torch.float32) if routed
             else DirectCommunicator(None, topology=topo))
+
+
+def _check_there_and_back(plan, rank, comm, seed, counters, width=3, cache=None):
+    """Rows of ``width`` there and back with the backward: values and gradients exact."""
+    x = features(plan.attention_spans(rank), seed, width).requires_grad_()
+    y = remap_tokens(x, plan=plan, rank=rank, comm=comm, direction="to_linear", counters=counters, cache=cache)
+    assert torch.equal(y, features(plan.linear[rank], seed, width)), "values on the linear layout"
+    w = features(plan.linear[rank], seed + 1, width)
+    z = remap_tokens(y * w, plan=plan, rank=rank, comm=comm, direction="to_attention",
+                     counters=counters, cache=cache)
+    assert torch.equal(z, x.detach() * features(plan.attention_spans(rank), seed + 1, width))
+    g = features(plan.attention_spans(rank), seed + 2, width)
+    (z * g).sum().backward()
+    # d/dx of sum(g * back(w * there(x))) = w (in attention order) * g
+    assert torch.equal(x.grad, features(plan.attention_spans(rank), seed + 1, width) * g), "gradients"
+
+
+def _there_and_back(rank, world_size, seeds, routed, widths=(3,), step_cache=False):
+    """Rows of each of ``widths`` there and back, per plan; ``step_cache``: with
+    one cache per plan, as a step's switches run (later ones reuse prepared rounds)."""
+    comm = _communicator(rank, routed)
     out = []
     for seed in seeds:
-        plan = random_plan(seed)
-        counters = RemapCounters()
-        x = features(plan.attention_spans(rank), seed).requires_grad_()
-        y = remap_tokens(x, plan=plan, rank=rank, comm=comm, direction="to_linear", counters=counters)
-        assert torch.equal(y, features(plan.linear[rank], seed)), "values on the linear layout"
-        w = features(plan.linear[rank], seed + 1)
-        z = remap_tokens(y * w, plan=plan, rank=rank, comm=comm, direction="to_attention",
-                         counters=counters)
-        assert torch.equal(z, x.detach() * features(plan.attention_spans(rank), seed + 1))
-        g = features(plan.attention_spans(rank), seed + 2)
-        (z * g).sum().backward()
-        # d/dx of sum(g * back(w * there(x))) = w (in attention order) * g
-        assert torch.equal(x.grad, features(plan.attention_spans(rank), seed + 1) * g), "gradients"
+        plan, cache, counters = random_plan(seed), {} if step_cache else None, RemapCounters()
+        for width in widths:
+            _check_there_and_back(plan, rank, comm, seed, counters, width, cache)
         out.append((counters.remap_intra_node, counters.remap_inter_node))
     if routed:
         comm.close()
@@ -226,13 +238,11 @@ def expected_remap_bytes(plan: Plan, rank: int, row_bytes: int) -> tuple[int, in
     return intra, inter
 
 
-@pytest.mark.parametrize("routed", [False, True], ids=["direct", "routed"])
-def test_remap_there_and_back_is_the_identity(world, routed):
-    seeds = list(range(20, 32))
-    results = world.run(_there_and_back, seeds, routed)
+def _check_remap_bytes(results, seeds, routed, widths=(3,)):
     for i, seed in enumerate(seeds):
         got = [per_seed[i] for per_seed in results]
-        want = [expected_remap_bytes(random_plan(seed), rank, 2 * 3 * 4) for rank in range(WORLD)]
+        want = [tuple(map(sum, zip(*(expected_remap_bytes(random_plan(seed), rank, 2 * w * 4) for w in widths))))
+                for rank in range(WORLD)]
         if not routed:  # the communicator counts exactly the schedule's messages, per sender
             assert got == want
         else:
@@ -241,3 +251,65 @@ def test_remap_there_and_back_is_the_identity(world, routed):
             assert sum(g[1] for g in got) == sum(w[1] for w in want)
             assert sum(g[0] for g in got) >= sum(w[0] for w in want)
     assert any(inter for per_seed in results for _, inter in per_seed)  # some plan crossed nodes
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["direct", "routed"])
+def test_remap_there_and_back_is_the_identity(world, routed):
+    seeds = list(range(20, 32))
+    _check_remap_bytes(world.run(_there_and_back, seeds, routed), seeds, routed)
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["direct", "routed"])
+def test_switches_of_two_row_sizes_in_one_step(world, routed):
+    """One step's switches (one cache) of rows of 3, then 5, then 3 elements: the
+    step's later switches reuse prepared rounds, which must be the right
+    direction's and row size's (values, gradients and bytes exact)."""
+    seeds, widths = list(range(40, 46)), (3, 5, 3)
+    _check_remap_bytes(world.run(_there_and_back, seeds, routed, widths, True), seeds, routed, widths)
+
+
+class _RecordingRunner:
+    """A lane runner that records what each round would run and moves nothing."""
+
+    stream = None
+
+    def __init__(self) -> None:
+        self.started = []
+
+    def start(self, schedule, binding, recorder=None):
+        self.started.append((schedule, binding.ids))
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["direct", "routed"])
+def test_prepared_round_is_the_one_of_its_direction_and_row_size(routed):
+    """Every switch of a step starts the round an uncached build gives for its
+    direction and row size; the repeats reuse the prepared one (same objects)."""
+    from megatron_zeppelin.comm.rounds import LaneCommunicator, _round_schedule
+    from megatron_zeppelin.remap.remap import layout_move
+
+    plan, rank = next((p, r) for p in map(random_plan, range(100)) for r in range(WORLD)
+                      if sum(r in (s, d) for s, d, _ in build_exchange(p, r).pairs) >= 2)
+    topo = Topology(nodes=WORLD // GPN, gpus_per_node=GPN, nics_per_node=2)
+    comm, runner = LaneCommunicator.__new__(LaneCommunicator), _RecordingRunner()
+    comm._bind(None, rank, topo, ByteCounters(), 0 if routed else math.inf, torch.float32,
+               torch.device("cpu"), runner)
+    cache = {}
+    # Rows of 3 and 5 both ways, then again; then rows of 3 in float64: a direct
+    # round sizes its messages by the tensors (the same tuple, another round).
+    calls = [("to_linear", 3, 4), ("to_attention", 3, 4), ("to_linear", 5, 4), ("to_attention", 5, 4)] * 2
+    calls.append(("to_linear", 3, 4 if routed else 8))
+    for direction, width, _ in calls:
+        tokens = len(token_ids(plan.attention_spans(rank) if direction == "to_linear" else plan.linear[rank]))
+        layout_move(plan=plan, rank=rank, comm=comm, direction=direction, device=torch.device("cpu"),
+                    cache=cache)(torch.zeros(tokens + pad_rows(tokens), width,
+                                             dtype=torch.float64 if len(runner.started) == 8 else torch.float32))
+    pairs = build_exchange(plan, rank).pairs
+    transport = comm.transport_for(True)
+    for (direction, width, itemsize), (schedule, ids) in zip(calls, runner.started, strict=True):
+        sizes = tuple((i, *((s, d) if direction == "to_linear" else (d, s)), n * width, itemsize)
+                      for i, (s, d, n) in enumerate(pairs))
+        want, want_ids = _round_schedule(sizes, transport, WORLD, rank)
+        assert schedule.ops == want.ops and ids == want_ids
+        assert schedule.ops, "the rank sends or receives in every round"
+    assert all(a is b for (a, _), (b, _) in zip(runner.started[4:8], runner.started[:4])), "prepared once"
+    assert len({id(s) for s, _ in runner.started[:4]}) == 4
