@@ -20,14 +20,17 @@ numpy over its rings, groups and ranks, what the replay executes:
   of the step (a second pass, paced by the first's arrivals); backward, a K/V
   batch also carries the dK/dV of its wave, which waits for its kernel;
 * Ulysses groups as the engine posts them (``planner/surrogate_ulysses.py``): a
-  rank's inputs of all its groups as one batch, its kernels, then its outputs
-  as one later batch; layout switches as all-to-alls: a rank leaves once its
-  busiest port drained;
+  rank's inputs of all its groups as one batch per lane, its kernels in the
+  compute lane's order beside its local kernel calls, then its outputs as one
+  later batch -- followed message by message from every rank's own entry;
+  layout switches as all-to-alls: direct ones followed the same way
+  (``planner/surrogate_alltoall.py``), routed ones as a rank leaving once its
+  busiest port drained after the last rank entered;
 * the segments chained per rank as the replay chains them (a rank enters a
-  segment when its part of the previous one is done; a ring or group starts
-  once all its ranks entered), for ``m`` and ``m - 1`` layers extrapolated as
-  ``replay_step`` extrapolates, plus the gradient sync tail
-  (``cost/step_sync.py``).
+  segment when its part of the previous one is done; a ring starts once all
+  its ranks entered, a message once both its ends did), for ``m`` and
+  ``m - 1`` layers extrapolated as ``replay_step`` extrapolates, plus the
+  gradient sync tail (``cost/step_sync.py``).
 
 The plan is read once into flat arrays (``planner/plan_arrays.py``); Python
 loops run per ring size, ring step and distinct token count, not per
@@ -50,6 +53,7 @@ from megatron_zeppelin.cost.step_sync import forward_backward_split, grad_sync_s
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.shards import chunk_sizes
 from megatron_zeppelin.planner.plan_arrays import PlanArrays, layout_arrays, plan_arrays
+from megatron_zeppelin.planner.surrogate_alltoall import exchanged
 from megatron_zeppelin.planner.surrogate_packed import packed_floor_pairs, packed_ring_batches
 from megatron_zeppelin.planner.surrogate_ulysses import UlyssesGroups
 from megatron_zeppelin.schedule.routing import min_routed_bytes
@@ -81,10 +85,14 @@ class _Segment:
     work: np.ndarray
     """Seconds of compute-lane work per rank."""
     chains: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
-    """Coupled groups: (member ranks flat, group id per member, seconds from the
-    group's start to the member's exit)."""
+    """Ring families: (member ranks flat, family id per member, seconds from the
+    family's start to the member's exit)."""
     alltoall: np.ndarray | None = None
     """Per rank the seconds its busiest port needs (a layout switch), else None."""
+    followed: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
+    """What is followed from every rank's own entry (the Ulysses groups:
+    ``UlyssesGroups.price``; a direct layout switch): from the entries, (its
+    ranks, when each leaves); None without."""
 
 
 @dataclass
@@ -249,17 +257,16 @@ class StepSurrogate:
         gate = np.zeros((3, w))
         batches = ([self._ring_batch(k, ranks, lens, backward, routed, w) for k, (ranks, lens) in layout.rings.items()]
                    + packed_ring_batches(self, layout, backward, routed, w))
-        pending = []
+        followed = None
         if groups is not None:
             # The compute lane runs a rank's ring kernels of steps 0 and 1 before
             # its Ulysses kernels (the schedule's order).
             first = np.zeros(w)
             for bt in batches:
                 first += np.bincount(bt.ranks.ravel(), bt.comp[:, :, :2].sum(axis=2).ravel(), w)
-            pending.append(groups.price(backward, work, load, gate, first))
-        pending += [self._rings(batches, backward, work, load, w, gate)] if batches else []
-        chains = [finish(load) for finish in pending]
-        return _Segment(work, chains)
+            followed = groups.price(backward, work, load, gate if batches else None, first)
+        chains = [self._rings(batches, backward, work, load, w, gate)(load)] if batches else []
+        return _Segment(work, chains, followed=followed)
 
     def _ring_batch(self, k: int, ranks: np.ndarray, L: np.ndarray, backward: bool, routed: bool,
                     w: int) -> "_RingBatch":
@@ -512,9 +519,19 @@ class StepSurrogate:
         src, dst, tokens = messages
         if reverse:
             src, dst = dst, src
+        hops = self._hops(src, dst, tokens * self.row_bytes, w, routed)
+        if len(hops) == 1 and (hops[0][0] is None or hops[0][0].all()):
+            # Every message direct: one wave, each rank's batches posted as it
+            # enters, followed from every rank's own entry (a rank's ports drain
+            # once the ranks it exchanges with entered, not all of them).
+            _, _, out, inn, sec, _, _ = hops[0]
+            lane = (out >= 2 * w).astype(np.int64)              # NIC ports follow the 2 w NVLink ports
+            ranks = np.unique(np.concatenate([src, dst]))
+            return _Segment(np.zeros(w), [], followed=lambda entry: (
+                ranks, exchanged(entry, src, dst, lane, sec, out, inn, w)[ranks]))
         n_ports = self._n_ports(w)
         load = np.zeros(n_ports)
-        for on, _, a, b, sec, _, _ in self._hops(src, dst, tokens * self.row_bytes, w, routed):
+        for on, _, a, b, sec, _, _ in hops:
             sec = sec if on is None else np.where(on, sec, 0.0)
             load += np.bincount(a.ravel(), sec.ravel(), n_ports) + np.bincount(b.ravel(), sec.ravel(), n_ports)
         g = self.gpn
@@ -594,6 +611,9 @@ class StepSurrogate:
             start = np.full(gid.max() + 1, -np.inf)
             np.maximum.at(start, gid, entry[flat])
             np.maximum.at(out, flat, start[gid] + end)
+        if seg.followed is not None:
+            ranks, leave = seg.followed(entry)
+            out[ranks] = np.maximum(out[ranks], leave)
         return out
 
 
