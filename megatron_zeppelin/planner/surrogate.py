@@ -252,9 +252,10 @@ class StepSurrogate:
         if len(L):
             np.add.at(work, layout.local_rank, self._attn_s(L * (L + 1) / 2, L) * share)
         # A rank's ring transfers share its lanes with its Ulysses all-to-alls:
-        # per rank when its Ulysses inputs landed, when its outputs left, and
-        # its Ulysses kernels' seconds (``gate``; 0 without Ulysses).
-        gate = np.zeros((3, w))
+        # per rank when its Ulysses inputs landed, when its outputs left, its
+        # Ulysses kernels' seconds, and when the inputs landed and the outputs
+        # left on its NVLink lane (``gate``; 0 without Ulysses).
+        gate = np.zeros((5, w))
         batches = ([self._ring_batch(k, ranks, lens, backward, routed, w) for k, (ranks, lens) in layout.rings.items()]
                    + packed_ring_batches(self, layout, backward, routed, w))
         followed = None
@@ -419,8 +420,11 @@ class StepSurrogate:
                 if own is not None and proxies is not None:
                     r, j, t, x = proxies
                     np.maximum.at(paced, (r, j, t), own[x, t])
+                # rings inside a node share only their NVLink lanes' batches with the groups
+                nodes = bt.ranks // self.gpn
+                lanes = gate[3:5] if (nodes.min(axis=1) == nodes.max(axis=1)).all() else gate[:2]
                 got, final = self._ring_chain(bt, hops, spans, busiest[family[base[i]:base[i + 1]]], lane, gate,
-                                              backward, paced)
+                                              lanes, backward, paced)
                 n, k = bt.ranks.shape
                 padded = np.concatenate([got, np.repeat(got[:, :, -1:], S - k - 1, axis=2)], axis=2)
                 np.maximum.at(arrive, bt.ranks.ravel(), padded.reshape(n * k, S))
@@ -452,7 +456,7 @@ class StepSurrogate:
 
     @staticmethod
     def _ring_chain(bt: "_RingBatch", hops: np.ndarray, spans: np.ndarray, floor: np.ndarray, lane: np.ndarray, gate: np.ndarray,
-                    backward: bool, paced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                    lanes: np.ndarray, backward: bool, paced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rings of one size step by step: (per (ring, position, step) when
         the step's data reached the position, per (ring, position) when its
         last dK/dV left).  ``hops``: per (ring, link, step, hop) its wave's
@@ -460,7 +464,8 @@ class StepSurrogate:
         ``floor``: per (ring, step) its family's busiest port; ``paced``: per
         (ring, link, step) when the other rings' ranks relaying its pieces had
         their own data of the step (-inf: none), after which its NIC and
-        combine hops still take their waves."""
+        combine hops still take their waves; ``lanes``: per rank when the
+        Ulysses inputs landed and the outputs left on the lanes the rings take."""
         n, k = bt.ranks.shape
         # Data reaches position j at step s when the position before had it at
         # step s - 1 and the link between them carried it: a direct link in one
@@ -470,8 +475,8 @@ class StepSurrogate:
         link_s = np.maximum(hops[..., DIRECT], hops[..., DISPATCH:].sum(axis=3))
         relayed = hops[..., NIC:].sum(axis=3)
         ends = bt.ranks, np.roll(bt.ranks, 1, axis=1)
-        after_in = np.maximum(*(gate[0][r] for r in ends))
-        after_out = np.maximum(*(gate[1][r] for r in ends))
+        after_in = np.maximum(*(lanes[0][r] for r in ends))
+        after_out = np.maximum(*(lanes[1][r] for r in ends))
         got = np.zeros((n, k, k + 1))
         # Waves (Schedule.waves): of the transfer that delivered each position's
         # data of a step (-1: its own), of the first hop of the dK/dV it sends at

@@ -75,8 +75,8 @@ def _pop(heap, base, n):
 def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, rank, kernel, lanes,
             chain_ptr, chain_slot, pack_ptr, pack_s, w):
     """One pass of the groups from every rank's ``entry``: (per lane and rank
-    when its inputs' batch was done, per rank when its outputs' was, per rank
-    of ``chain_ptr`` when its compute lane ran its last kernel and local call).
+    when its inputs' batch was done, and when its outputs' was, per rank of
+    ``chain_ptr`` when its compute lane ran its last kernel and local call).
     Members (``rank``, ``kernel`` seconds, ``lanes``: which lanes it receives
     on) in ``chain_slot`` by rank (``chain_ptr``), each rank's in plan order;
     its local calls' seconds ``pack_s`` by rank (``pack_ptr``); ``first``: per
@@ -89,6 +89,7 @@ def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, 
     for i in range(len(src)):
         landed[lane[i], src[i]] = max(landed[lane[i], src[i]], moved[i])
         landed[lane[i], dst[i]] = max(landed[lane[i], dst[i]], moved[i])
+    inputs = landed.copy()
     ready = np.zeros(len(rank))
     for j in range(len(rank)):
         for x in range(2):
@@ -128,11 +129,11 @@ def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, 
             if lanes[x, j]:
                 landed[x, rank[j]] = max(landed[x, rank[j]], done[j])   # now: when the outputs post
     moved = carried(landed.ravel(), src, dst, lane, held_out, port_out, port_in, w)
-    sent = np.zeros(w)
+    sent = np.zeros((2, w))
     for i in range(len(src)):
-        sent[src[i]] = max(sent[src[i]], moved[i])
-        sent[dst[i]] = max(sent[dst[i]], moved[i])
-    return ready, sent, lane_end
+        sent[lane[i], src[i]] = max(sent[lane[i], src[i]], moved[i])
+        sent[lane[i], dst[i]] = max(sent[lane[i], dst[i]], moved[i])
+    return inputs, sent, lane_end
 
 
 @njit(cache=True)
@@ -220,7 +221,8 @@ class UlyssesGroups:
         ``load``; ``first``: per rank the compute lane's work ahead of its
         Ulysses kernels; ``gate`` (rings beside the groups read it): set per
         member rank to when its inputs landed and its outputs left, entering
-        at 0, and its Ulysses kernels' seconds.  Returns the function of every
+        at 0, its Ulysses kernels' seconds, and when its inputs landed and its
+        outputs left on its NVLink lane.  Returns the function of every
         rank's entry that yields (the member ranks, when each leaves)."""
         w, ranks = self.w, self.ranks
         share = self.clock.attn_share[backward]
@@ -233,14 +235,14 @@ class UlyssesGroups:
         fixed = (first, self.src, self.dst, self.lane, sec_in, sec_out, self.port_out, self.port_in, ranks,
                  kernel, self.member_lanes, self.chain_ptr, self.chain_slot, self.call_ptr, self.calls * share, w)
         if gate is not None:
-            ready, sent, _ = _follow(np.zeros(w), *fixed)
-            np.maximum.at(gate[0], ranks, ready)
-            gate[1][ranks] = sent[ranks]
+            landed, sent, _ = _follow(np.zeros(w), *fixed)
+            gate[0][ranks], gate[1][ranks] = landed.max(axis=0)[ranks], sent.max(axis=0)[ranks]
             gate[2][ranks] = np.bincount(ranks, kernel, w)[ranks]
+            gate[3][ranks], gate[4][ranks] = landed[0][ranks], sent[0][ranks]
         chain_rank = self.chain_rank
 
         def leave(entry: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             _, sent, lane_end = _follow(entry, *fixed)
-            return chain_rank, np.maximum(sent[chain_rank], lane_end)
+            return chain_rank, np.maximum(sent.max(axis=0)[chain_rank], lane_end)
 
         return leave
