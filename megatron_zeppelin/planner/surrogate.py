@@ -23,9 +23,8 @@ numpy over its rings, groups and ranks, what the replay executes:
   rank's inputs of all its groups as one batch per lane, its kernels in the
   compute lane's order beside its local kernel calls, then its outputs as one
   later batch -- followed message by message from every rank's own entry;
-  layout switches as all-to-alls: direct ones followed the same way
-  (``planner/surrogate_alltoall.py``), routed ones as a rank leaving once its
-  busiest port drained after the last rank entered;
+  layout switches as all-to-alls followed the same way
+  (``planner/surrogate_alltoall.py``), a routed message's pieces a wave per hop;
 * the segments chained per rank as the replay chains them (a rank enters a
   segment when its part of the previous one is done; a ring starts once all
   its ranks entered, a message once both its ends did), for ``m`` and
@@ -87,8 +86,6 @@ class _Segment:
     chains: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
     """Ring families: (member ranks flat, family id per member, seconds from the
     family's start to the member's exit)."""
-    alltoall: np.ndarray | None = None
-    """Per rank the seconds its busiest port needs (a layout switch), else None."""
     followed: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
     """What is followed from every rank's own entry (the Ulysses groups:
     ``UlyssesGroups.price``; a direct layout switch): from the entries, (its
@@ -521,29 +518,47 @@ class StepSurrogate:
     # -------------------------------------------------------- switch, linear
     def _switch(self, messages: tuple[np.ndarray, np.ndarray, np.ndarray], w: int, routed: bool,
                 reverse: bool) -> _Segment:
+        """A layout switch followed from every rank's own entry
+        (``surrogate_alltoall.exchanged``): a direct message one transfer, a
+        routed one its pieces' hops (:meth:`_hops`), each a wave after the one
+        whose landing it carries on from."""
         src, dst, tokens = messages
         if reverse:
             src, dst = dst, src
         hops = self._hops(src, dst, tokens * self.row_bytes, w, routed)
-        if len(hops) == 1 and (hops[0][0] is None or hops[0][0].all()):
-            # Every message direct: one wave, each rank's batches posted as it
-            # enters, followed from every rank's own entry (a rank's ports drain
-            # once the ranks it exchanges with entered, not all of them).
-            _, _, out, inn, sec, _, _ = hops[0]
-            lane = (out >= 2 * w).astype(np.int64)              # NIC ports follow the 2 w NVLink ports
-            ranks = np.unique(np.concatenate([src, dst]))
-            return _Segment(np.zeros(w), [], followed=lambda entry: (
-                ranks, exchanged(entry, src, dst, lane, sec, out, inn, w)[ranks]))
+        on, i, out, inn, sec, _, _ = hops[0]
+        i, out, inn, sec = (x if on is None else x[on] for x in (i, out, inn, sec))
+        # per leg: message, piece, hop, sender, receiver, lane (NIC ports follow the
+        # 2 w NVLink ports), wave, seconds, egress and ingress port, and the hop it carries on from
+        zero = np.zeros(len(i), np.int64)
+        legs = [(i, zero, zero + DIRECT, src[i], dst[i], (out >= 2 * w).astype(np.int64), zero, sec, out, inn, zero - 1)]
+        if len(hops) > 1:
+            (_, i, d_out, d_in, d_sec, _, _), (_, _, n_out, n_in, n_sec, _, crossing), (_, _, c_out, c_in, c_sec, _, _) \
+                = hops[1:]
+            piece = np.broadcast_to(np.arange(self.nics)[:, None], i.shape)
+            proxy, peer, s, t = (d_in - 1) // 2, c_out // 2, src[i], dst[i]
+            dispatched, combined = proxy != s, peer != t
+            one = np.ones(i.shape, np.int64)
+            legs += [tuple(x[dispatched] for x in (i, piece, one * DISPATCH, s, proxy, 0 * one, 0 * one, d_sec, d_out,
+                                                    d_in, 0 * one - 1)),
+                     tuple(x.ravel() for x in (i, piece, one * NIC, proxy, peer, one, crossing, n_sec, n_out, n_in,
+                                               np.where(dispatched, DISPATCH, -1))),
+                     tuple(x[combined] for x in (i, piece, one * COMBINE, peer, t, 0 * one, crossing + 1, c_sec, c_out,
+                                                 c_in, one * NIC))]
+        msg, piece, hop, snd, rcv, lane, wave, held, a, b, before = (np.concatenate(x) for x in zip(*legs))
+        # wave by wave, each wave's legs in the schedule's order (message, piece, hop)
+        key = (msg * self.nics + piece) * 4 + hop
+        order = np.lexsort((key, wave))
+        key, wave = key[order], wave[order]
+        by_key = np.argsort(key)
+        prior = np.where(before[order] >= 0, key - hop[order] + before[order], -1)
+        after = np.where(prior >= 0, by_key[np.searchsorted(key[by_key], prior)], -1)
+        wave_ptr = np.searchsorted(wave, np.arange(int(wave.max()) + 2))
+        snd, rcv, lane, held, a, b = (x[order] for x in (snd, rcv, lane, held, a, b))
+        ranks = np.unique(np.concatenate([snd, rcv]))
         n_ports = self._n_ports(w)
-        load = np.zeros(n_ports)
-        for on, _, a, b, sec, _, _ in hops:
-            sec = sec if on is None else np.where(on, sec, 0.0)
-            load += np.bincount(a.ravel(), sec.ravel(), n_ports) + np.bincount(b.ravel(), sec.ravel(), n_ports)
-        g = self.gpn
-        r = np.arange(w)
-        nic = 2 * w + 2 * ((r // g) * self.nics + self.affinity[r % g])
-        per_rank = np.maximum.reduce([load[2 * r], load[2 * r + 1], load[nic], load[nic + 1]])
-        return _Segment(np.zeros(w), [], per_rank)
+        return _Segment(np.zeros(w), [], followed=lambda entry: (
+            ranks, exchanged(entry, snd, rcv, lane, held, a, b, after, wave_ptr, w, n_ports)[ranks]))
 
     def _linear_s(self, tokens: np.ndarray) -> np.ndarray:
         """``CostModel.linear_s`` per rank, once per distinct count (a balanced
@@ -605,12 +620,6 @@ class StepSurrogate:
     @staticmethod
     def _advance(seg: _Segment, entry: np.ndarray) -> np.ndarray:
         """Per rank, when it leaves ``seg`` having entered at ``entry``."""
-        if seg.alltoall is not None:
-            busy = seg.alltoall > 0
-            if not busy.any():
-                return entry
-            start = float(entry[busy].max())
-            return np.where(busy, start + seg.alltoall, entry)
         out = entry + seg.work
         for flat, gid, end in seg.chains:
             start = np.full(gid.max() + 1, -np.inf)

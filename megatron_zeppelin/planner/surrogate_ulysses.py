@@ -84,7 +84,8 @@ def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, 
     post = np.empty(2 * w)
     post[:w] = entry
     post[w:] = entry
-    moved = carried(post, src, dst, lane, held_in, port_out, port_in, w)
+    n_ports = max(port_out.max(), port_in.max()) + 1
+    moved = carried(post, src, dst, lane, held_in, port_out, port_in, w, np.full(n_ports, -np.inf))
     landed = np.zeros((2, w))
     for i in range(len(src)):
         landed[lane[i], src[i]] = max(landed[lane[i], src[i]], moved[i])
@@ -128,7 +129,7 @@ def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, 
         for x in range(2):
             if lanes[x, j]:
                 landed[x, rank[j]] = max(landed[x, rank[j]], done[j])   # now: when the outputs post
-    moved = carried(landed.ravel(), src, dst, lane, held_out, port_out, port_in, w)
+    moved = carried(landed.ravel(), src, dst, lane, held_out, port_out, port_in, w, np.full(n_ports, -np.inf))
     sent = np.zeros((2, w))
     for i in range(len(src)):
         sent[lane[i], src[i]] = max(sent[lane[i], src[i]], moved[i])
