@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 from numba import njit
 
+from megatron_zeppelin.pair_heap import key_pop, key_push
 from megatron_zeppelin.planner.plan_arrays import PlanArrays
 from megatron_zeppelin.planner.surrogate_alltoall import carried
 from megatron_zeppelin.schedule.attention import AttnShape
@@ -40,35 +41,6 @@ if TYPE_CHECKING:
 
 #: Rows of a rank's consecutive local sequences per kernel call (the schedule's).
 LOCAL_PACK_TOKENS = AttnShape.local_pack_tokens
-
-
-@njit(cache=True)
-def _push(heap, base, n, key):
-    """Push ``key`` onto the min-heap ``heap[base : base + n]``; returns its new size."""
-    i = n
-    while i > 0 and key < heap[base + (i - 1) // 2]:
-        heap[base + i] = heap[base + (i - 1) // 2]
-        i = (i - 1) // 2
-    heap[base + i] = key
-    return n + 1
-
-
-@njit(cache=True)
-def _pop(heap, base, n):
-    """Pop the least key of the min-heap ``heap[base : base + n]``: (it, the new size)."""
-    top, last, n = heap[base], heap[base + n - 1], n - 1
-    i = 0
-    while 2 * i + 1 < n:
-        child = 2 * i + 1
-        if child + 1 < n and heap[base + child + 1] < heap[base + child]:
-            child += 1
-        if heap[base + child] >= last:
-            break
-        heap[base + i] = heap[base + child]
-        i = child
-    if n:
-        heap[base + i] = last
-    return top, n
 
 
 @njit(cache=True)
@@ -116,9 +88,10 @@ def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, 
                     pk += 1
                 t = max(t, soonest)
             while nxt < hi - lo and ready[chain_slot[lo + by_ready[nxt]]] <= t:
-                n = _push(waiting, lo, n, by_ready[nxt])
+                n = key_push(waiting, lo, n, by_ready[nxt])
                 nxt += 1
-            place, n = _pop(waiting, lo, n)
+            place = key_pop(waiting, lo, n)
+            n -= 1
             j = chain_slot[lo + place]
             t += kernel[j]
             done[j] = t
