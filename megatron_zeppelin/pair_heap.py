@@ -3,7 +3,11 @@
 The packing's bins (``planner/packing_fit.py``: tokens, bin) pop the least
 pair first; the orders are unique, so the pop sequence does not depend on the
 heap's layout.  (The replay's pending ends, ``sim/event_loop.py``, are a sorted
-list instead: there a new end lies behind a third of them.)  Comparisons only: no arithmetic on the keys.
+list instead: there a new end lies behind a third of them.)  Comparisons only: no
+arithmetic on the keys.  And min-heaps
+of single keys laid in slices of one array (:func:`key_push`, :func:`key_pop`):
+the replay's compute lanes and the surrogate's (``planner/surrogate_ulysses.py``)
+pick a rank's first ready op in lane order with them.
 """
 
 from __future__ import annotations
@@ -50,3 +54,41 @@ def pop(heap_t, heap_c, n):
                 break
         heap_t[i], heap_c[i] = t, c
     return t0, c0, n
+
+
+@njit(cache=True, _nrt=False)
+def key_push(heap, base, n, key):
+    """Push ``key`` onto the min-heap ``heap[base : base + n]``; returns its new size."""
+    i = n
+    while i > 0:
+        parent = (i - 1) >> 1
+        if key < heap[base + parent]:
+            heap[base + i] = heap[base + parent]
+            i = parent
+        else:
+            break
+    heap[base + i] = key
+    return n + 1
+
+
+@njit(cache=True, _nrt=False)
+def key_pop(heap, base, n):
+    """The smallest key of ``heap[base : base + n]`` (then ``n - 1`` keys remain)."""
+    top = heap[base]
+    n -= 1
+    if n > 0:
+        key = heap[base + n]
+        i = 0
+        while True:
+            child = 2 * i + 1
+            if child >= n:
+                break
+            if child + 1 < n and heap[base + child + 1] < heap[base + child]:
+                child += 1
+            if heap[base + child] < key:
+                heap[base + i] = heap[base + child]
+                i = child
+            else:
+                break
+        heap[base + i] = key
+    return top

@@ -20,14 +20,16 @@ numpy over its rings, groups and ranks, what the replay executes:
   of the step (a second pass, paced by the first's arrivals); backward, a K/V
   batch also carries the dK/dV of its wave, which waits for its kernel;
 * Ulysses groups as the engine posts them (``planner/surrogate_ulysses.py``): a
-  rank's inputs of all its groups as one batch, its kernels, then its outputs
-  as one later batch; layout switches as all-to-alls: a rank leaves once its
-  busiest port drained;
+  rank's inputs of all its groups as one batch per lane, its kernels in the
+  compute lane's order beside its local kernel calls, then its outputs as one
+  later batch -- followed message by message from every rank's own entry;
+  layout switches as all-to-alls followed the same way
+  (``planner/surrogate_alltoall.py``), a routed message's pieces a wave per hop;
 * the segments chained per rank as the replay chains them (a rank enters a
-  segment when its part of the previous one is done; a ring or group starts
-  once all its ranks entered), for ``m`` and ``m - 1`` layers extrapolated as
-  ``replay_step`` extrapolates, plus the gradient sync tail
-  (``cost/step_sync.py``).
+  segment when its part of the previous one is done; a ring starts once all
+  its ranks entered, a message once both its ends did), for ``m`` and
+  ``m - 1`` layers extrapolated as ``replay_step`` extrapolates, plus the
+  gradient sync tail (``cost/step_sync.py``).
 
 The plan is read once into flat arrays (``planner/plan_arrays.py``); Python
 loops run per ring size, ring step and distinct token count, not per
@@ -50,6 +52,7 @@ from megatron_zeppelin.cost.step_sync import forward_backward_split, grad_sync_s
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.shards import chunk_sizes
 from megatron_zeppelin.planner.plan_arrays import PlanArrays, layout_arrays, plan_arrays
+from megatron_zeppelin.planner.surrogate_alltoall import exchanged
 from megatron_zeppelin.planner.surrogate_packed import packed_floor_pairs, packed_ring_batches
 from megatron_zeppelin.planner.surrogate_ulysses import UlyssesGroups
 from megatron_zeppelin.schedule.routing import min_routed_bytes
@@ -81,10 +84,12 @@ class _Segment:
     work: np.ndarray
     """Seconds of compute-lane work per rank."""
     chains: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
-    """Coupled groups: (member ranks flat, group id per member, seconds from the
-    group's start to the member's exit)."""
-    alltoall: np.ndarray | None = None
-    """Per rank the seconds its busiest port needs (a layout switch), else None."""
+    """Ring families: (member ranks flat, family id per member, seconds from the
+    family's start to the member's exit)."""
+    followed: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
+    """What is followed from every rank's own entry (the Ulysses groups:
+    ``UlyssesGroups.price``; a direct layout switch): from the entries, (its
+    ranks, when each leaves); None without."""
 
 
 @dataclass
@@ -244,22 +249,22 @@ class StepSurrogate:
         if len(L):
             np.add.at(work, layout.local_rank, self._attn_s(L * (L + 1) / 2, L) * share)
         # A rank's ring transfers share its lanes with its Ulysses all-to-alls:
-        # per rank when its Ulysses inputs landed, when its outputs left, and
-        # its Ulysses kernels' seconds (``gate``; 0 without Ulysses).
-        gate = np.zeros((3, w))
+        # per rank when its Ulysses inputs landed, when its outputs left, its
+        # Ulysses kernels' seconds, and when the inputs landed and the outputs
+        # left on its NVLink lane (``gate``; 0 without Ulysses).
+        gate = np.zeros((5, w))
         batches = ([self._ring_batch(k, ranks, lens, backward, routed, w) for k, (ranks, lens) in layout.rings.items()]
                    + packed_ring_batches(self, layout, backward, routed, w))
-        pending = []
+        followed = None
         if groups is not None:
             # The compute lane runs a rank's ring kernels of steps 0 and 1 before
             # its Ulysses kernels (the schedule's order).
             first = np.zeros(w)
             for bt in batches:
                 first += np.bincount(bt.ranks.ravel(), bt.comp[:, :, :2].sum(axis=2).ravel(), w)
-            pending.append(groups.price(backward, work, load, gate, first))
-        pending += [self._rings(batches, backward, work, load, w, gate)] if batches else []
-        chains = [finish(load) for finish in pending]
-        return _Segment(work, chains)
+            followed = groups.price(backward, work, load, gate if batches else None, first)
+        chains = [self._rings(batches, backward, work, load, w, gate)(load)] if batches else []
+        return _Segment(work, chains, followed=followed)
 
     def _ring_batch(self, k: int, ranks: np.ndarray, L: np.ndarray, backward: bool, routed: bool,
                     w: int) -> "_RingBatch":
@@ -412,8 +417,11 @@ class StepSurrogate:
                 if own is not None and proxies is not None:
                     r, j, t, x = proxies
                     np.maximum.at(paced, (r, j, t), own[x, t])
+                # rings inside a node share only their NVLink lanes' batches with the groups
+                nodes = bt.ranks // self.gpn
+                lanes = gate[3:5] if (nodes.min(axis=1) == nodes.max(axis=1)).all() else gate[:2]
                 got, final = self._ring_chain(bt, hops, spans, busiest[family[base[i]:base[i + 1]]], lane, gate,
-                                              backward, paced)
+                                              lanes, backward, paced)
                 n, k = bt.ranks.shape
                 padded = np.concatenate([got, np.repeat(got[:, :, -1:], S - k - 1, axis=2)], axis=2)
                 np.maximum.at(arrive, bt.ranks.ravel(), padded.reshape(n * k, S))
@@ -445,7 +453,7 @@ class StepSurrogate:
 
     @staticmethod
     def _ring_chain(bt: "_RingBatch", hops: np.ndarray, spans: np.ndarray, floor: np.ndarray, lane: np.ndarray, gate: np.ndarray,
-                    backward: bool, paced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                    lanes: np.ndarray, backward: bool, paced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rings of one size step by step: (per (ring, position, step) when
         the step's data reached the position, per (ring, position) when its
         last dK/dV left).  ``hops``: per (ring, link, step, hop) its wave's
@@ -453,7 +461,8 @@ class StepSurrogate:
         ``floor``: per (ring, step) its family's busiest port; ``paced``: per
         (ring, link, step) when the other rings' ranks relaying its pieces had
         their own data of the step (-inf: none), after which its NIC and
-        combine hops still take their waves."""
+        combine hops still take their waves; ``lanes``: per rank when the
+        Ulysses inputs landed and the outputs left on the lanes the rings take."""
         n, k = bt.ranks.shape
         # Data reaches position j at step s when the position before had it at
         # step s - 1 and the link between them carried it: a direct link in one
@@ -463,8 +472,8 @@ class StepSurrogate:
         link_s = np.maximum(hops[..., DIRECT], hops[..., DISPATCH:].sum(axis=3))
         relayed = hops[..., NIC:].sum(axis=3)
         ends = bt.ranks, np.roll(bt.ranks, 1, axis=1)
-        after_in = np.maximum(*(gate[0][r] for r in ends))
-        after_out = np.maximum(*(gate[1][r] for r in ends))
+        after_in = np.maximum(*(lanes[0][r] for r in ends))
+        after_out = np.maximum(*(lanes[1][r] for r in ends))
         got = np.zeros((n, k, k + 1))
         # Waves (Schedule.waves): of the transfer that delivered each position's
         # data of a step (-1: its own), of the first hop of the dK/dV it sends at
@@ -509,19 +518,47 @@ class StepSurrogate:
     # -------------------------------------------------------- switch, linear
     def _switch(self, messages: tuple[np.ndarray, np.ndarray, np.ndarray], w: int, routed: bool,
                 reverse: bool) -> _Segment:
+        """A layout switch followed from every rank's own entry
+        (``surrogate_alltoall.exchanged``): a direct message one transfer, a
+        routed one its pieces' hops (:meth:`_hops`), each a wave after the one
+        whose landing it carries on from."""
         src, dst, tokens = messages
         if reverse:
             src, dst = dst, src
+        hops = self._hops(src, dst, tokens * self.row_bytes, w, routed)
+        on, i, out, inn, sec, _, _ = hops[0]
+        i, out, inn, sec = (x if on is None else x[on] for x in (i, out, inn, sec))
+        # per leg: message, piece, hop, sender, receiver, lane (NIC ports follow the
+        # 2 w NVLink ports), wave, seconds, egress and ingress port, and the hop it carries on from
+        zero = np.zeros(len(i), np.int64)
+        legs = [(i, zero, zero + DIRECT, src[i], dst[i], (out >= 2 * w).astype(np.int64), zero, sec, out, inn, zero - 1)]
+        if len(hops) > 1:
+            (_, i, d_out, d_in, d_sec, _, _), (_, _, n_out, n_in, n_sec, _, crossing), (_, _, c_out, c_in, c_sec, _, _) \
+                = hops[1:]
+            piece = np.broadcast_to(np.arange(self.nics)[:, None], i.shape)
+            proxy, peer, s, t = (d_in - 1) // 2, c_out // 2, src[i], dst[i]
+            dispatched, combined = proxy != s, peer != t
+            one = np.ones(i.shape, np.int64)
+            legs += [tuple(x[dispatched] for x in (i, piece, one * DISPATCH, s, proxy, 0 * one, 0 * one, d_sec, d_out,
+                                                    d_in, 0 * one - 1)),
+                     tuple(x.ravel() for x in (i, piece, one * NIC, proxy, peer, one, crossing, n_sec, n_out, n_in,
+                                               np.where(dispatched, DISPATCH, -1))),
+                     tuple(x[combined] for x in (i, piece, one * COMBINE, peer, t, 0 * one, crossing + 1, c_sec, c_out,
+                                                 c_in, one * NIC))]
+        msg, piece, hop, snd, rcv, lane, wave, held, a, b, before = (np.concatenate(x) for x in zip(*legs))
+        # wave by wave, each wave's legs in the schedule's order (message, piece, hop)
+        key = (msg * self.nics + piece) * 4 + hop
+        order = np.lexsort((key, wave))
+        key, wave = key[order], wave[order]
+        by_key = np.argsort(key)
+        prior = np.where(before[order] >= 0, key - hop[order] + before[order], -1)
+        after = np.where(prior >= 0, by_key[np.searchsorted(key[by_key], prior)], -1)
+        wave_ptr = np.searchsorted(wave, np.arange(int(wave.max()) + 2))
+        snd, rcv, lane, held, a, b = (x[order] for x in (snd, rcv, lane, held, a, b))
+        ranks = np.unique(np.concatenate([snd, rcv]))
         n_ports = self._n_ports(w)
-        load = np.zeros(n_ports)
-        for on, _, a, b, sec, _, _ in self._hops(src, dst, tokens * self.row_bytes, w, routed):
-            sec = sec if on is None else np.where(on, sec, 0.0)
-            load += np.bincount(a.ravel(), sec.ravel(), n_ports) + np.bincount(b.ravel(), sec.ravel(), n_ports)
-        g = self.gpn
-        r = np.arange(w)
-        nic = 2 * w + 2 * ((r // g) * self.nics + self.affinity[r % g])
-        per_rank = np.maximum.reduce([load[2 * r], load[2 * r + 1], load[nic], load[nic + 1]])
-        return _Segment(np.zeros(w), [], per_rank)
+        return _Segment(np.zeros(w), [], followed=lambda entry: (
+            ranks, exchanged(entry, snd, rcv, lane, held, a, b, after, wave_ptr, w, n_ports)[ranks]))
 
     def _linear_s(self, tokens: np.ndarray) -> np.ndarray:
         """``CostModel.linear_s`` per rank, once per distinct count (a balanced
@@ -583,17 +620,14 @@ class StepSurrogate:
     @staticmethod
     def _advance(seg: _Segment, entry: np.ndarray) -> np.ndarray:
         """Per rank, when it leaves ``seg`` having entered at ``entry``."""
-        if seg.alltoall is not None:
-            busy = seg.alltoall > 0
-            if not busy.any():
-                return entry
-            start = float(entry[busy].max())
-            return np.where(busy, start + seg.alltoall, entry)
         out = entry + seg.work
         for flat, gid, end in seg.chains:
             start = np.full(gid.max() + 1, -np.inf)
             np.maximum.at(start, gid, entry[flat])
             np.maximum.at(out, flat, start[gid] + end)
+        if seg.followed is not None:
+            ranks, leave = seg.followed(entry)
+            out[ranks] = np.maximum(out[ranks], leave)
         return out
 
 

@@ -5,44 +5,136 @@ A group of ``d`` ranks runs an all-to-all in (always direct), its kernel on
 message carrying its sender's tokens in and its receiver's out, over NVLink
 to a member on its node and through the NICs to the rest.  As the engine runs
 them (``Schedule.waves``, ``comm/lanes.py``), a rank posts its inputs of every
-group it is in as one batch per lane (NVLink, NIC) at once, and its outputs
-as one later batch per lane once the kernels of that lane's groups are done;
-a kernel's data is there once its rank's batches it came by are done.  Every
-port carries its messages back to back in the order they start (both ends
-posted), and a message has moved once both its ports carried it -- the
-replay's rule, followed message by message in numpy (a sort per pass and
-a running maximum per port), so the members of overlapping groups land and
-leave when the replay has them land and leave, the groups starting together.  What both passes share is
-built once per plan (:class:`UlyssesGroups`); :meth:`UlyssesGroups.price`
-prices one pass.
+group it is in as one batch per lane (NVLink, NIC) when it enters the
+segment, and its outputs as one later batch per lane once the kernels of that
+lane's groups are done; a kernel's data is there once its rank's batches it
+came by are done.  Every port carries its messages back to back in the order
+they start (both ends posted), and a message has moved once both its ports
+carried it -- the replay's rule (``planner/surrogate_alltoall.py``).  A rank's
+compute lane runs, whenever it is free, the first op in the schedule's order
+whose data is there (``schedule/ops.py``): its ring kernels of steps 0 and 1,
+its Ulysses kernels in plan order, then its local sequences in kernel calls of
+at least ``AttnShape.local_pack_tokens`` rows, which fill the lane while no
+kernel's data is there -- and a call that started runs to its end while a
+kernel's data lands.  So a member whose entry, inputs or local calls differ
+from the others' delays its groups, and every layer the ranks enter at
+different times: the groups are followed message by message and kernel by
+kernel from every rank's own entry (:meth:`UlyssesGroups.price` returns that
+function of the entries), in one compiled pass (:func:`_follow`).
+What both passes share is built once per plan (:class:`UlyssesGroups`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+from numba import njit
 
+from megatron_zeppelin.pair_heap import key_pop, key_push
 from megatron_zeppelin.planner.plan_arrays import PlanArrays
+from megatron_zeppelin.planner.surrogate_alltoall import carried
+from megatron_zeppelin.schedule.attention import AttnShape
 
 if TYPE_CHECKING:
     from megatron_zeppelin.planner.surrogate import StepSurrogate
 
+#: Rows of a rank's consecutive local sequences per kernel call (the schedule's).
+LOCAL_PACK_TOKENS = AttnShape.local_pack_tokens
 
-def _carried(held: np.ndarray, start: np.ndarray, first: np.ndarray, lift: np.ndarray) -> np.ndarray:
-    """When each leg has been carried, legs listed port by port in the order
-    their port carries them: ``end = max(start, previous end) + held`` along each
-    port, from 0.  ``first``: per leg the first leg of its port; ``lift``: per
-    leg its port's place (0, 1, 2, ... by port)."""
-    before = np.cumsum(held)
-    before -= before[first] - held[first]            # carried along the port, this leg included
-    if not start.any():
-        return before
-    # end_k = C_k + max over j <= k on its port of (start_j - C_(j-1)): a running
-    # maximum that restarts per port (each port's values lifted above the last's).
-    lead = start - (before - held)
-    lift = lift * (np.abs(lead).max() * 2 + 1)
-    return before + np.maximum.accumulate(lead + lift) - lift
+
+@njit(cache=True)
+def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, rank, kernel, lanes,
+            chain_ptr, chain_slot, pack_ptr, pack_s, w):
+    """One pass of the groups from every rank's ``entry``: (per lane and rank
+    when its inputs' batch was done, and when its outputs' was, per rank of
+    ``chain_ptr`` when its compute lane ran its last kernel and local call).
+    Members (``rank``, ``kernel`` seconds, ``lanes``: which lanes it receives
+    on) in ``chain_slot`` by rank (``chain_ptr``), each rank's in plan order;
+    its local calls' seconds ``pack_s`` by rank (``pack_ptr``); ``first``: per
+    rank the lane's work ahead of its Ulysses kernels."""
+    post = np.empty(2 * w)
+    post[:w] = entry
+    post[w:] = entry
+    n_ports = max(port_out.max(), port_in.max()) + 1
+    moved = carried(post, src, dst, lane, held_in, port_out, port_in, w, np.full(n_ports, -np.inf))
+    landed = np.zeros((2, w))
+    for i in range(len(src)):
+        landed[lane[i], src[i]] = max(landed[lane[i], src[i]], moved[i])
+        landed[lane[i], dst[i]] = max(landed[lane[i], dst[i]], moved[i])
+    inputs = landed.copy()
+    ready = np.zeros(len(rank))
+    for j in range(len(rank)):
+        for x in range(2):
+            if lanes[x, j]:
+                ready[j] = max(ready[j], landed[x, rank[j]])
+    done = np.zeros(len(rank))
+    lane_end = np.empty(len(chain_ptr) - 1)
+    waiting = np.empty(chain_ptr[-1] if len(chain_ptr) else 0, np.int64)   # a min-heap of places in order
+    for c in range(len(chain_ptr) - 1):
+        lo, hi = chain_ptr[c], chain_ptr[c + 1]
+        r = rank[chain_slot[lo]]
+        t = entry[r] + first[r]
+        pk, pend = pack_ptr[c], pack_ptr[c + 1]
+        by_ready = np.argsort(ready[chain_slot[lo:hi]], kind="mergesort")
+        nxt, n = 0, 0
+        for _ in range(hi - lo):
+            # The first kernel in order whose data is there; else local calls
+            # until the next one's data lands (the call then running runs on).
+            if n == 0 and t < ready[chain_slot[lo + by_ready[nxt]]]:
+                soonest = ready[chain_slot[lo + by_ready[nxt]]]
+                while pk < pend and t < soonest:
+                    t += pack_s[pk]
+                    pk += 1
+                t = max(t, soonest)
+            while nxt < hi - lo and ready[chain_slot[lo + by_ready[nxt]]] <= t:
+                n = key_push(waiting, lo, n, by_ready[nxt])
+                nxt += 1
+            place = key_pop(waiting, lo, n)
+            n -= 1
+            j = chain_slot[lo + place]
+            t += kernel[j]
+            done[j] = t
+        for q in range(pk, pend):
+            t += pack_s[q]
+        lane_end[c] = t
+    for j in range(len(rank)):
+        for x in range(2):
+            if lanes[x, j]:
+                landed[x, rank[j]] = max(landed[x, rank[j]], done[j])   # now: when the outputs post
+    moved = carried(landed.ravel(), src, dst, lane, held_out, port_out, port_in, w, np.full(n_ports, -np.inf))
+    sent = np.zeros((2, w))
+    for i in range(len(src)):
+        sent[lane[i], src[i]] = max(sent[lane[i], src[i]], moved[i])
+        sent[lane[i], dst[i]] = max(sent[lane[i], dst[i]], moved[i])
+    return inputs, sent, lane_end
+
+
+@njit(cache=True)
+def _local_calls(chain_of, local_rank, local_len, seconds, pack_tokens, n_chain):
+    """The kernel calls of the local sequences of ranks with a chain
+    (``chain_of``: per rank its chain, -1: none), as the schedule packs them (a
+    rank's consecutive sequences until a call holds ``pack_tokens`` rows): (CSR
+    offsets by chain, each call's seconds, summed in order)."""
+    calls = np.zeros(n_chain, np.int64)
+    rows = np.zeros(n_chain, np.int64)
+    call_of = np.full(len(local_rank), -1, np.int64)
+    for i in range(len(local_rank)):
+        c = chain_of[local_rank[i]]
+        if c < 0:
+            continue
+        if calls[c] == 0 or rows[c] >= pack_tokens:
+            calls[c] += 1
+            rows[c] = 0
+        rows[c] += int(local_len[i])
+        call_of[i] = calls[c] - 1
+    ptr = np.zeros(n_chain + 1, np.int64)
+    ptr[1:] = np.cumsum(calls)
+    out = np.zeros(ptr[-1])
+    for i in range(len(local_rank)):
+        if call_of[i] >= 0:
+            out[ptr[chain_of[local_rank[i]]] + call_of[i]] += seconds[i]
+    return ptr, out
 
 
 class UlyssesGroups:
@@ -54,11 +146,11 @@ class UlyssesGroups:
         G = len(L)
         gid = np.repeat(np.arange(G), d)                                     # group of each member
         member = np.arange(len(flat)) - (np.cumsum(d) - d)[gid]              # position in its group
-        self.ranks, self.gid, self.groups = flat, gid, G
+        self.ranks, self.gid = flat, gid
         tokens = ((member + 1) * L[gid] // d[gid] - member * L[gid] // d[gid]).astype(np.float64)
-        # attn_s per group before the pass's share: pairs / d at block L (a
+        # attn_s per member before the pass's share: pairs / d at block L (a
         # packed group's: its members' summed pairs at their pair-weighted length)
-        self.kernel = clock._attn_s(layout.group_pairs.astype(np.float64), layout.group_block.astype(np.float64))
+        self.kernel = clock._attn_s(layout.group_pairs.astype(np.float64), layout.group_block.astype(np.float64))[gid]
         hq, hk = clock.q_heads // d, clock.kv_heads // d
         row = clock.head_dim * clock.isz
         q_row, qkv_row = (hq * row)[gid], ((hq + 2 * hk) * row)[gid]       # bytes per token, per member
@@ -70,9 +162,8 @@ class UlyssesGroups:
         keep = a != b
         first = (np.cumsum(d) - d)[gm[keep]]
         sender, receiver = first + a[keep], first + b[keep]                  # member indices
-        src, dst = flat[sender], flat[receiver]
-        inside, out, inn = clock._ports(src, dst, w)
-        self.src, self.dst, self.m = src, dst, len(src)
+        self.src, self.dst = flat[sender], flat[receiver]
+        inside, self.port_out, self.port_in = clock._ports(self.src, self.dst, w)
         self.lane = np.where(inside, 0, 1)                                   # NVLink lane, NIC lane
         lat = np.where(inside, clock.nvl_lat, clock.nic_lat)
         bw = np.where(inside, clock.nvl_bw, clock.nic_bw)
@@ -81,107 +172,51 @@ class UlyssesGroups:
         fwd = (lat + tokens[sender] * qkv_row[sender] / bw, lat + tokens[receiver] * q_row[receiver] / bw)
         bwd = (lat + tokens[sender] * q_row[sender] / bw, lat + tokens[receiver] * qkv_row[receiver] / bw)
         self.seconds = {False: fwd, True: bwd}
-        self.port = np.concatenate([out, inn])                               # a message's two legs
-        # Inputs start together: as the later of their ends posts (ranks post in
-        # rank order, a rank's messages in the schedule's).
-        later = np.maximum(src, dst)
-        self.in_rank = np.tile(np.argsort(later, kind="stable").argsort(), 2)
-        self.in_order = np.lexsort((self.in_rank, self.port))
-        # Sorted by port, legs fall in the same runs whatever their order within.
-        by_port = self.port[self.in_order]
-        runs = np.flatnonzero(np.r_[True, by_port[1:] != by_port[:-1]])
-        self.run_first = np.repeat(runs, np.diff(np.r_[runs, len(by_port)]))
-        self.run_lift = np.cumsum(np.r_[0.0, by_port[1:] != by_port[:-1]])
-        # Per (rank, lane), the messages it sends or receives: a run each.
-        touch = np.concatenate([src * 2 + self.lane, dst * 2 + self.lane])
-        by_touch = np.argsort(touch, kind="stable")
-        self.touch_msg = np.tile(np.arange(len(src)), 2)[by_touch]
-        keys = touch[by_touch]
-        self.touch_at = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-        self.touch_key = keys[self.touch_at]
-        # A leg's key for ordering its port's legs: (port, when it starts, then
-        # as the inputs at equal times), as one integer -- the start's place among
-        # at most 2 w distinct post times in the middle.
-        place = np.empty(len(by_port), np.int64)
-        place[self.in_order] = self.run_lift
-        m2 = 2 * len(src)
-        self.key_port = place * (2 * w * m2) + self.in_rank
-        self.key_start = m2
+        self.port = np.concatenate([self.port_out, self.port_in])            # a message's two legs
         # Which lanes a member's messages of its group take (it receives on each).
-        self.member_lanes = np.zeros((2, len(flat)), bool)
+        self.member_lanes = np.zeros((2, len(flat)), np.bool_)
         self.member_lanes[self.lane, receiver] = True
-        # A rank's groups as a column, by row: the n-th group of every rank at once.
-        by_rank = np.argsort(flat, kind="stable")
-        runs = np.flatnonzero(np.r_[True, np.diff(flat[by_rank]) != 0])
-        lengths = np.diff(np.r_[runs, len(flat)])
-        self.chain_rank = flat[by_rank[runs]]
-        self.chain_of = np.empty(len(flat), np.int64)
-        self.chain_of[by_rank] = np.repeat(np.arange(len(runs)), lengths)
-        self.chain_len = int(lengths.max()) if len(lengths) else 0
+        # Each rank's members in plan order (its compute lane's order), rank after rank.
+        self.chain_slot = np.argsort(flat, kind="stable")
+        runs = np.flatnonzero(np.r_[True, np.diff(flat[self.chain_slot]) != 0])
+        self.chain_ptr = np.r_[runs, len(flat)].astype(np.int64)
+        self.chain_rank = flat[self.chain_slot[runs]]
+        chain_of = np.full(w, -1, np.int64)
+        chain_of[self.chain_rank] = np.arange(len(runs))
+        # Their ranks' local sequences, as kernel calls (before the pass's share).
+        Ll = layout.local_len
+        self.call_ptr, self.calls = _local_calls(chain_of, layout.local_rank.astype(np.int64), Ll,
+                                                 clock._attn_s(Ll * (Ll + 1) / 2, Ll), LOCAL_PACK_TOKENS,
+                                                 len(runs))
 
-    def _order(self, post: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """The legs port by port in the order their messages start: as the later
-        of ``post[a]`` and ``post[b]``, ties as the inputs (which start together)."""
-        place = np.empty(len(post), np.int64)
-        place[np.argsort(post, kind="stable")] = np.arange(len(post))
-        later = np.maximum(place[a], place[b])
-        return np.argsort(self.key_port + np.concatenate([later, later]) * self.key_start)
-
-    def _moved(self, seconds: np.ndarray, order: np.ndarray, start: np.ndarray) -> np.ndarray:
-        """When each message has moved, starting at ``start``, its legs carried in
-        ``order`` (port by port)."""
-        held = np.concatenate([seconds, seconds])[order]
-        at = np.empty(2 * self.m)
-        at[order] = _carried(held, np.concatenate([start, start])[order], self.run_first, self.run_lift)
-        return np.maximum(at[:self.m], at[self.m:])
-
-    def _per_lane(self, values: np.ndarray) -> np.ndarray:
-        """(lane, rank): the latest of ``values`` over the messages each rank sends
-        or receives on each lane (0 where none)."""
-        out = np.zeros(2 * self.w)
-        out[self.touch_key] = np.maximum.reduceat(values[self.touch_msg], self.touch_at)
-        return out.reshape(self.w, 2).T
-
-    def price(self, backward: bool, work: np.ndarray, load: np.ndarray, gate: np.ndarray, first: np.ndarray):
+    def price(self, backward: bool, work: np.ndarray, load: np.ndarray, gate: np.ndarray | None,
+              first: np.ndarray) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
         """One pass: adds the kernels to ``work`` and the ports' seconds to
-        ``load``, sets ``gate`` (per member rank when its inputs landed, when its
-        outputs left, its Ulysses kernels' seconds, from the groups' start);
-        ``first``: per rank the compute lane's work before its Ulysses kernels.
-        Returns the function of the segment's port loads that yields each
-        member's seconds from the groups' start to its exit.  The groups start
-        together (once every member entered): following each member from its
-        own entry, message by message, every layer, cost three times the
-        surrogate's time per call for an error p95 of 1.10 % instead of 1.13 %
-        (``benchmarks/surrogate_error.py``)."""
+        ``load``; ``first``: per rank the compute lane's work ahead of its
+        Ulysses kernels; ``gate`` (rings beside the groups read it): set per
+        member rank to when its inputs landed and its outputs left, entering
+        at 0, its Ulysses kernels' seconds, and when its inputs landed and its
+        outputs left on its NVLink lane.  Returns the function of every
+        rank's entry that yields (the member ranks, when each leaves)."""
         w, ranks = self.w, self.ranks
-        kernel = (self.kernel * self.clock.attn_share[backward])[self.gid]
+        share = self.clock.attn_share[backward]
+        kernel = self.kernel * share
         np.add.at(work, ranks, kernel)
         sec_in, sec_out = self.seconds[backward]
         n_ports = len(load)
         load += np.bincount(self.port, np.concatenate([sec_in, sec_in]), n_ports)
         load += np.bincount(self.port, np.concatenate([sec_out, sec_out]), n_ports)
-        landed = self._per_lane(self._moved(sec_in, self.in_order, np.zeros(self.m)))
-        # A member's kernel runs once its rank's batches its inputs came by are
-        # done; a rank runs its kernels as their data lands.
-        ready = np.where(self.member_lanes, landed[:, ranks], 0.0).max(axis=0)
-        shape = (self.chain_len, len(self.chain_rank))
-        nth = np.lexsort((self.gid, ready, self.chain_of))
-        row = np.empty(len(ranks), np.int64)
-        row[nth] = np.arange(len(ranks)) - np.searchsorted(self.chain_of[nth], self.chain_of[nth])
-        r, k = np.full(shape, -np.inf), np.zeros(shape)
-        r[row, self.chain_of], k[row, self.chain_of] = ready, kernel
-        x = np.empty(shape)
-        prev = first[self.chain_rank]
-        for n in range(shape[0]):
-            prev = x[n] = np.maximum(prev, r[n]) + k[n]
-        done = x[row, self.chain_of]
-        # Each lane posts its outputs once its groups' kernels are done (and its
-        # inputs' batch, the lane's previous one, is).
-        posted = landed.copy()
-        np.maximum.at(posted.reshape(-1), np.arange(2)[:, None] * w + ranks, np.where(self.member_lanes, done, 0.0))
-        start = np.maximum(posted[self.lane, self.src], posted[self.lane, self.dst])
-        order = self._order(posted.reshape(-1), self.lane * w + self.src, self.lane * w + self.dst)
-        sent = self._per_lane(self._moved(sec_out, order, start)).max(axis=0)
-        gate[0][ranks], gate[1][ranks] = landed.max(axis=0)[ranks], sent[ranks]
-        gate[2][ranks] = np.bincount(ranks, kernel, w)[ranks]
-        return lambda total: (ranks, self.gid, sent[ranks])
+        fixed = (first, self.src, self.dst, self.lane, sec_in, sec_out, self.port_out, self.port_in, ranks,
+                 kernel, self.member_lanes, self.chain_ptr, self.chain_slot, self.call_ptr, self.calls * share, w)
+        if gate is not None:
+            landed, sent, _ = _follow(np.zeros(w), *fixed)
+            gate[0][ranks], gate[1][ranks] = landed.max(axis=0)[ranks], sent.max(axis=0)[ranks]
+            gate[2][ranks] = np.bincount(ranks, kernel, w)[ranks]
+            gate[3][ranks], gate[4][ranks] = landed[0][ranks], sent[0][ranks]
+        chain_rank = self.chain_rank
+
+        def leave(entry: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            _, sent, lane_end = _follow(entry, *fixed)
+            return chain_rank, np.maximum(sent.max(axis=0)[chain_rank], lane_end)
+
+        return leave

@@ -46,6 +46,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from megatron_zeppelin.pair_heap import key_pop, key_push
 
 READY, DONE, ENTER, POST, MOVED, LANDED = 0, 1, 2, 3, 4, 5
 
@@ -66,44 +67,6 @@ def _pend(end_t, end_c, n, t, c):
         j -= 1
     end_t[j + 1], end_c[j + 1] = t, c
     return n + 1
-
-
-@njit(cache=True, _nrt=False)
-def _key_push(heap, base, n, key):
-    """Push ``key`` onto the min-heap ``heap[base : base + n]``; returns its new size."""
-    i = n
-    while i > 0:
-        parent = (i - 1) >> 1
-        if key < heap[base + parent]:
-            heap[base + i] = heap[base + parent]
-            i = parent
-        else:
-            break
-    heap[base + i] = key
-    return n + 1
-
-
-@njit(cache=True, _nrt=False)
-def _key_pop(heap, base, n):
-    """The smallest key of ``heap[base : base + n]`` (then ``n - 1`` keys remain)."""
-    top = heap[base]
-    n -= 1
-    if n > 0:
-        key = heap[base + n]
-        i = 0
-        while True:
-            child = 2 * i + 1
-            if child >= n:
-                break
-            if child + 1 < n and heap[base + child + 1] < heap[base + child]:
-                child += 1
-            if heap[base + child] < key:
-                heap[base + i] = heap[base + child]
-                i = child
-            else:
-                break
-        heap[base + i] = key
-    return top
 
 
 @njit(cache=True, _nrt=False)
@@ -314,7 +277,7 @@ def _run(state, world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, 
             sb = seg_base[chain_seg[k]]
             r = op_rank[sb + what]
             if not op_comm[sb + what]:
-                lane_n[r] = _key_push(lane_heap, lane_base[r], lane_n[r], k << lbits | lane_pos[sb + what])
+                lane_n[r] = key_push(lane_heap, lane_base[r], lane_n[r], k << lbits | lane_pos[sb + what])
                 start_rank = r
             else:                                # its data is there: one send fewer for its batch
                 b = inst_bat[k] + op_bsend[sb + what] - bat_base[chain_seg[k]]
@@ -411,7 +374,7 @@ def _run(state, world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, 
         r = start_rank
         if r < 0 or compute_busy[r] or lane_n[r] == 0:
             continue
-        key = _key_pop(lane_heap, lane_base[r], lane_n[r])
+        key = key_pop(lane_heap, lane_base[r], lane_n[r])
         lane_n[r] -= 1
         k = key >> lbits
         j = chain_seg[k] * world + r
