@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +147,15 @@ def main() -> None:
     p.add_argument("--shared", type=Path, default=SHARED_LENGTHS, help="the shared lengths samples")
     p.add_argument("--check", action="store_true", help="compare with the recorded digests instead of recording")
     args = p.parse_args()
+    # A recording rewrites the whole golden file: without --all, or without the
+    # shared samples (a worktree's ../shared is not the repository's), it would
+    # silently drop the cases it did not run.
+    refusal = ("recording rewrites every case; add --all (or --check to compare)" if not (args.check or args.all)
+               else f"no lengths samples in {args.shared}; pass --shared DIR (e.g. /work/shared/data/lengths)"
+               if args.all and not sorted(args.shared.glob("*.npy")) else None)
+    if refusal:
+        print(f"decision_picks: {refusal}", file=sys.stderr)
+        raise SystemExit(2)
     recorded = json.loads(GOLDEN.read_text())["cases"] if args.check else {}
     out, bad = {}, []
     for case in cases(args.all, args.shared):
