@@ -145,7 +145,8 @@ class UlyssesGroups:
     def price(self, backward: bool, work: np.ndarray, load: np.ndarray, gate: np.ndarray, first: np.ndarray):
         """One pass: adds the kernels to ``work`` and the ports' seconds to
         ``load``, sets ``gate`` (per member rank when its inputs landed, when its
-        outputs left, its Ulysses kernels' seconds, from the groups' start);
+        outputs left, its Ulysses kernels' seconds, from the groups' start; then
+        per lane when its inputs landed, its outputs were posted, they left);
         ``first``: per rank the compute lane's work before its Ulysses kernels.
         Returns the function of the segment's port loads that yields each
         member's seconds from the groups' start to its exit.  The groups start
@@ -181,7 +182,9 @@ class UlyssesGroups:
         np.maximum.at(posted.reshape(-1), np.arange(2)[:, None] * w + ranks, np.where(self.member_lanes, done, 0.0))
         start = np.maximum(posted[self.lane, self.src], posted[self.lane, self.dst])
         order = self._order(posted.reshape(-1), self.lane * w + self.src, self.lane * w + self.dst)
-        sent = self._per_lane(self._moved(sec_out, order, start)).max(axis=0)
+        left = self._per_lane(self._moved(sec_out, order, start))
+        sent = left.max(axis=0)
         gate[0][ranks], gate[1][ranks] = landed.max(axis=0)[ranks], sent[ranks]
         gate[2][ranks] = np.bincount(ranks, kernel, w)[ranks]
+        gate[3:5, ranks], gate[5:7, ranks], gate[7:9, ranks] = landed[:, ranks], posted[:, ranks], left[:, ranks]
         return lambda total: (ranks, self.gid, sent[ranks])
