@@ -15,13 +15,14 @@ numpy over its rings, groups and ranks, what the replay executes:
   dispatch, NIC, combine, every position crossing at once) -- each wave as long
   as the busiest port of its legs in the family of rings sharing ranks (or
   relaying each other's routed pieces), and a step no shorter than the
-  family's busiest port that step (unless it routes pieces); a rank relays routed pieces (a proxy, or
-  its twin) in its own lanes' batches of the pieces' waves, so a piece leaves
-  it once the lane's batch before is done and every send of its batch has its
-  data -- a Ulysses member's inputs' and outputs' all-to-alls, its own rings'
-  transfers (a second pass, paced by the first's batches), and the rank
-  leaves the segment once it relayed its last piece; backward, a K/V batch
-  also carries the dK/dV of its wave, which waits for its kernel;
+  family's busiest port that step (unless it routes pieces); a rank relays
+  routed pieces (a proxy, or its twin) in its own lanes' batches of the
+  pieces' waves, so a piece leaves it once the lane's batch before is done
+  and every send of its batch has its data -- a Ulysses member's inputs' and
+  outputs' all-to-alls, its own rings' transfers (a second pass, paced by the
+  first's batches) -- and the rank leaves the segment once it relayed its
+  last piece; backward, a K/V batch also carries the dK/dV of its wave, which
+  waits for its kernel;
 * Ulysses groups as the engine posts them (``planner/surrogate_ulysses.py``): a
   rank's inputs of all its groups as one batch, its kernels, then its outputs
   as one later batch; layout switches as all-to-alls: a rank leaves once its
@@ -103,11 +104,10 @@ class _RingBatch:
     """(ring, link, step, port, seconds held, hop, wave) arrays of every message
     leg (link ``j``: position ``j`` to ``j + 1``)."""
     relays: list = field(default_factory=list)
-    """Per kind of message (K/V, then dK/dV backward): (ring, link, step, relaying
-    rank, wave within the message, lane, whether it sends, seconds of the hop,
-    of the hops after it)
-    arrays of the hops a rank that is neither end of the link relays
-    (``StepSurrogate._relays``)."""
+    """Per kind of message (K/V, then dK/dV backward), the hops that a rank
+    other than the link's ends relays, as (ring, link, step, relaying rank,
+    wave within the message, lane, whether it sends, seconds of the hop, of
+    the hops after it) arrays (``StepSurrogate._relays``)."""
 
 
 def _components(group_of_slot: np.ndarray, rank_of_slot: np.ndarray, groups: int, w: int) -> np.ndarray:
@@ -536,13 +536,12 @@ class StepSurrogate:
                    for lane in range(2)
                    for wave, posted, row in ((0, none, 3), (ULYSSES_OUT_WAVE, gate[5 + lane, member], 7))]
 
-        def chain(clock: _LaneClock) -> tuple:
+        def chain(clock: _LaneClock | None, events: list | None) -> tuple:
             """Per (rank, step) when its data arrived, per rank when its last dK/dV
-            left and when it relayed its last piece, and the rings' batches as
-            :class:`_LaneClock` events, the relayed pieces paced by ``clock``."""
+            left and when it relayed its last piece, the relayed pieces paced by
+            ``clock``; adds the rings' batches to ``events`` (unless None)."""
             arrive = np.full((w, S), -np.inf)
             last, relayed = np.zeros(w), np.full(w, -np.inf)
-            events = []
             for i, bt in enumerate(batches):
                 got, final = self._ring_chain(bt, *inputs[i], busiest[family[base[i]:base[i + 1]]], lane, gate,
                                               backward, clock, relayed, events)
@@ -550,15 +549,16 @@ class StepSurrogate:
                 padded = np.concatenate([got, np.repeat(got[:, :, -1:], S - k - 1, axis=2)], axis=2)
                 np.maximum.at(arrive, bt.ranks.ravel(), padded.reshape(n * k, S))
                 np.maximum.at(last, bt.ranks.ravel(), final.ravel())
-            return arrive, last, relayed, events
+            return arrive, last, relayed
 
         # Once with the Ulysses batches alone, then with the rings' batches as
         # the first pass had them: a rank relays pieces in its own lanes'
         # batches, so rings that relay each other's pieces move at the slower
         # one's pace, wave by wave.
-        arrive, last, relayed, events = chain(_LaneClock(ulysses))
-        if any(len(x.rank) for bt in inputs for x in bt[3]):
-            arrive, last, relayed, _ = chain(_LaneClock(ulysses + events))
+        events = [] if any(len(x.rank) for bt in inputs for x in bt[3]) else None
+        arrive, last, relayed = chain(None if events is None else _LaneClock(ulysses), events)
+        if events is not None:
+            arrive, last, relayed = chain(_LaneClock(ulysses + events), None)
         if S > 1:
             arrive[:, 1] = np.maximum(arrive[:, 1], np.where(gate[2] > 0, gate[0], -np.inf))
         members = np.nonzero(fam_of_rank >= 0)[0]
@@ -585,8 +585,8 @@ class StepSurrogate:
 
     @staticmethod
     def _ring_chain(bt: "_RingBatch", hops: np.ndarray, spans: np.ndarray, crossing: np.ndarray, relays: list,
-                    floor: np.ndarray, lane: np.ndarray, gate: np.ndarray, backward: bool, clock: _LaneClock,
-                    relayed_until: np.ndarray, events: list) -> tuple[np.ndarray, np.ndarray]:
+                    floor: np.ndarray, lane: np.ndarray, gate: np.ndarray, backward: bool, clock: _LaneClock | None,
+                    relayed_until: np.ndarray, events: list | None) -> tuple[np.ndarray, np.ndarray]:
         """The rings of one size step by step: (per (ring, position, step) when
         the step's data reached the position, per (ring, position) when its
         last dK/dV left).  ``hops``: per (ring, link, step, hop) its wave's
@@ -596,7 +596,7 @@ class StepSurrogate:
         their lanes' batches in ``clock``; ``floor``: per (ring, step) its
         family's busiest port.  Raises ``relayed_until`` per rank to when it
         relayed its last piece of these rings, and adds the rings' batches to
-        ``events`` (:class:`_LaneClock`)."""
+        ``events`` (:class:`_LaneClock`; unless None)."""
         n, k = bt.ranks.shape
         # Data reaches position j at step s when the position before had it at
         # step s - 1 and the link between them carried it: a direct link in one
@@ -610,6 +610,8 @@ class StepSurrogate:
         ranks = bt.ranks
 
         def batch(at_receiver: bool, wave: np.ndarray, posted: np.ndarray | None, done: np.ndarray) -> None:
+            if events is None:
+                return
             for ln, on in enumerate(on_lane):
                 on = np.roll(on, 1, axis=1) if at_receiver else on
                 events.append((ranks[on], np.full(int(on.sum()), ln), wave[on],
