@@ -664,8 +664,12 @@ class StepSurrogate:
             if t < k:          # the K/V of step t - 1: sent, then received
                 batch(False, kv_wave[:, :, t - 1] + 1, got[:, :, t - 1], got[:, :, t - 1] + first_hop[:, :, t - 1])
                 batch(True, kv_wave[:, :, t], None, got[:, :, t])
-            if backward:       # the dK/dV of step t, once the kernel of step t - 1 is done
-                start = done[:, :, t - 1]
+            if backward:
+                # The dK/dV of step t, once this ring's kernel of step t - 1 is
+                # done: ``done`` holds every ring's kernels of the rank's step,
+                # but the lane runs a ring's kernel as soon as its data is there.
+                before = done[:, :, t - 2] if t > 1 else 0.0
+                start = np.maximum(before, got[:, :, t - 1]) + bt.comp[:, :, t - 1]
                 batch(False, dkv_sent[:, :, t], start, start + first_hop[:, :, t])
                 batch(True, dkv_got[:, :, t], None, np.roll(start + link_s[:, :, t], 1, axis=1))
         # the last dK/dV leaves once the position before ran its last kernel
