@@ -531,7 +531,10 @@ class StepSurrogate:
                 np.maximum.at(hops, (ring[on], link[on], step[on], hop[on]), in_wave[on])
                 np.maximum.at(spans, (ring[on], link[on], step[on]), wave[on] + 1)
             nodes = bt.ranks // self.gpn
-            inputs.append((hops, spans, nodes != np.roll(nodes, -1, axis=1), [_Relays(x) for x in bt.relays]))
+            # (none where no piece is relayed: no lane clock is built then)
+            relays = [_Relays(x) for x in bt.relays]
+            relays = relays if any(len(x.rank) for x in relays) else []
+            inputs.append((hops, spans, nodes != np.roll(nodes, -1, axis=1), relays))
             # rings inside a node share only their NVLink lanes' batches with the groups
             lanes.append(gate[[3, 7]] if (nodes.min(axis=1) == nodes.max(axis=1)).all() else gate[:2])
         # A Ulysses member's lanes post its inputs at wave 0 and its outputs at
