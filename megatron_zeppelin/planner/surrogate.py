@@ -15,10 +15,14 @@ numpy over its rings, groups and ranks, what the replay executes:
   dispatch, NIC, combine, every position crossing at once) -- each wave as long
   as the busiest port of its legs in the family of rings sharing ranks (or
   relaying each other's routed pieces), and a step no shorter than the
-  family's busiest port that step; a proxy relays another ring's pieces in
-  its own ring's batches, so they leave no sooner than it had its own data
-  of the step (a second pass, paced by the first's arrivals); backward, a K/V
-  batch also carries the dK/dV of its wave, which waits for its kernel;
+  family's busiest port that step (unless it routes pieces); a rank relays
+  routed pieces (a proxy, or its twin) in its own lanes' batches of the
+  pieces' waves, so a piece leaves it once the lane's batch before is done
+  and every send of its batch has its data -- a Ulysses member's inputs' and
+  outputs' all-to-alls, its own rings' transfers (a second pass, paced by the
+  first's batches) -- and the rank leaves the segment once it relayed its
+  last piece; backward, a K/V batch also carries the dK/dV of its wave, which
+  waits for its kernel;
 * Ulysses groups as the engine posts them (``planner/surrogate_ulysses.py``): a
   rank's inputs of all its groups as one batch per lane, its kernels in the
   compute lane's order beside its local kernel calls, then its outputs as one
@@ -104,6 +108,11 @@ class _RingBatch:
     legs: list = field(default_factory=list)
     """(ring, link, step, port, seconds held, hop, wave) arrays of every message
     leg (link ``j``: position ``j`` to ``j + 1``)."""
+    relays: list = field(default_factory=list)
+    """Per kind of message (K/V, then dK/dV backward), the hops that a rank
+    other than the link's ends relays, as (ring, link, step, relaying rank,
+    wave within the message, lane, whether it sends, seconds of the hop, of
+    the hops after it) arrays (``StepSurrogate._relays``)."""
 
 
 def _components(group_of_slot: np.ndarray, rank_of_slot: np.ndarray, groups: int, w: int) -> np.ndarray:
@@ -130,6 +139,87 @@ def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     of = np.empty(len(rows), np.int64)
     of[order] = np.cumsum(new) - 1
     return ordered[starts], of, order[starts], np.diff(np.r_[starts, len(rows)])
+
+
+class _LaneClock:
+    """Per rank and lane (0: NVLink, 1: NIC), what is known of when its batch of
+    each wave was posted (the latest data its sends wait for) and done
+    (``Schedule.waves``: a lane posts a wave's batch once its batch before is
+    done and every send of it has its data; what it receives lands once it is
+    done).  Built from events (rank, lane, wave, posted, done) arrays."""
+
+    def __init__(self, events: list[tuple]) -> None:
+        rank, lane, wave, posted, done = (np.concatenate(x) for x in zip(*events))
+        self.span = int(wave.max(initial=0)) + 1
+        key = (rank * 2 + lane) * self.span + wave
+        order = np.argsort(key, kind="stable")
+        self.key, posted, done = key[order], posted[order], done[order]
+        self.group = self.key // self.span
+        # done by wave: a running maximum that restarts per (rank, lane)
+        lift = self.group * (2 * float(np.abs(done).max(initial=0.0)) + 1)
+        self.done = np.maximum.accumulate(done + lift) - lift
+        new = np.ones(len(key), bool)
+        new[1:] = self.key[1:] != self.key[:-1]
+        first = np.flatnonzero(new)
+        self.post_key = self.key[first]
+        self.post = np.maximum.reduceat(posted, first) if len(first) else posted
+
+    def done_by(self, rank: np.ndarray, lane: np.ndarray, wave: np.ndarray) -> np.ndarray:
+        """When the batches of ``rank``'s ``lane`` up to ``wave`` were done (-inf: none)."""
+        group = rank * 2 + lane
+        if not len(self.key):
+            return np.full(len(rank), -np.inf)
+        i = np.searchsorted(self.key, group * self.span + np.minimum(wave, self.span - 1), side="right") - 1
+        ok = (wave >= 0) & (i >= 0)
+        ok[ok] = self.group[i[ok]] == group[ok]
+        return np.where(ok, self.done[np.maximum(i, 0)], -np.inf)
+
+    def posted_at(self, rank: np.ndarray, lane: np.ndarray, wave: np.ndarray) -> np.ndarray:
+        """When the sends of ``rank``'s batch of ``wave`` on ``lane`` had their data (-inf: none)."""
+        key = (rank * 2 + lane) * self.span + wave
+        if not len(self.key):
+            return np.full(len(rank), -np.inf)
+        j = np.minimum(np.searchsorted(self.post_key, key), len(self.post_key) - 1)
+        ok = (wave >= 0) & (wave < self.span) & (j >= 0)
+        ok[ok] = self.post_key[j[ok]] == key[ok]
+        return np.where(ok, self.post[np.maximum(j, 0)], -np.inf)
+
+
+class _Relays:
+    """The hops of one kind of a ring batch's messages that other ranks relay
+    (``_RingBatch.relays``), step by step.  A rank posts a hop it relays in its
+    own lane's batch of the hop's wave (:class:`_LaneClock`): a hop it sends
+    leaves once the lane's batch before is done and its batch is posted, a
+    hop it receives lands (and can go on) once its batch is done."""
+
+    def __init__(self, relays: tuple) -> None:
+        order = np.argsort(relays[2], kind="stable")
+        (self.ring, self.link, self.step, self.rank, self.wave, self.lane, self.sends, self.lead,
+         self.after) = (x[order] for x in relays)
+        self.at = np.searchsorted(self.step, np.arange(self.step.max(initial=-1) + 2))
+
+    def _of(self, t: int) -> slice:
+        return slice(self.at[t], self.at[t + 1]) if t + 1 < len(self.at) else slice(0, 0)
+
+    def bound(self, t: int, first_wave: np.ndarray, clock: _LaneClock) -> np.ndarray:
+        """Per (ring, link) the earliest its message of step ``t`` can reach the
+        receiver, its relays' batches allowing; ``first_wave``: per (ring, link)
+        the wave of its message's first hop."""
+        on = self._of(t)
+        out = np.full(first_wave.shape, -np.inf)
+        ring, link, rank, lane, sends = self.ring[on], self.link[on], self.rank[on], self.lane[on], self.sends[on]
+        wave = first_wave[ring, link] + self.wave[on]
+        start = np.maximum(clock.done_by(rank, lane, wave - 1),
+                           np.where(sends, clock.posted_at(rank, lane, wave), -np.inf))
+        hop = np.maximum(start + self.lead[on], np.where(sends, -np.inf, clock.done_by(rank, lane, wave)))
+        np.maximum.at(out, (ring, link), hop + self.after[on])
+        return out
+
+    def relayed(self, t: int, arrival: np.ndarray, until: np.ndarray) -> None:
+        """Raise ``until`` per relaying rank to when its hops of step ``t``'s
+        messages were done, the messages arriving at ``arrival`` per (ring, link)."""
+        on = self._of(t)
+        np.maximum.at(until, self.rank[on], arrival[self.ring[on], self.link[on]] - self.after[on])
 
 
 class StepSurrogate:
@@ -207,23 +297,51 @@ class StepSurrogate:
         hops = [(direct, ids, out, inn, seconds, DIRECT, 0)]
         if route.any():
             P, g = self.nics, self.gpn
-            # (piece j, routed message) arrays: piece j crosses NIC j
-            j = np.arange(P)[:, None]
-            i, s, t = (np.broadcast_to(x[route], (P, int(route.sum()))) for x in (ids, src, dst))
-            d = np.broadcast_to(self.nvl_lat + nbytes[route] / P / self.nvl_bw, s.shape)
-            n = np.broadcast_to(self.nic_lat + nbytes[route] / P / self.nic_bw, s.shape)
-            base = s - s % g
-            # the sender, else the receiver's twin, else a GPU of the NIC rotated by message
-            proxy = np.where(self.affinity[s % g] == j, s,
-                             np.where(self.affinity[t % g] == j, base + t % g,
-                                      base + self.nic_gpus[j, (s + t) % self.nic_count]))
-            peer = t - t % g + proxy % g
+            i, s, t, j, d, n, proxy, peer = self._pieces(ids[route], src[route], dst[route], nbytes[route])
             dispatched = proxy != s
             crossing = dispatched.astype(np.int64)         # the NIC leg's wave
             hops += [(dispatched, i, 2 * s, 2 * proxy + 1, d, DISPATCH, 0),
                      (None, i, 2 * w + 2 * ((s // g) * P + j), 2 * w + 2 * ((t // g) * P + j) + 1, n, NIC, crossing),
                      (peer != t, i, 2 * peer, 2 * t + 1, d, COMBINE, crossing + 1)]
         return hops
+
+    def _pieces(self, ids: np.ndarray, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> tuple:
+        """The pieces of routed messages, as (piece ``j``, message) arrays: (message
+        index, sender, receiver, ``j``, seconds of its dispatch or combine, of its
+        NIC crossing, its proxy, the proxy's twin on the receiver's node).  Piece
+        ``j`` crosses NIC ``j``; its proxy is the sender when it sits on that NIC,
+        else the receiver's twin when it does, else a GPU of the NIC rotated by
+        message (``schedule/routing.py: _proxy``)."""
+        P, g = self.nics, self.gpn
+        j = np.arange(P)[:, None]
+        i, s, t = (np.broadcast_to(x, (P, len(ids))) for x in (ids, src, dst))
+        d = np.broadcast_to(self.nvl_lat + nbytes / P / self.nvl_bw, s.shape)
+        n = np.broadcast_to(self.nic_lat + nbytes / P / self.nic_bw, s.shape)
+        base = s - s % g
+        proxy = np.where(self.affinity[s % g] == j, s,
+                         np.where(self.affinity[t % g] == j, base + t % g,
+                                  base + self.nic_gpus[j, (s + t) % self.nic_count]))
+        return i, s, t, np.broadcast_to(j, s.shape), d, n, proxy, t - t % g + proxy % g
+
+    def _relays(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The hops that ranks other than a message's ends take part in, of the
+        routed messages from ``src`` to ``dst`` (:meth:`_hops`): (message index,
+        the relaying rank, the hop's wave within its message, its lane (0:
+        NVLink, 1: NIC), whether the rank sends it, seconds of the hop, seconds
+        of the hops after it).  A proxy receives the dispatch and
+        sends the NIC crossing, the proxy's twin receives that and sends the
+        combine -- each in its own lanes' batches."""
+        route = (src // self.gpn != dst // self.gpn) & (nbytes >= self.threshold)
+        if self.nics == 1 or not route.any():
+            return tuple(np.zeros(0, t) for t in (np.int64,) * 4 + (bool, np.float64, np.float64))
+        i, s, t, _, d, n, proxy, peer = self._pieces(np.flatnonzero(route), src[route], dst[route], nbytes[route])
+        proxied, twinned = proxy != s, peer != t
+        combine = np.where(twinned, d, 0.0)
+        crossing = proxied.astype(np.int64)
+        # (which pieces, message, rank, wave, lane: 0 NVLink / 1 NIC, whether it sends, seconds, seconds after)
+        rows = [(proxied, i, proxy, 0, 0, False, d, n + combine), (proxied, i, proxy, 1, 1, True, n, combine),
+                (twinned, i, peer, crossing, 1, False, n, d), (twinned, i, peer, crossing + 1, 0, True, d, 0.0)]
+        return tuple(np.concatenate([np.broadcast_to(row[f], i.shape)[row[0]] for row in rows]) for f in range(1, 8))
 
     def _transfers(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, w: int,
                    routed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -249,10 +367,12 @@ class StepSurrogate:
         if len(L):
             np.add.at(work, layout.local_rank, self._attn_s(L * (L + 1) / 2, L) * share)
         # A rank's ring transfers share its lanes with its Ulysses all-to-alls:
-        # per rank when its Ulysses inputs landed, when its outputs left, its
-        # Ulysses kernels' seconds, and when the inputs landed and the outputs
-        # left on its NVLink lane (``gate``; 0 without Ulysses).
-        gate = np.zeros((5, w))
+        # per rank when its Ulysses inputs landed, when its outputs left, and
+        # its Ulysses kernels' seconds (``gate``; 0 without Ulysses).
+        # Rows 3-8: per lane (NVLink, NIC) when its inputs' batch was done, when
+        # its outputs' batch was posted and when it was done (what rings inside
+        # a node wait for, and the hops it relays for rings: ``_Relays``).
+        gate = np.zeros((9, w))
         batches = ([self._ring_batch(k, ranks, lens, backward, routed, w) for k, (ranks, lens) in layout.rings.items()]
                    + packed_ring_batches(self, layout, backward, routed, w))
         followed = None
@@ -316,6 +436,10 @@ class StepSurrogate:
                 held = held + extra[ring] * self.nvl_lat
                 ring = first[ring]
             batch.legs.append((ring, link, steps[col], port, held, hop, wave))
+            if routed and not inside:
+                msg, *relayed = self._relays(src, dst, nbytes.ravel())
+                ring, link, col = np.unravel_index(msg, shape)
+                batch.relays.append((ring, link, steps[col], *relayed))
 
         pos = np.arange(k)
         kv_steps = np.arange(k - 1)
@@ -335,10 +459,13 @@ class StepSurrogate:
         had it and their link carried it, each wave lasting as long as the
         busiest port of its legs in the family (rings sharing ranks share
         lanes and ports), and no sooner than a step after the previous one at
-        the family's busiest port.  A rank's kernel of step ``s`` waits for that
-        data.  Adds kernels to ``work`` and messages to ``load``; returns the
-        function of the segment's port loads that yields each ring rank's
-        seconds from the family's start to its exit."""
+        the family's busiest port (unless the family routes pieces: then its
+        positions cross at different waves, and the ranks relaying the pieces
+        pace them wave by wave, :class:`_Relays`).  A rank's kernel of step
+        ``s`` waits for that data.  Adds kernels to ``work`` and messages to
+        ``load``; returns the function of the segment's port loads that yields
+        each ring (or relaying) rank's seconds from the family's start to its
+        exit."""
         S = max(bt.k for bt in batches) + 1
         ranks = [bt.ranks for bt in batches]
         base = np.cumsum([0] + [len(r) for r in ranks])
@@ -354,6 +481,9 @@ class StepSurrogate:
                              np.concatenate([rank_of_slot] + [x for _, x in relay]), int(base[-1]), w)
         fam_of_rank = np.full(w, -1)
         fam_of_rank[rank_of_slot] = family[ring_of_slot]
+        relay_fam = np.full(w, -1)
+        for ring, rank in relay:
+            relay_fam[rank] = family[ring]
         F = int(family.max()) + 1
         n_ports = len(load)
         # Per (rank, step) kernel seconds: summed ring after ring (bincount adds
@@ -382,57 +512,62 @@ class StepSurrogate:
             # the same per (family, step, port) over its hops
             both, of = np.unique((uniq // (4 * n_ports)) * n_ports + uniq % n_ports, return_inverse=True)
             np.maximum.at(busiest, both // n_ports, np.bincount(of, weights=per_wave))
+            # A family that routes pieces does not step together: a crossing
+            # spreads a step over up to three waves, positions cross at
+            # different waves, and the ranks relaying the pieces pace them
+            # wave by wave; its ports bind through each hop's load and the drain.
+            routes = np.zeros(F, bool)
+            routes[lfam[hop != DIRECT]] = True
+            busiest.reshape(F, S)[routes] = 0.0
         else:
             port, lfam = np.zeros(0, np.int64), np.zeros(0, np.int64)
         busiest = busiest.reshape(F, S)
-        inputs = []
+        inputs, lanes = [], []
         for i, bt in enumerate(batches):
             hops = np.zeros(bt.comp.shape[:2] + (bt.k + 1, 4))
             spans = np.ones(hops.shape[:3], np.int64)
-            proxies = None
             if legs:
                 on = slice(leg_at[i], leg_at[i + 1])
                 np.maximum.at(hops, (ring[on], link[on], step[on], hop[on]), in_wave[on])
                 np.maximum.at(spans, (ring[on], link[on], step[on]), wave[on] + 1)
-                # the ranks that relay a link's pieces: a dispatch's receiver, a combine's sender
-                p = port[on]
-                via = (p < 2 * w) & (((hop[on] == DISPATCH) & (p % 2 == 1)) | ((hop[on] == COMBINE) & (p % 2 == 0)))
-                # (a ring's own member relays in step with it: no other ring's pace to follow)
-                via[via] = ~(bt.ranks[ring[on][via]] == (p[via] // 2)[:, None]).any(axis=1)
-                if via.any():
-                    proxies = ring[on][via], link[on][via], step[on][via], p[via] // 2
-            inputs.append((hops, spans, proxies))
+            nodes = bt.ranks // self.gpn
+            # (none where no piece is relayed: no lane clock is built then)
+            relays = [_Relays(x) for x in bt.relays]
+            relays = relays if any(len(x.rank) for x in relays) else []
+            inputs.append((hops, spans, nodes != np.roll(nodes, -1, axis=1), relays))
+            # rings inside a node share only their NVLink lanes' batches with the groups
+            lanes.append(gate[[3, 7]] if (nodes.min(axis=1) == nodes.max(axis=1)).all() else gate[:2])
+        # A Ulysses member's lanes post its inputs at wave 0 and its outputs at
+        # ULYSSES_OUT_WAVE, once its kernels are done (``gate`` rows 3-8).
+        member = np.flatnonzero(gate[2] > 0)
+        none = np.zeros(len(member))
+        ulysses = [(member, np.full(len(member), lane), np.full(len(member), wave), posted, gate[row + lane, member])
+                   for lane in range(2)
+                   for wave, posted, row in ((0, none, 3), (ULYSSES_OUT_WAVE, gate[5 + lane, member], 7))]
 
-        def chain(own: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-            """Per (rank, step) when its data arrived and per rank when its last
-            dK/dV left, the relayed pieces paced by their proxies' ``own`` arrivals."""
+        def chain(clock: _LaneClock | None, events: list | None) -> tuple:
+            """Per (rank, step) when its data arrived, per rank when its last dK/dV
+            left and when it relayed its last piece, the relayed pieces paced by
+            ``clock``; adds the rings' batches to ``events`` (unless None)."""
             arrive = np.full((w, S), -np.inf)
-            last = np.zeros(w)
+            last, relayed = np.zeros(w), np.full(w, -np.inf)
             for i, bt in enumerate(batches):
-                hops, spans, proxies = inputs[i]
-                # A proxy posts the pieces it relays in the batches of its own
-                # rings' waves: a step's piece goes no sooner than the proxy had
-                # its own data of that step.
-                paced = np.full(hops.shape[:3], -np.inf)
-                if own is not None and proxies is not None:
-                    r, j, t, x = proxies
-                    np.maximum.at(paced, (r, j, t), own[x, t])
-                # rings inside a node share only their NVLink lanes' batches with the groups
-                nodes = bt.ranks // self.gpn
-                lanes = gate[3:5] if (nodes.min(axis=1) == nodes.max(axis=1)).all() else gate[:2]
-                got, final = self._ring_chain(bt, hops, spans, busiest[family[base[i]:base[i + 1]]], lane, gate,
-                                              lanes, backward, paced)
+                got, final = self._ring_chain(bt, *inputs[i], busiest[family[base[i]:base[i + 1]]], lane, gate,
+                                              lanes[i], backward, clock, relayed, events)
                 n, k = bt.ranks.shape
                 padded = np.concatenate([got, np.repeat(got[:, :, -1:], S - k - 1, axis=2)], axis=2)
                 np.maximum.at(arrive, bt.ranks.ravel(), padded.reshape(n * k, S))
                 np.maximum.at(last, bt.ranks.ravel(), final.ravel())
-            return arrive, last
+            return arrive, last, relayed
 
-        # Once with no pacing, then with the pace of the first pass's arrivals
-        # (rings that relay each other's pieces move at the slower one's pace).
-        arrive, last = chain(None)
-        if any(x[2] is not None for x in inputs):
-            arrive, last = chain(arrive)
+        # Once with the Ulysses batches alone, then with the rings' batches as
+        # the first pass had them: a rank relays pieces in its own lanes'
+        # batches, so rings that relay each other's pieces move at the slower
+        # one's pace, wave by wave.
+        events = [] if any(len(x.rank) for bt in inputs for x in bt[3]) else None
+        arrive, last, relayed = chain(None if events is None else _LaneClock(ulysses), events)
+        if events is not None:
+            arrive, last, relayed = chain(_LaneClock(ulysses + events), None)
         if S > 1:
             arrive[:, 1] = np.maximum(arrive[:, 1], np.where(gate[2] > 0, gate[0], -np.inf))
         members = np.nonzero(fam_of_rank >= 0)[0]
@@ -441,6 +576,12 @@ class StepSurrogate:
         # and no earlier than the last transfer of its family it takes part in.
         end = (arrive[members] + tail).max(axis=1)
         last = last[members] if backward else end
+        # A rank that relays pieces leaves once it relayed its last one.
+        relaying = np.flatnonzero((relayed > -np.inf) & (fam_of_rank < 0))
+        end = np.maximum(np.r_[end, relayed[relaying]], np.r_[relayed[members], relayed[relaying]])
+        last = np.r_[last, end[len(members):]]
+        members = np.r_[members, relaying]
+        fam_of_rank[relaying] = relay_fam[relaying]
 
         def finish(total: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             drain = np.zeros(F)
@@ -452,17 +593,22 @@ class StepSurrogate:
         return finish
 
     @staticmethod
-    def _ring_chain(bt: "_RingBatch", hops: np.ndarray, spans: np.ndarray, floor: np.ndarray, lane: np.ndarray, gate: np.ndarray,
-                    lanes: np.ndarray, backward: bool, paced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _ring_chain(bt: "_RingBatch", hops: np.ndarray, spans: np.ndarray, crossing: np.ndarray, relays: list,
+                    floor: np.ndarray, lane: np.ndarray, gate: np.ndarray, lanes: np.ndarray, backward: bool,
+                    clock: _LaneClock | None, relayed_until: np.ndarray, events: list | None
+                    ) -> tuple[np.ndarray, np.ndarray]:
         """The rings of one size step by step: (per (ring, position, step) when
         the step's data reached the position, per (ring, position) when its
         last dK/dV left).  ``hops``: per (ring, link, step, hop) its wave's
         seconds; ``spans``: per (ring, link, step) the waves its message takes;
-        ``floor``: per (ring, step) its family's busiest port; ``paced``: per
-        (ring, link, step) when the other rings' ranks relaying its pieces had
-        their own data of the step (-inf: none), after which its NIC and
-        combine hops still take their waves; ``lanes``: per rank when the
-        Ulysses inputs landed and the outputs left on the lanes the rings take."""
+        ``crossing``: per (ring, link) whether it leaves the node; ``relays``:
+        the hops other ranks relay (:class:`_Relays`, K/V then dK/dV), paced by
+        their lanes' batches in ``clock``; ``floor``: per (ring, step) its
+        family's busiest port; ``lanes``: per rank when the Ulysses inputs
+        landed and the outputs left on the lanes the rings take.  Raises
+        ``relayed_until`` per rank to when it relayed its last piece of these
+        rings, and adds the rings' batches to ``events`` (:class:`_LaneClock`;
+        unless None)."""
         n, k = bt.ranks.shape
         # Data reaches position j at step s when the position before had it at
         # step s - 1 and the link between them carried it: a direct link in one
@@ -470,7 +616,19 @@ class StepSurrogate:
         # of the ring at once); and no sooner than the step before plus the
         # family's busiest port for that step.
         link_s = np.maximum(hops[..., DIRECT], hops[..., DISPATCH:].sum(axis=3))
-        relayed = hops[..., NIC:].sum(axis=3)
+        first_hop = np.maximum(hops[..., DIRECT], hops[..., DISPATCH])
+        # A link's batches: on NVLink inside a node, through a NIC across, routed on both.
+        on_lane = (~crossing | (hops[..., NIC].max(axis=2) > 0), crossing)
+        ranks = bt.ranks
+
+        def batch(at_receiver: bool, wave: np.ndarray, posted: np.ndarray | None, done: np.ndarray) -> None:
+            if events is None:
+                return
+            for ln, on in enumerate(on_lane):
+                on = np.roll(on, 1, axis=1) if at_receiver else on
+                events.append((ranks[on], np.full(int(on.sum()), ln), wave[on],
+                               np.full(int(on.sum()), -np.inf) if posted is None else posted[on], done[on]))
+
         ends = bt.ranks, np.roll(bt.ranks, 1, axis=1)
         after_in = np.maximum(*(lanes[0][r] for r in ends))
         after_out = np.maximum(*(lanes[1][r] for r in ends))
@@ -487,7 +645,9 @@ class StepSurrogate:
         done[:, :, 0] = kernels[:, :, 0]
         ulysses_in = np.where(gate[2][bt.ranks] > 0, gate[0][bt.ranks], 0.0)
         for t in range(1, k + 1):
-            sent = np.maximum(got[:, :, t - 1] + link_s[:, :, t - 1], paced[:, :, t - 1] + relayed[:, :, t - 1])
+            sent = got[:, :, t - 1] + link_s[:, :, t - 1]
+            if relays:
+                sent = np.maximum(sent, relays[0].bound(t - 1, kv_wave[:, :, t - 1] + 1, clock))
             got[:, :, t] = np.maximum(np.roll(sent, 1, axis=1), got[:, :, t - 1] + floor[:, t - 1, None])
             kv_wave[:, :, t] = np.roll(kv_wave[:, :, t - 1] + spans[:, :, t - 1], 1, axis=1)
             if backward:
@@ -511,8 +671,24 @@ class StepSurrogate:
             done[:, :, t] = np.maximum(done[:, :, t - 1], got[:, :, t]) + kernels[:, :, t]
             if t == 1:
                 done[:, :, 1] = np.maximum(done[:, :, 1], ulysses_in + kernels[:, :, 1])
+            if relays:
+                relays[0].relayed(t - 1, np.roll(got[:, :, t], -1, axis=1), relayed_until)
+            if t < k:          # the K/V of step t - 1: sent, then received
+                batch(False, kv_wave[:, :, t - 1] + 1, got[:, :, t - 1], got[:, :, t - 1] + first_hop[:, :, t - 1])
+                batch(True, kv_wave[:, :, t], None, got[:, :, t])
+            if backward:
+                # The dK/dV of step t, once this ring's kernel of step t - 1 is
+                # done: ``done`` holds every ring's kernels of the rank's step,
+                # but the lane runs a ring's kernel as soon as its data is there.
+                before = done[:, :, t - 2] if t > 1 else 0.0
+                start = np.maximum(before, got[:, :, t - 1]) + bt.comp[:, :, t - 1]
+                batch(False, dkv_sent[:, :, t], start, start + first_hop[:, :, t])
+                batch(True, dkv_got[:, :, t], None, np.roll(start + link_s[:, :, t], 1, axis=1))
         # the last dK/dV leaves once the position before ran its last kernel
         final = np.maximum(got[:, :, k], np.roll(done[:, :, k - 1], 1, axis=1)) + np.roll(link_s[:, :, k], 1, axis=1)
+        if backward and relays:
+            final = np.maximum(final, np.roll(relays[1].bound(k, dkv_sent[:, :, k], clock), 1, axis=1))
+            relays[1].relayed(k, np.roll(final, -1, axis=1), relayed_until)
         return got, final
 
     # -------------------------------------------------------- switch, linear

@@ -47,8 +47,9 @@ LOCAL_PACK_TOKENS = AttnShape.local_pack_tokens
 def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, rank, kernel, lanes,
             chain_ptr, chain_slot, pack_ptr, pack_s, w):
     """One pass of the groups from every rank's ``entry``: (per lane and rank
-    when its inputs' batch was done, and when its outputs' was, per rank of
-    ``chain_ptr`` when its compute lane ran its last kernel and local call).
+    when its inputs' batch was done, when its outputs' batch was posted and
+    when it was done, per rank of ``chain_ptr`` when its compute lane ran its
+    last kernel and local call).
     Members (``rank``, ``kernel`` seconds, ``lanes``: which lanes it receives
     on) in ``chain_slot`` by rank (``chain_ptr``), each rank's in plan order;
     its local calls' seconds ``pack_s`` by rank (``pack_ptr``); ``first``: per
@@ -107,7 +108,7 @@ def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, 
     for i in range(len(src)):
         sent[lane[i], src[i]] = max(sent[lane[i], src[i]], moved[i])
         sent[lane[i], dst[i]] = max(sent[lane[i], dst[i]], moved[i])
-    return inputs, sent, lane_end
+    return inputs, landed, sent, lane_end
 
 
 @njit(cache=True)
@@ -195,9 +196,10 @@ class UlyssesGroups:
         ``load``; ``first``: per rank the compute lane's work ahead of its
         Ulysses kernels; ``gate`` (rings beside the groups read it): set per
         member rank to when its inputs landed and its outputs left, entering
-        at 0, its Ulysses kernels' seconds, and when its inputs landed and its
-        outputs left on its NVLink lane.  Returns the function of every
-        rank's entry that yields (the member ranks, when each leaves)."""
+        at 0, and its Ulysses kernels' seconds (rows 0-2); then per lane
+        (NVLink, NIC) when its inputs' batch was done (rows 3-4), its outputs'
+        batch was posted (5-6) and was done (7-8).  Returns the function of
+        every rank's entry that yields (the member ranks, when each leaves)."""
         w, ranks = self.w, self.ranks
         share = self.clock.attn_share[backward]
         kernel = self.kernel * share
@@ -209,14 +211,14 @@ class UlyssesGroups:
         fixed = (first, self.src, self.dst, self.lane, sec_in, sec_out, self.port_out, self.port_in, ranks,
                  kernel, self.member_lanes, self.chain_ptr, self.chain_slot, self.call_ptr, self.calls * share, w)
         if gate is not None:
-            landed, sent, _ = _follow(np.zeros(w), *fixed)
+            landed, posted, sent, _ = _follow(np.zeros(w), *fixed)
             gate[0][ranks], gate[1][ranks] = landed.max(axis=0)[ranks], sent.max(axis=0)[ranks]
             gate[2][ranks] = np.bincount(ranks, kernel, w)[ranks]
-            gate[3][ranks], gate[4][ranks] = landed[0][ranks], sent[0][ranks]
+            gate[3:5, ranks], gate[5:7, ranks], gate[7:9, ranks] = landed[:, ranks], posted[:, ranks], sent[:, ranks]
         chain_rank = self.chain_rank
 
         def leave(entry: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            _, sent, lane_end = _follow(entry, *fixed)
+            _, _, sent, lane_end = _follow(entry, *fixed)
             return chain_rank, np.maximum(sent.max(axis=0)[chain_rank], lane_end)
 
         return leave
