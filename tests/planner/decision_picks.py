@@ -141,6 +141,12 @@ def record_case(case: Case) -> dict:
             "sources": {name: [digest(d.plan()) for d in source(case.lens, ctx)] for name, source in SOURCES.items()}}
 
 
+def refuse(problem: str) -> None:
+    """One line naming the problem and the fix, exit 2."""
+    print(f"decision_picks: {problem}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--all", action="store_true", help="also the 128- and 256-GPU batches and the shared samples")
@@ -150,12 +156,10 @@ def main() -> None:
     # A recording rewrites the whole golden file: without --all, or without the
     # shared samples (a worktree's ../shared is not the repository's), it would
     # silently drop the cases it did not run.
-    refusal = ("recording rewrites every case; add --all (or --check to compare)" if not (args.check or args.all)
-               else f"no lengths samples in {args.shared}; pass --shared DIR (e.g. /work/shared/data/lengths)"
-               if args.all and not sorted(args.shared.glob("*.npy")) else None)
-    if refusal:
-        print(f"decision_picks: {refusal}", file=sys.stderr)
-        raise SystemExit(2)
+    if not (args.check or args.all):
+        refuse("recording rewrites every case; add --all (or --check to compare)")
+    if args.all and not any(args.shared.glob("*.npy")):
+        refuse(f"no lengths samples in {args.shared}; pass --shared DIR (the repository's ../shared/data/lengths)")
     recorded = json.loads(GOLDEN.read_text())["cases"] if args.check else {}
     out, bad = {}, []
     for case in cases(args.all, args.shared):
