@@ -8,7 +8,8 @@ per GPU, and the per-GPU cap is set just above the batch's average load.
     python benchmarks/planner_latency.py            # 64 .. 4096 GPUs
     python benchmarks/planner_latency.py --quick    # 64 and 256 GPUs
 
-Prints a markdown table and writes it to docs/results/planner_latency.md.
+Prints a markdown table and writes it as the head of docs/results/planner_latency.md (the page's
+``## `` sections below it, earlier runs, are kept).
 """
 
 from __future__ import annotations
@@ -155,8 +156,12 @@ def main() -> None:
         args.gpus, args.repeats = [g for g in args.gpus if g <= 256], min(args.repeats, 2)
     report = exit_on_user_error(lambda: run(args))
     print(report)
+    # The report replaces the page's head; its dated sections (earlier runs,
+    # before/after tables written by hand) stay below it.
+    old = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
+    history = old[old.index("\n## ") + 1:] if "\n## " in old else ""
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report, encoding="utf-8")
+    args.out.write_text(report + ("\n" + history if history else ""), encoding="utf-8")
 
 
 if __name__ == "__main__":
