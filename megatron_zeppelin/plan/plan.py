@@ -157,16 +157,25 @@ class Plan:
         return cached
 
     def attention_tokens_per_rank(self) -> list[int]:
-        return attention_tokens(self.world_size, self.attention)
+        tokens = self._per_local_rank(lambda n: n)
+        for index in self.shared_indices():
+            p = self.attention[index]
+            for r, ranges in zip(p.ranks, p.shards):
+                tokens[r] += sum(e - s for s, e in ranges)
+        return tokens.tolist()
 
     def linear_tokens_per_rank(self) -> list[int]:
-        return [sum([s.end - s.start for s in spans]) for spans in self.linear]
+        lin = self.span_columns()
+        tokens = np.zeros(self.world_size, dtype=np.int64)
+        np.add.at(tokens, lin.owner(), lin.spans[:, 2] - lin.spans[:, 1])
+        return tokens.tolist()
 
     def attn_pairs_per_rank(self) -> list[int]:
         """Causal (query, key) pairs each rank computes.  A Ulysses rank computes
         all pairs of ``1/d`` of the heads; it is counted as ``pairs / d``."""
-        pairs = [0] * self.world_size
-        for p in self.attention:
+        pairs = self._per_local_rank(lambda n: n * (n + 1) // 2)      # causal_pairs(0, n)
+        for index in self.shared_indices():
+            p = self.attention[index]
             if p.mode is Mode.ULYSSES:
                 share = causal_pairs(0, self.seq_lens[p.seq]) // p.size
                 for r in p.ranks:
@@ -174,7 +183,18 @@ class Plan:
             else:
                 for r, ranges in zip(p.ranks, p.shards):
                     pairs[r] += sum(causal_pairs(s, e) for s, e in ranges)
-        return pairs
+        return pairs.tolist()
+
+    def _per_local_rank(self, of_length) -> np.ndarray:
+        """``[world]`` int64: the sum of ``of_length(L)`` over each rank's local
+        sequences (most of a batch, summed from the columns; the rings and
+        Ulysses groups are the caller's to add)."""
+        c = self.placement_columns()
+        local = np.flatnonzero(c.mode == MODES.index(Mode.LOCAL))
+        lengths = np.asarray(self.seq_lens, dtype=np.int64)[c.seq[local]]
+        sums = np.zeros(self.world_size, dtype=np.int64)
+        np.add.at(sums, c.ranks[c.starts[local]], of_length(lengths))
+        return sums
 
     def tier_of(self, placement: SeqPlacement) -> str:
         """``local``, ``intra``, ``inter`` or ``ulysses``."""
@@ -186,8 +206,9 @@ class Plan:
         return "intra" if len(nodes) == 1 else "inter"
 
     def tier_counts(self) -> TierCounts:
-        c = Counter(self.tier_of(p) for p in self.attention)
-        return TierCounts(local=c["local"], intra=c["intra"], inter=c["inter"], ulysses=c["ulysses"])
+        c = Counter(self.tier_of(self.attention[i]) for i in self.shared_indices())
+        return TierCounts(local=len(self.attention) - len(self.shared_indices()), intra=c["intra"],
+                          inter=c["inter"], ulysses=c["ulysses"])
 
     def remap_schedule(self) -> list[Transfer]:
         """Messages that turn the attention layout into the linear layout (reverse
@@ -445,17 +466,6 @@ def attention_buffers(world_size: int, attention: Sequence[SeqPlacement]) -> lis
             for s, e in ranges:
                 buffer.append(Span(seq, s, e))
     return buffers
-
-
-def attention_tokens(world_size: int, attention: Sequence[SeqPlacement]) -> list[int]:
-    """Every rank's token count in the attention layout, from the placements
-    (building every rank's spans, as :func:`attention_buffers` does, costs more)."""
-    tokens = [0] * world_size
-    for p in attention:
-        for r, ranges in zip(p.ranks, p.shards):
-            for s, e in ranges:
-                tokens[r] += e - s
-    return tokens
 
 
 def _expected_shards(mode: Mode, length: int, size: int) -> tuple | None:
