@@ -108,6 +108,7 @@ def test_a_received_plan_reads_as_the_sent_one_rank_by_rank():
         assert list(got.attention) == list(plan.attention) and list(got.linear) == list(plan.linear)
         assert got.fingerprint() == Plan.from_json(plan.to_json()).fingerprint()
         assert got.remap_pairs() == plan.remap_pairs() and got.remap_schedule() == plan.remap_schedule()
+        assert got.validate() is got and pickle.loads(pickle.dumps(got)) == plan and hash(got) == hash(plan)
         cost = _cost(case)
         shape, transport = step_shape(cost, True).attn, transport_of(cost)
         for rank in range(0, plan.world_size, max(plan.world_size // 4, 1)):
