@@ -130,9 +130,6 @@ class _Lazy(Sequence):
             return False
         return all(a == b for a, b in zip(self, other))
 
-    def __ne__(self, other: object) -> bool:
-        return not self == other
-
     def __hash__(self) -> int:
         return hash(tuple(self))
 
