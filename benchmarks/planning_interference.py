@@ -24,6 +24,7 @@ so load from other jobs on the machine spreads over all of them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import multiprocessing
 import pickle
@@ -47,8 +48,11 @@ from megatron_zeppelin.model_config import load_model  # noqa: E402
 from megatron_zeppelin.plan.compact import CompactPlan  # noqa: E402
 from megatron_zeppelin.plan_process import PlanFn, PlanningProcess  # noqa: E402
 from megatron_zeppelin.prefetch import PLANNING_SWITCH_INTERVAL_S, planning_switch_interval  # noqa: E402
+from megatron_zeppelin.remap.exchange import build_exchange  # noqa: E402
 from megatron_zeppelin.sampler.batch_sampler import PieceTable  # noqa: E402
 from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths  # noqa: E402
+from megatron_zeppelin.schedule.attention import attention_schedule  # noqa: E402
+from megatron_zeppelin.sim.timeline import step_shape, transport_of  # noqa: E402
 from megatron_zeppelin.topology import load_cluster  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,7 +79,8 @@ class Receiving:
     paused_cpu_ms: float
     """The same with the collector paused."""
     tracked: int
-    """Objects of one Plan the collector tracks (walks in every full pass) while it lives."""
+    """Objects of one Plan (and of what was derived from it) the collector tracks
+    (walks in every full pass) while it lives."""
     kib: float
     """Bytes sent, KiB."""
 
@@ -104,14 +109,30 @@ def receiving(blob: bytes, receive) -> Receiving:
     return Receiving(cpu_ms(True), cpu_ms(False), tracked, len(blob) / 1024)
 
 
-def receive_costs(plan) -> tuple[Receiving, Receiving]:
+def first_reads(plan, cost: CostModel) -> tuple:
+    """What a rank's training thread derives from a step's Plan before its first
+    attention and layout switch (rank ``world // 2``): its tokens' spans, both
+    attention schedules (its projection) and the switch's index maps -- the
+    placements and spans of the Plan it reads (``step_host_work.py`` measures
+    each part, over many ranks)."""
+    rank = plan.world_size // 2
+    transport = transport_of(cost.routed(True))
+    transport = transport if plan.routed else transport.direct()     # LaneCommunicator.transport_for
+    shape = step_shape(cost, True).attn
+    return (plan.attention_spans(rank), build_exchange(plan, rank),
+            *(attention_schedule(plan, shape, transport, backward, rank) for backward in (False, True)))
+
+
+def receive_costs(plan, cost: CostModel) -> tuple[Receiving, Receiving, Receiving]:
     """Receiving ``plan`` as the process path does (unpickle the :class:`CompactPlan`
-    the child sends, rebuild the Plan) and, for comparison, as a pickled Plan
-    object (how Plans crossed before)."""
+    the child sends, make the Plan on its arrays), the same followed by a rank's
+    first reads (held, as the step's context holds them), and, for comparison,
+    as a pickled Plan object (how Plans crossed before)."""
     compact = pickle.dumps(CompactPlan.of(plan))
     assert pickle.loads(compact).plan() == plan
     return (receiving(compact, lambda blob: pickle.loads(blob).plan()),
-            receiving(pickle.dumps(plan), pickle.loads))
+            receiving(compact, lambda blob: (lambda p: (p, first_reads(p, cost)))(pickle.loads(blob).plan())),
+            receiving(pickle.dumps(dataclasses.replace(plan)), pickle.loads))    # its fields, no caches
 
 
 def _spin(stop) -> None:
@@ -192,13 +213,13 @@ def run(args: argparse.Namespace) -> str:
     loop = lambda: host_loop(args.ops, x)  # noqa: E731
     rows = []
     for world in args.gpus:
-        _, lens, plan_fn = benchmark_planning(args, cluster, model, pieces, world)
+        cost, lens, plan_fn = benchmark_planning(args, cluster, model, pieces, world)
         plan_once = lambda: plan_fn(lens)  # noqa: E731
         plan_once()                                  # compiled loops loaded, caches warm
         t0 = time.process_time()
         plan = plan_once()
         plan_ms = (time.process_time() - t0) * 1e3
-        compact, whole = receive_costs(plan)
+        compact, read, whole = receive_costs(plan, cost)
         child = PlanningProcess(plan_fn)
         in_child = lambda: child(lens)  # noqa: E731
         in_child()                                   # the child started, its caches warm
@@ -218,12 +239,13 @@ def run(args: argparse.Namespace) -> str:
                     f"| {shorter:.1f} ({shorter / alone:.1f}x) | {process:.1f} ({process / alone:.1f}x) "
                     f"| {spin:.1f} ({spin / alone:.1f}x) "
                     + "".join(f"| {r.cpu_ms:.1f} | {r.paused_cpu_ms:.1f} | {r.tracked / 1000:.1f}k | {r.kib:.0f} "
-                              for r in (compact, whole)) + "|")
+                              for r in (compact, read, whole)) + "|")
     command = "python benchmarks/planning_interference.py " + shlex.join(sys.argv[1:])
     head = ("| GPUs | one decision, CPU ms | host loop alone, ms | while planning, default switch interval "
             f"(5 ms) | while planning, {PLANNING_SWITCH_INTERVAL_S * 1e3:g} ms switch interval (the prefetcher's) "
             "| while a child process plans | while a child process only spins (core contention) "
             "| receiving one Plan: CPU ms | the same, collector paused | tracked objects | sent, KiB "
+            "| receiving it and a rank's first reads: CPU ms | collector paused | tracked objects | KiB "
             "| a pickled Plan object instead: CPU ms | collector paused | tracked objects | KiB |")
     return (f"# Planning on a thread or in a child process: what it costs the host loop\n\n"
             f"Command: `{command.strip()}`\n\n"
@@ -234,12 +256,15 @@ def run(args: argparse.Namespace) -> str:
             f"process case (`--zeppelin-prefetch process`) a thread here waits on a spawned child and receives "
             f"its Plans; the spinning child is a control: a busy core and no planning.  Receiving one "
             f"Plan: CPU ms here to unpickle the `CompactPlan` the child sends (`plan/compact.py`: flat "
-            f"arrays) and rebuild the Plan; mean of 20 (the collector's full passes, set off every few "
+            f"arrays) and make the Plan on them (`plan/columns.py`: placements and spans made when read); "
+            f"mean of 20 (the collector's full passes, set off every few "
             f"Plans, are part of the cost), each Plan held while the next two arrive, with the cyclic "
             f"collector on (as the loader receives it) and paused; the objects of one Plan the collector "
-            f"tracks (walks in each full pass); beside them, the same for a pickled Plan object (how Plans "
-            f"crossed before).\n\n"
-            f"{head}\n|" + " --- |" * 15 + "\n" + "\n".join(rows) + "\n")
+            f"tracks (walks in each full pass); then the same followed by what rank world/2 derives from it "
+            f"before its first attention and layout switch (its spans, both attention schedules, the switch's "
+            f"index maps; held with the Plan, as the step's context holds them); beside them, the same for a "
+            f"pickled Plan object (how Plans crossed before).\n\n"
+            f"{head}\n|" + " --- |" * 19 + "\n" + "\n".join(rows) + "\n")
 
 
 def main() -> None:

@@ -101,7 +101,8 @@ def build_schedule(plan: Plan, shape: AttnShape, comm: LaneCommunicator | None,
     key = ("layer_schedules", shape, transport, rank)
     if cache is not None and key in cache:
         return cache[key]
-    for p in plan.attention:     # before any geometry: a clear PlanError, not a shape error later
+    for index in plan.shared_indices():     # before any geometry: a clear PlanError, not a shape error later
+        p = plan.attention[index]
         if p.mode is Mode.ULYSSES:
             check_heads(p, shape.q_heads, shape.kv_heads)
     entry = LayerSchedules(plan, attention_schedule(plan, shape, transport, False, rank),

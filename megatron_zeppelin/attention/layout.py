@@ -32,12 +32,10 @@ class Piece:
 def rank_pieces(plan: Plan, rank: int) -> list[Piece]:
     """The placements ``rank`` takes part in, in buffer order."""
     pieces, row = [], 0
-    for index, p in enumerate(plan.attention):
-        if rank in p.ranks:
-            pos = p.ranks.index(rank)
-            n = sum(e - s for s, e in p.shards[pos])
-            pieces.append(Piece(index, pos, slice(row, row + n)))
-            row += n
+    for index, pos in plan.placements_of(rank):
+        n = sum(e - s for s, e in plan.attention[index].shards[pos])
+        pieces.append(Piece(index, pos, slice(row, row + n)))
+        row += n
     return pieces
 
 

@@ -16,54 +16,14 @@ import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass
-from enum import Enum
-from functools import lru_cache
 from typing import Any, Sequence
 
+import numpy as np
+
 from megatron_zeppelin.errors import PlanError
-from megatron_zeppelin.plan.shards import Range, causal_pairs, contiguous_shards, zigzag_shards
-
-
-class Mode(str, Enum):
-    """How a sequence's attention is computed."""
-
-    LOCAL = "local"
-    """Whole sequence on one rank."""
-    RING = "ring"
-    """Zigzag shards on k ranks, K/V passed around the ring."""
-    ULYSSES = "ulysses"
-    """Contiguous shards on d ranks, all-to-all over heads."""
-
-
-@dataclass(frozen=True)
-class SeqPlacement:
-    """Attention placement of one sequence."""
-
-    seq: int
-    """Index into ``Plan.seq_lens``."""
-    mode: Mode
-    """local, ring or ulysses."""
-    ranks: tuple[int, ...]
-    """Participating ranks, in ring order for rings."""
-    shards: tuple[tuple[Range, ...], ...]
-    """``shards[i]``: the token ranges held by ``ranks[i]``."""
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-
-@dataclass(frozen=True)
-class Span:
-    """A contiguous token range of one sequence."""
-
-    seq: int
-    start: int
-    end: int
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
+from megatron_zeppelin.plan.columns import PlacementColumns, Placements, RankSpans, SpanColumns
+from megatron_zeppelin.plan.placement import MODES, Mode, SeqPlacement, Span, canonical_shards
+from megatron_zeppelin.plan.shards import causal_pairs
 
 
 @dataclass(frozen=True)
@@ -103,10 +63,14 @@ class Plan:
     """Ranks per node (ranks are numbered node-major)."""
     seq_lens: tuple[int, ...]
     """Token count of every sequence in the global batch."""
-    attention: tuple[SeqPlacement, ...]
-    """One placement per sequence (any order)."""
-    linear: tuple[tuple[Span, ...], ...]
-    """``linear[r]``: token spans rank ``r`` holds for projections and MLP, in order."""
+    attention: Sequence[SeqPlacement]
+    """One placement per sequence (any order): a tuple where a planner builds
+    the Plan, :class:`~megatron_zeppelin.plan.columns.Placements` (the same
+    items, made when read) where it was received from a planning child."""
+    linear: Sequence[Sequence[Span]]
+    """``linear[r]``: token spans rank ``r`` holds for projections and MLP, in
+    order (a tuple of tuples, or :class:`~megatron_zeppelin.plan.columns.RankSpans`
+    as ``attention``)."""
     token_cap: int | None = None
     """Per-rank token cap both layouts must respect (None: unchecked)."""
     routed: bool = True
@@ -134,14 +98,48 @@ class Plan:
         plan order, each placement's shards in order.  Built for the rank asked
         (cached): a training process holds one rank's tokens, and every rank's
         spans would be one object per token range of the batch kept with the Plan."""
-        cached = self.__dict__.get("_attn_spans")
-        if cached is None:
-            cached = {}
-            object.__setattr__(self, "_attn_spans", cached)
+        cached = self._cache("_attn_spans", dict)
         spans = cached.get(rank)
         if spans is None:
-            spans = cached[rank] = attention_buffer(rank, self.attention)
+            spans = cached[rank] = []
+            for index, pos in self.placements_of(rank):
+                p = self.attention[index]
+                spans.extend(Span(p.seq, s, e) for s, e in p.shards[pos])
         return spans
+
+    def placements_of(self, rank: int) -> list[tuple[int, int]]:
+        """``(index into attention, rank's position in its ranks)`` of every
+        placement ``rank`` takes part in, in plan order (found in the columns:
+        the other placements are not read)."""
+        return self.placement_columns().of_rank(rank)
+
+    def shared_indices(self) -> list[int]:
+        """Indices of the ring and Ulysses placements (on more than one rank),
+        in plan order: with a rank's own placements, all that its attention
+        schedule reads."""
+        return self._cache("_shared_indices",
+                           lambda: np.flatnonzero(self.placement_columns().mode != MODES.index(Mode.LOCAL)).tolist())
+
+    def placement_columns(self) -> PlacementColumns:
+        """The attention layout as columns (a received Plan's own; else made once)."""
+        if isinstance(self.attention, Placements):
+            return self.attention.columns
+        return self._cache("_placement_columns", lambda: PlacementColumns.of(self.attention))
+
+    def span_columns(self) -> SpanColumns:
+        """The linear layout as columns (a received Plan's own; else made once)."""
+        if isinstance(self.linear, RankSpans):
+            return self.linear.columns
+        return self._cache("_span_columns", lambda: SpanColumns.of(self.linear))
+
+    def _cache(self, name: str, build):
+        """``self.<name>``, built by ``build()`` on first use (the Plan is frozen;
+        its derived data is not a field: not compared, not in the JSON)."""
+        value = self.__dict__.get(name)
+        if value is None:
+            value = build()
+            object.__setattr__(self, name, value)
+        return value
 
     def packed_leads(self) -> dict[int, int]:
         """Placement index of every packed ring's or packed Ulysses group's member
@@ -151,24 +149,33 @@ class Plan:
         if cached is None:
             cached = {}
             if self.packed_rings or self.packed_ulysses:
-                index_of = {p.seq: i for i, p in enumerate(self.attention)}
+                index_of = self.placement_columns().index_of_seq()
                 for members in (*self.packed_rings, *self.packed_ulysses):
-                    indices = sorted(index_of[s] for s in members)
+                    indices = sorted(int(index_of[s]) for s in members)
                     cached.update((i, indices[0]) for i in indices)
             object.__setattr__(self, "_packed_leads", cached)
         return cached
 
     def attention_tokens_per_rank(self) -> list[int]:
-        return attention_tokens(self.world_size, self.attention)
+        tokens = self._per_local_rank(lambda n: n)
+        for index in self.shared_indices():
+            p = self.attention[index]
+            for r, ranges in zip(p.ranks, p.shards):
+                tokens[r] += sum(e - s for s, e in ranges)
+        return tokens.tolist()
 
     def linear_tokens_per_rank(self) -> list[int]:
-        return [sum([s.end - s.start for s in spans]) for spans in self.linear]
+        lin = self.span_columns()
+        tokens = np.zeros(self.world_size, dtype=np.int64)
+        np.add.at(tokens, lin.owner(), lin.spans[:, 2] - lin.spans[:, 1])
+        return tokens.tolist()
 
     def attn_pairs_per_rank(self) -> list[int]:
         """Causal (query, key) pairs each rank computes.  A Ulysses rank computes
         all pairs of ``1/d`` of the heads; it is counted as ``pairs / d``."""
-        pairs = [0] * self.world_size
-        for p in self.attention:
+        pairs = self._per_local_rank(lambda n: n * (n + 1) // 2)      # causal_pairs(0, n)
+        for index in self.shared_indices():
+            p = self.attention[index]
             if p.mode is Mode.ULYSSES:
                 share = causal_pairs(0, self.seq_lens[p.seq]) // p.size
                 for r in p.ranks:
@@ -176,7 +183,18 @@ class Plan:
             else:
                 for r, ranges in zip(p.ranks, p.shards):
                     pairs[r] += sum(causal_pairs(s, e) for s, e in ranges)
-        return pairs
+        return pairs.tolist()
+
+    def _per_local_rank(self, of_length) -> np.ndarray:
+        """``[world]`` int64: the sum of ``of_length(L)`` over each rank's local
+        sequences (most of a batch, summed from the columns; the rings and
+        Ulysses groups are the caller's to add)."""
+        c = self.placement_columns()
+        local = np.flatnonzero(c.mode == MODES.index(Mode.LOCAL))
+        lengths = np.asarray(self.seq_lens, dtype=np.int64)[c.seq[local]]
+        sums = np.zeros(self.world_size, dtype=np.int64)
+        np.add.at(sums, c.ranks[c.starts[local]], of_length(lengths))
+        return sums
 
     def tier_of(self, placement: SeqPlacement) -> str:
         """``local``, ``intra``, ``inter`` or ``ulysses``."""
@@ -188,8 +206,9 @@ class Plan:
         return "intra" if len(nodes) == 1 else "inter"
 
     def tier_counts(self) -> TierCounts:
-        c = Counter(self.tier_of(p) for p in self.attention)
-        return TierCounts(local=c["local"], intra=c["intra"], inter=c["inter"], ulysses=c["ulysses"])
+        c = Counter(self.tier_of(self.attention[i]) for i in self.shared_indices())
+        return TierCounts(local=len(self.attention) - len(self.shared_indices()), intra=c["intra"],
+                          inter=c["inter"], ulysses=c["ulysses"])
 
     def remap_schedule(self) -> list[Transfer]:
         """Messages that turn the attention layout into the linear layout (reverse
@@ -203,17 +222,20 @@ class Plan:
         without making the other ranks' (what one rank's switch reads): one pass
         over the placements and the linear spans, which looks up a sequence only
         when ``rank`` holds it."""
-        wanted = {sp.seq for sp in self.linear[rank]}
         held: dict[int, list[tuple[int, int, int]]] = {}
-        to_me: dict[int, list[tuple[int, int, int]]] = {}
-        for p in self.attention:
-            if rank in p.ranks:
-                held[p.seq] = sorted((s, e, rank) for s, e in p.shards[p.ranks.index(rank)])
-            if p.seq in wanted:
-                to_me[p.seq] = _owners(p)
-        moves = _moves(to_me, ((rank, sp) for sp in self.linear[rank]))
-        moves += _moves(held, ((dst, sp) for dst, spans in enumerate(self.linear) if dst != rank
-                               for sp in spans if sp.seq in held))
+        for index, pos in self.placements_of(rank):
+            p = self.attention[index]
+            held[p.seq] = sorted((s, e, rank) for s, e in p.shards[pos])
+        index_of = self.placement_columns().index_of_seq()
+        mine = self.linear[rank]
+        to_me = {seq: _owners(self.attention[int(index_of[seq])]) for seq in {sp.seq for sp in mine}}
+        moves = _moves(to_me, ((rank, sp) for sp in mine))
+        # The other ranks' spans of the sequences ``rank`` holds, found in the columns.
+        lin = self.span_columns()
+        owner = lin.owner()
+        rows = np.flatnonzero(np.isin(lin.spans[:, 0], list(held)) & (owner != rank))
+        moves += _moves(held, ((dst, Span(q, s, e)) for dst, (q, s, e)
+                               in zip(owner[rows].tolist(), lin.spans[rows].tolist())))
         moves.sort(key=lambda t: (t.src, t.dst, t.seq, t.start))
         return moves
 
@@ -446,52 +468,18 @@ def attention_buffers(world_size: int, attention: Sequence[SeqPlacement]) -> lis
     return buffers
 
 
-def attention_buffer(rank: int, attention: Sequence[SeqPlacement]) -> list[Span]:
-    """One rank's tokens in the attention layout (:func:`attention_buffers`' entry
-    for ``rank``, without building the other ranks')."""
-    buffer = []
-    for p in attention:
-        if rank in p.ranks:
-            seq = p.seq
-            for s, e in p.shards[p.ranks.index(rank)]:
-                buffer.append(Span(seq, s, e))
-    return buffer
-
-
-def attention_tokens(world_size: int, attention: Sequence[SeqPlacement]) -> list[int]:
-    """Every rank's token count in the attention layout, from the placements
-    (building every rank's spans, as :func:`attention_buffers` does, costs more)."""
-    tokens = [0] * world_size
-    for p in attention:
-        for r, ranges in zip(p.ranks, p.shards):
-            for s, e in ranges:
-                tokens[r] += e - s
-    return tokens
-
-
 def _expected_shards(mode: Mode, length: int, size: int) -> tuple | None:
     if mode is Mode.LOCAL:
         return (((0, length),),) if size == 1 else None
     if size < 2 or length < 2 * size:
         return None
-    return _shards(mode, length, size)
-
-
-@lru_cache(maxsize=1 << 16)
-def _shards(mode: Mode, length: int, size: int) -> tuple[tuple[Range, ...], ...]:
-    """The shards of a sequence of ``length`` in ``mode`` over ``size`` ranks.
-    Cached: a batch repeats lengths (16,384 sequences at 1,024 GPUs hold about
-    3,300 distinct ones), and a plan's builder and its validation ask alike."""
-    if mode is Mode.LOCAL:
-        return (((0, length),),)
-    shards = zigzag_shards(length, size) if mode is Mode.RING else contiguous_shards(length, size)
-    return tuple(tuple(ranges) for ranges in shards)
+    return canonical_shards(mode, length, size)
 
 
 def placement(seq: int, length: int, mode: Mode, ranks: Sequence[int]) -> SeqPlacement:
     """The canonical placement of a sequence in ``mode`` over ``ranks``."""
     ranks = tuple(ranks)
-    return SeqPlacement(seq, mode, ranks, _shards(mode, length, len(ranks)))
+    return SeqPlacement(seq, mode, ranks, canonical_shards(mode, length, len(ranks)))
 
 
 def rings_by_ranks(attention: Sequence[SeqPlacement]) -> tuple[tuple[int, ...], ...]:

@@ -171,7 +171,12 @@ def add_attention(b: ScheduleBuilder, prefix: tuple, plan: Plan, shape: AttnShap
     rings: dict[tuple, list[int]] = {}
     groups: dict[tuple, list[int]] = {}
     leads = plan.packed_leads()      # the plan's own packs, as the engine runs them
-    for index, p in enumerate(plan.attention):
+    # For one rank: the rings and groups and the rank's local sequences, in plan
+    # order (the other ranks' local sequences would be left out below).
+    indices = (range(len(plan.attention)) if rank is None
+               else sorted({*plan.shared_indices(), *(i for i, _ in plan.placements_of(rank))}))
+    for index in indices:
+        p = plan.attention[index]
         if p.mode is Mode.LOCAL:
             if rank is None or p.ranks[0] == rank:
                 local.setdefault(p.ranks[0], []).append(index)
