@@ -29,6 +29,7 @@ import dataclasses
 from datetime import timedelta
 import functools
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, Sequence
@@ -61,6 +62,13 @@ from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import RankBatch, build_rank_batch, padded_length
 from megatron_zeppelin.train.pipeline_layout import data_parallel_stage_view
 
+
+def say_line(line: str) -> None:
+    """Print ``line`` in one write: the loader's notes come from its prefetch
+    thread, and ``print`` writes the text and the newline separately, so a
+    line printed by the main thread at the same time could land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 # --------------------------------------------------------------- layer spec
@@ -459,7 +467,7 @@ def build_train_valid_test_loaders(args: Any) -> tuple[ZeppelinLoader | None, ..
                               max_seq_len=args.seq_length, batch_fill=args.zeppelin_batch_fill, cost=cost)
     clock = StepClock()
     first = dist.get_rank() == 0
-    say = (lambda line: print(line, flush=True)) if first else (lambda line: None)
+    say = say_line if first else (lambda line: None)
     if blends["valid"] is None and (getattr(args, "eval_iters", 0) or 0) > 0:
         # Megatron-LM would evaluate on a missing loader (TypeError at the first evaluation).
         say(f"zeppelin: --split {args.split} gives the validation split no document: evaluation is off "
@@ -563,7 +571,7 @@ def iteration_reports(args: Any, first: bool, clock: StepClock, model: ModelConf
 
     reports = IterationReports(args.zeppelin_log_interval, model, clock,
                                lambda values: sum_over_ranks(values, device), pipelined=pipelined, emit=emit,
-                               note=(lambda line: print(line, flush=True)) if first else (lambda line: None))
+                               note=say_line if first else (lambda line: None))
     if pipelined and args.zeppelin_log_interval:
         run_after_each_schedule(reports.after_schedule)
     return reports

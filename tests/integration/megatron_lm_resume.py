@@ -34,6 +34,7 @@ from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_lm_e2e import cuda_means_cpu, megatron_args, tiny_cpu_argv
 from megatron_zeppelin import integration as zeppelin
 from megatron_zeppelin.integration.args import zeppelin_micro_batches
+from megatron_zeppelin.integration.hooks import say_line
 
 
 def main():
@@ -73,7 +74,7 @@ def main():
             pretrain_gpt.get_batch(data)
             pieces += [[p.dataset, p.doc, p.start, p.end] for p in handed_out[-1].batch.pieces]
         if dist.get_rank() == 0:
-            print(f"PIECES {iteration} {json.dumps(pieces)}", flush=True)
+            say_line(f"PIECES {iteration} {json.dumps(pieces)}")   # one write: the loader notes from its thread
     if args.save:
         if os.environ.get("SAVE_FAULT_RANK") == str(dist.get_rank()):  # the fault test: this rank's save fails
             def disk_full(*_, **__):
