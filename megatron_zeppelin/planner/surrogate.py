@@ -15,14 +15,22 @@ numpy over its rings, groups and ranks, what the replay executes:
   dispatch, NIC, combine, every position crossing at once) -- each wave as long
   as the busiest port of its legs in the family of rings sharing ranks (or
   relaying each other's routed pieces), and a step no shorter than the
-  family's busiest port that step (unless it routes pieces); a rank relays
+  busiest port that step of the rings joined through ranks of rings still
+  sending then (unless it routes pieces); a direct transfer starts once the
+  lanes it takes at both its ends are done with their batches before, which
+  hold the other rings' and the groups' transfers of those waves (a second
+  pass, paced by the first's batches); a rank relays
   routed pieces (a proxy, or its twin) in its own lanes' batches of the
   pieces' waves, so a piece leaves it once the lane's batch before is done
   and every send of its batch has its data -- a Ulysses member's inputs' and
   outputs' all-to-alls, its own rings' transfers (a second pass, paced by the
   first's batches) -- and the rank leaves the segment once it relayed its
   last piece; backward, a K/V batch also carries the dK/dV of its wave, which
-  waits for its kernel;
+  waits for its kernel; a rank's compute lane is done at the latest over its
+  ring and Ulysses kernels of (one's release + the kernels released no
+  earlier), as any lane that idles only while none is released (the replay's
+  runs the first released op in lane order); it leaves once its last message
+  in and out landed;
 * Ulysses groups as the engine posts them (``planner/surrogate_ulysses.py``): a
   rank's inputs of all its groups as one batch per lane, its kernels in the
   compute lane's order beside its local kernel calls, then its outputs as one
@@ -127,6 +135,44 @@ def _components(group_of_slot: np.ndarray, rank_of_slot: np.ndarray, groups: int
             break
         label = new
     return np.unique(label, return_inverse=True)[1].reshape(-1)
+
+
+def _lane_end(rank: np.ndarray, release: np.ndarray, seconds: np.ndarray, w: int) -> np.ndarray:
+    """Per rank, when its compute lane is done with the jobs of ``seconds`` each
+    released at ``release`` on ``rank`` (-inf: none).  The replay's compute lane
+    runs whichever of its released ops comes first in lane order whenever it is
+    free, so it idles only while none is released: whatever that order, it is
+    done at the latest over its jobs of (a job's release + the seconds of every
+    job released no earlier)."""
+    end = np.full(w, -np.inf)
+    if not len(rank):
+        return end
+    order = np.lexsort((-release, rank))
+    rank, release, seconds = rank[order], release[order], seconds[order]
+    after = np.cumsum(seconds)
+    first = np.r_[0, np.flatnonzero(rank[1:] != rank[:-1]) + 1]
+    after -= np.repeat(np.r_[0.0, after[first[1:] - 1]], np.diff(np.r_[first, len(rank)]))
+    np.maximum.at(end, rank, release + after)
+    return end
+
+
+def _sharing(batches: list["_RingBatch"], backward: bool, ring_of_slot: np.ndarray, rank_of_slot: np.ndarray,
+             relay: list[tuple[np.ndarray, np.ndarray]], w: int) -> np.ndarray:
+    """Per step and ring, a label shared by the rings that step that are
+    connected through ranks of rings that still send messages that step (K/V
+    up to step ``k - 2``, dK/dV up to ``k``), or relay their pieces; the last
+    row holds for every later step."""
+    last = np.concatenate([np.full(len(bt.ranks), bt.k if backward else bt.k - 2) for bt in batches])
+    n = len(last)
+    bands = np.unique(last)
+    rows = []
+    for lo, hi in zip(np.r_[-1, bands[:-1]], bands):
+        on = last >= hi
+        rings = np.concatenate([ring_of_slot[on[ring_of_slot]]] + [r[on[r]] for r, _ in relay])
+        ranks = np.concatenate([rank_of_slot[on[ring_of_slot]]] + [x[on[r]] for r, x in relay])
+        label = _components(rings, ranks, n, w) + len(rows) * n
+        rows += [label] * int(hi - lo)
+    return np.array(rows)
 
 
 def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -459,7 +505,8 @@ class StepSurrogate:
         had it and their link carried it, each wave lasting as long as the
         busiest port of its legs in the family (rings sharing ranks share
         lanes and ports), and no sooner than a step after the previous one at
-        the family's busiest port (unless the family routes pieces: then its
+        the busiest port of the rings joined to it that step (``_sharing``;
+        unless the family routes pieces: then its
         positions cross at different waves, and the ranks relaying the pieces
         pace them wave by wave, :class:`_Relays`).  A rank's kernel of step
         ``s`` waits for that data.  Adds kernels to ``work`` and messages to
@@ -499,30 +546,38 @@ class StepSurrogate:
                 for i, bt in enumerate(batches) for ring, link, step, port, held, hop, wave in bt.legs]
         # the legs of batch i: leg_at[i] .. leg_at[i + 1]
         leg_at = np.cumsum([0] + [sum(len(leg[0]) for leg in bt.legs) for bt in batches])
-        # Per (family, step): its busiest port over every leg (what a rank's lanes
-        # need per step at the least); per leg: its port's load in its own wave
-        # (the step's direct transfers, or one hop of its routed pieces).
-        busiest = np.zeros(F * S)
+        # Per (ring, step): the busiest port over every leg of that step of the
+        # rings it shares ranks with through rings that still send then (what a
+        # rank's lanes need per step at the least: a lane's batch holds every
+        # ring's transfers of its wave); per leg: its port's load in its own
+        # wave (the step's direct transfers, or one hop of its routed pieces).
+        busiest = np.zeros((int(base[-1]), S))
         if legs:
             ring, link, step, port, held, hop, wave, lfam = (np.concatenate(x) for x in zip(*legs))
             np.add.at(load, port, held)
             uniq, inv = np.unique(((lfam * S + step) * 4 + hop) * n_ports + port, return_inverse=True)
-            per_wave = np.bincount(inv, weights=held)
-            in_wave = per_wave[inv]
-            # the same per (family, step, port) over its hops
-            both, of = np.unique((uniq // (4 * n_ports)) * n_ports + uniq % n_ports, return_inverse=True)
-            np.maximum.at(busiest, both // n_ports, np.bincount(of, weights=per_wave))
+            in_wave = np.bincount(inv, weights=held)[inv]
+            sharing = _sharing(batches, backward, ring_of_slot, rank_of_slot, relay, w)
+            ring_at = np.concatenate([base[i] + leg[0] for i, bt in enumerate(batches) for leg in bt.legs])
+            label = sharing[np.minimum(step, sharing.shape[0] - 1), ring_at]
+            both, of = np.unique((label * S + step) * n_ports + port, return_inverse=True)
+            keys, at = np.unique(both // n_ports, return_inverse=True)
+            most = np.zeros(len(keys))
+            np.maximum.at(most, at, np.bincount(of, weights=held))
+            steps = np.arange(S)
+            want = sharing[np.minimum(steps, sharing.shape[0] - 1)].T * S + steps
+            j = np.minimum(np.searchsorted(keys, want), len(keys) - 1)
+            busiest = np.where(keys[j] == want, most[j], 0.0)
             # A family that routes pieces does not step together: a crossing
             # spreads a step over up to three waves, positions cross at
             # different waves, and the ranks relaying the pieces pace them
             # wave by wave; its ports bind through each hop's load and the drain.
             routes = np.zeros(F, bool)
             routes[lfam[hop != DIRECT]] = True
-            busiest.reshape(F, S)[routes] = 0.0
+            busiest[routes[family]] = 0.0
         else:
             port, lfam = np.zeros(0, np.int64), np.zeros(0, np.int64)
-        busiest = busiest.reshape(F, S)
-        inputs, lanes = [], []
+        inputs = []
         for i, bt in enumerate(batches):
             hops = np.zeros(bt.comp.shape[:2] + (bt.k + 1, 4))
             spans = np.ones(hops.shape[:3], np.int64)
@@ -535,8 +590,6 @@ class StepSurrogate:
             relays = [_Relays(x) for x in bt.relays]
             relays = relays if any(len(x.rank) for x in relays) else []
             inputs.append((hops, spans, nodes != np.roll(nodes, -1, axis=1), relays))
-            # rings inside a node share only their NVLink lanes' batches with the groups
-            lanes.append(gate[[3, 7]] if (nodes.min(axis=1) == nodes.max(axis=1)).all() else gate[:2])
         # A Ulysses member's lanes post its inputs at wave 0 and its outputs at
         # ULYSSES_OUT_WAVE, once its kernels are done (``gate`` rows 3-8).
         member = np.flatnonzero(gate[2] > 0)
@@ -546,36 +599,39 @@ class StepSurrogate:
                    for wave, posted, row in ((0, none, 3), (ULYSSES_OUT_WAVE, gate[5 + lane, member], 7))]
 
         def chain(clock: _LaneClock | None, events: list | None) -> tuple:
-            """Per (rank, step) when its data arrived, per rank when its last dK/dV
-            left and when it relayed its last piece, the relayed pieces paced by
+            """Per ring kernel (rank, when its data arrived), per rank when its last
+            dK/dV left and when it relayed its last piece, the relayed pieces paced by
             ``clock``; adds the rings' batches to ``events`` (unless None)."""
-            arrive = np.full((w, S), -np.inf)
+            released = []
             last, relayed = np.zeros(w), np.full(w, -np.inf)
             for i, bt in enumerate(batches):
-                got, final = self._ring_chain(bt, *inputs[i], busiest[family[base[i]:base[i + 1]]], lane, gate,
-                                              lanes[i], backward, clock, relayed, events)
-                n, k = bt.ranks.shape
-                padded = np.concatenate([got, np.repeat(got[:, :, -1:], S - k - 1, axis=2)], axis=2)
-                np.maximum.at(arrive, bt.ranks.ravel(), padded.reshape(n * k, S))
+                got, final = self._ring_chain(bt, *inputs[i], busiest[base[i]:base[i + 1]], lane, gate,
+                                              backward, clock, relayed, events)
+                released.append(got[:, :, :bt.k].ravel())
                 np.maximum.at(last, bt.ranks.ravel(), final.ravel())
-            return arrive, last, relayed
+            return np.concatenate(released), last, relayed
 
         # Once with the Ulysses batches alone, then with the rings' batches as
         # the first pass had them: a rank relays pieces in its own lanes'
         # batches, so rings that relay each other's pieces move at the slower
-        # one's pace, wave by wave.
-        events = [] if any(len(x.rank) for bt in inputs for x in bt[3]) else None
-        arrive, last, relayed = chain(None if events is None else _LaneClock(ulysses), events)
+        # one's pace, wave by wave; and a rank in several rings posts their
+        # transfers of a wave in one batch of a lane, which is done with the
+        # slowest of them, and only then posts the next wave's.
+        pieces = any(len(x.rank) for bt in inputs for x in bt[3])
+        shared = np.bincount(rank_of_slot, minlength=w).max(initial=0) > 1
+        events = [] if shared or pieces else None
+        released, last, relayed = chain(_LaneClock(ulysses) if pieces else None, events)
         if events is not None:
-            arrive, last, relayed = chain(_LaneClock(ulysses + events), None)
-        if S > 1:
-            arrive[:, 1] = np.maximum(arrive[:, 1], np.where(gate[2] > 0, gate[0], -np.inf))
+            released, last, relayed = chain(_LaneClock(ulysses + events), None)
         members = np.nonzero(fam_of_rank >= 0)[0]
-        tail = np.cumsum(lane[members, ::-1], axis=1)[:, ::-1]              # kernels of steps t >= s
-        # A rank ends at max over s of (arrival of step s's data + its kernels from s on),
+        # A rank's kernel jobs: every ring kernel, released when its step's data
+        # arrived, and its Ulysses kernels, once their inputs landed.
+        on_member = member[fam_of_rank[member] >= 0]
+        end = _lane_end(np.concatenate([np.repeat(bt.ranks.ravel(), bt.k) for bt in batches] + [on_member]),
+                        np.concatenate([released, gate[0, on_member]]),
+                        np.concatenate([bt.comp.ravel() for bt in batches] + [gate[2, on_member]]), w)[members]
         # and no earlier than the last transfer of its family it takes part in.
-        end = (arrive[members] + tail).max(axis=1)
-        last = last[members] if backward else end
+        last = last[members]
         # A rank that relays pieces leaves once it relayed its last one.
         relaying = np.flatnonzero((relayed > -np.inf) & (fam_of_rank < 0))
         end = np.maximum(np.r_[end, relayed[relaying]], np.r_[relayed[members], relayed[relaying]])
@@ -594,18 +650,20 @@ class StepSurrogate:
 
     @staticmethod
     def _ring_chain(bt: "_RingBatch", hops: np.ndarray, spans: np.ndarray, crossing: np.ndarray, relays: list,
-                    floor: np.ndarray, lane: np.ndarray, gate: np.ndarray, lanes: np.ndarray, backward: bool,
+                    floor: np.ndarray, lane: np.ndarray, gate: np.ndarray, backward: bool,
                     clock: _LaneClock | None, relayed_until: np.ndarray, events: list | None
                     ) -> tuple[np.ndarray, np.ndarray]:
         """The rings of one size step by step: (per (ring, position, step) when
         the step's data reached the position, per (ring, position) when its
-        last dK/dV left).  ``hops``: per (ring, link, step, hop) its wave's
-        seconds; ``spans``: per (ring, link, step) the waves its message takes;
+        last message -- the K/V forward, the dK/dV backward -- in and out
+        landed).  ``hops``: per (ring, link, step, hop) its wave's seconds;
+        ``spans``: per (ring, link, step) the waves its message takes;
         ``crossing``: per (ring, link) whether it leaves the node; ``relays``:
         the hops other ranks relay (:class:`_Relays`, K/V then dK/dV), paced by
-        their lanes' batches in ``clock``; ``floor``: per (ring, step) its
-        family's busiest port; ``lanes``: per rank when the Ulysses inputs
-        landed and the outputs left on the lanes the rings take.  Raises
+        their lanes' batches in ``clock`` (which also paces direct links by
+        the batches of both their ends); ``floor``: per (ring, step) the busiest
+        port of the rings joined to it that step; ``gate``: per rank and lane when the Ulysses
+        inputs landed and the outputs left (``_attention``).  Raises
         ``relayed_until`` per rank to when it relayed its last piece of these
         rings, and adds the rings' batches to ``events`` (:class:`_LaneClock`;
         unless None)."""
@@ -614,7 +672,7 @@ class StepSurrogate:
         # step s - 1 and the link between them carried it: a direct link in one
         # wave, a routed one in its hops one after another (every position
         # of the ring at once); and no sooner than the step before plus the
-        # family's busiest port for that step.
+        # busiest port of the rings joined to it that step.
         link_s = np.maximum(hops[..., DIRECT], hops[..., DISPATCH:].sum(axis=3))
         first_hop = np.maximum(hops[..., DIRECT], hops[..., DISPATCH])
         # A link's batches: on NVLink inside a node, through a NIC across, routed on both.
@@ -630,8 +688,18 @@ class StepSurrogate:
                                np.full(int(on.sum()), -np.inf) if posted is None else posted[on], done[on]))
 
         ends = bt.ranks, np.roll(bt.ranks, 1, axis=1)
-        after_in = np.maximum(*(lanes[0][r] for r in ends))
-        after_out = np.maximum(*(lanes[1][r] for r in ends))
+        # A link waits for the Ulysses batches of the lanes it takes at both
+        # its ends (NVLink inside a node, the NIC across, both when routed):
+        # per (ring, position) those of the link into it.
+        into = [np.roll(on, 1, axis=1) for on in on_lane]
+        after_in, after_out = (np.max([np.where(into[ln], gate[row + ln][r], 0.0) for ln in (0, 1) for r in ends],
+                                      axis=0) for row in (3, 7))
+
+        def ulysses_batch(wave: np.ndarray) -> np.ndarray:
+            """When a batch of ``wave`` on the link into each position lands at the
+            earliest: after the Ulysses inputs' batch; the outputs' batch once they left."""
+            return np.where(wave >= ULYSSES_OUT_WAVE, after_out, np.where(wave >= 1, after_in, 0.0))
+
         got = np.zeros((n, k, k + 1))
         # Waves (Schedule.waves): of the transfer that delivered each position's
         # data of a step (-1: its own), of the first hop of the dK/dV it sends at
@@ -644,6 +712,20 @@ class StepSurrogate:
         done = np.zeros((n, k, k + 1))                  # when a position's kernel of each step is done
         done[:, :, 0] = kernels[:, :, 0]
         ulysses_in = np.where(gate[2][bt.ranks] > 0, gate[0][bt.ranks], 0.0)
+        # A direct link's transfer of wave ``x`` starts once the lanes it takes
+        # at both its ends are done with their batches before (which hold the
+        # transfers of every ring and group on those ranks): per (ring,
+        # position) for the link into it, and the seconds it holds.
+        direct_in = ~(into[0] & into[1])
+        direct_out = np.roll(direct_in, -1, axis=1)
+        nic_in = into[1].astype(np.int64)
+
+        def lanes_free(x: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+            if clock is None:
+                return np.zeros(x.shape)
+            before = [clock.done_by(r.ravel(), nic_in.ravel(), x.ravel() - 1) for r in ends]
+            return np.where(direct_in, np.maximum(*before).reshape(x.shape) + seconds, 0.0)
+
         for t in range(1, k + 1):
             sent = got[:, :, t - 1] + link_s[:, :, t - 1]
             if relays:
@@ -666,15 +748,16 @@ class StepSurrogate:
                 got[:, :, t] = np.maximum(got[:, :, t], np.maximum(*wait) + link_s[:, :, t - 1])
             wave = kv_wave[:, :, t]
             # a batch after the Ulysses inputs' lands after them; the outputs' batch, once they left
-            got[:, :, t] = np.maximum(got[:, :, t], np.where(wave >= ULYSSES_OUT_WAVE, after_out,
-                                                             np.where(wave >= 1, after_in, 0.0)))
+            into_link = np.roll(link_s[:, :, t - 1], 1, axis=1)
+            got[:, :, t] = np.maximum(got[:, :, t], np.maximum(ulysses_batch(wave), lanes_free(wave, into_link)))
             done[:, :, t] = np.maximum(done[:, :, t - 1], got[:, :, t]) + kernels[:, :, t]
             if t == 1:
                 done[:, :, 1] = np.maximum(done[:, :, 1], ulysses_in + kernels[:, :, 1])
             if relays:
                 relays[0].relayed(t - 1, np.roll(got[:, :, t], -1, axis=1), relayed_until)
             if t < k:          # the K/V of step t - 1: sent, then received
-                batch(False, kv_wave[:, :, t - 1] + 1, got[:, :, t - 1], got[:, :, t - 1] + first_hop[:, :, t - 1])
+                out = np.where(direct_out, np.roll(got[:, :, t], -1, axis=1), got[:, :, t - 1] + first_hop[:, :, t - 1])
+                batch(False, kv_wave[:, :, t - 1] + 1, got[:, :, t - 1], out)
                 batch(True, kv_wave[:, :, t], None, got[:, :, t])
             if backward:
                 # The dK/dV of step t, once this ring's kernel of step t - 1 is
@@ -682,14 +765,25 @@ class StepSurrogate:
                 # but the lane runs a ring's kernel as soon as its data is there.
                 before = done[:, :, t - 2] if t > 1 else 0.0
                 start = np.maximum(before, got[:, :, t - 1]) + bt.comp[:, :, t - 1]
-                batch(False, dkv_sent[:, :, t], start, start + first_hop[:, :, t])
-                batch(True, dkv_got[:, :, t], None, np.roll(start + link_s[:, :, t], 1, axis=1))
-        # the last dK/dV leaves once the position before ran its last kernel
-        final = np.maximum(got[:, :, k], np.roll(done[:, :, k - 1], 1, axis=1)) + np.roll(link_s[:, :, k], 1, axis=1)
+                into_link = np.roll(link_s[:, :, t], 1, axis=1)
+                land = np.maximum.reduce([np.roll(start, 1, axis=1) + into_link, ulysses_batch(dkv_got[:, :, t]),
+                                          lanes_free(dkv_got[:, :, t], into_link)])
+                batch(False, dkv_sent[:, :, t], start, np.where(direct_out, np.roll(land, -1, axis=1),
+                                                                start + first_hop[:, :, t]))
+                batch(True, dkv_got[:, :, t], None, land)
+        # the last dK/dV leaves once the position before ran its last kernel, in
+        # its batch of its wave
+        last_link = np.roll(link_s[:, :, k], 1, axis=1)
+        final = np.maximum(got[:, :, k], np.roll(done[:, :, k - 1], 1, axis=1)) + last_link
+        if backward:
+            final = np.maximum.reduce([final, ulysses_batch(dkv_got[:, :, k]), lanes_free(dkv_got[:, :, k], last_link)])
         if backward and relays:
             final = np.maximum(final, np.roll(relays[1].bound(k, dkv_sent[:, :, k], clock), 1, axis=1))
             relays[1].relayed(k, np.roll(final, -1, axis=1), relayed_until)
-        return got, final
+        if not backward:        # forward, the last message is the K/V of step k - 2
+            final = got[:, :, k - 1]
+        # a position's lanes are done once it received its last message and its successor did
+        return got, np.maximum(final, np.roll(final, -1, axis=1))
 
     # -------------------------------------------------------- switch, linear
     def _switch(self, messages: tuple[np.ndarray, np.ndarray, np.ndarray], w: int, routed: bool,
