@@ -32,6 +32,9 @@ from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths
 from megatron_zeppelin.planner.surrogate import surrogate_clock
 from megatron_zeppelin.topology import load_cluster
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_page import write_head  # noqa: E402  (benchmarks/ beside this script)
+
 REPO = Path(__file__).resolve().parent.parent
 SEQS_PER_GPU = 16
 
@@ -156,12 +159,7 @@ def main() -> None:
         args.gpus, args.repeats = [g for g in args.gpus if g <= 256], min(args.repeats, 2)
     report = exit_on_user_error(lambda: run(args))
     print(report)
-    # The report replaces the page's head; its dated sections (earlier runs,
-    # before/after tables written by hand) stay below it.
-    old = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
-    history = old[old.index("\n## ") + 1:] if "\n## " in old else ""
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report + ("\n" + history if history else ""), encoding="utf-8")
+    write_head(args.out, report)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ from megatron_zeppelin.sim.simulate import sample_batches
 from megatron_zeppelin.sim.timeline import step_timeline
 from megatron_zeppelin.topology import load_cluster
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_page import write_head  # noqa: E402  (benchmarks/ beside this script)
+
 REPO = Path(__file__).resolve().parent.parent
 CLUSTERS = ("h100-8x400g", "h200-8x400g", "a800-4x200g", "a100-40g-4x100g")
 #: Model -> per-GPU token cap (the speedup matrix's).
@@ -116,7 +119,7 @@ def run(args: argparse.Namespace) -> str:
             # The report so far, after every batch: a long run stopped early still leaves one.
             text = report(args, rows, pairs_total, pairs_same, batches, sur_cpu, replay_cpu,
                           time.perf_counter() - t_start)
-            args.out.write_text(text, encoding="utf-8")
+            write_head(args.out, text)
     return text
 
 
@@ -168,7 +171,6 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "surrogate.md")
     args = p.parse_args()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     print(exit_on_user_error(lambda: run(args)))
 
 
