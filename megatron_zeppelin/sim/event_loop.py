@@ -464,36 +464,105 @@ def run_chains(world, chains, segments, record):
     """Replay each chain of ``chains`` (arrays of segment ids) from time 0;
     ``segments``: the static arrays (``_start``'s arguments after the chain).
 
-    Chains that begin with the same instances replay them once: every event
-    before the first that touches an instance where the chains differ is the
-    same in all of them, so the first chain runs to that event, the others
-    start from where it stands, and all run on from there.
+    Chains that begin with the same instances replay them once (:func:`_replay`).
 
     Returns, per chain: (finish per rank, busy seconds [rank, tier], first-use
     order of each busy entry, entered [instance, rank], left [instance, rank],
     op start and end per instance op (if ``record``, else empty), instance
     base offsets, ops still unfinished per [instance, rank], whether each
     instance was entered)."""
-    first = chains[0]
-    shared = min((_common(first, chain) for chain in chains[1:]), default=0)
-    states = [_start(world, first, *segments, record)]
-    paused = shared > 0 and _run(states[0], world, first, *segments, record, shared)
-    for chain in chains[1:]:
-        state = _start(world, chain, *segments, record)
-        if paused:
-            _carry(state, states[0], shared, record)
-        states.append(state)
+    chain_ptr = np.zeros(len(chains) + 1, np.int64)
+    chain_ptr[1:] = np.cumsum([len(chain) for chain in chains])
+    flat = np.concatenate(chains)
+    finish, busy, order, entered, left, remaining, created, inst_base, op_start, op_end = _replay(
+        world, flat, chain_ptr, *segments, record)
     out = []
-    for chain, state in zip(chains, states):
-        _run(state, world, chain, *segments, record, 0)
-        (inst_base, _, _, _, _, op_start, op_end, _, _, _, _, _, entered, left, remaining, created, _, _, _, _,
-         finish, busy, busy_order, *_) = state
-        out.append((finish, busy, busy_order, entered, left, op_start, op_end, inst_base, remaining, created))
+    for c in range(len(chains)):
+        k0, k1 = chain_ptr[c], chain_ptr[c + 1]
+        base = inst_base[k0 + c:k1 + c + 1]
+        ops = op_start[base[0]:base[-1]] if record else op_start
+        out.append((finish[c], busy[c], order[c], entered[k0:k1], left[k0:k1], ops,
+                    op_end[base[0]:base[-1]] if record else op_end, base - base[0], remaining[k0:k1], created[k0:k1]))
     return out
 
 
-def _common(a: np.ndarray, b: np.ndarray) -> int:
-    """How many leading entries ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
+@njit(cache=True)
+def _replay(world, chains, chain_ptr, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps,
+            users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx,
+            op_lane, op_lands, op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports,
+            record):
+    """Replay chain ``c``, ``chains[chain_ptr[c]:chain_ptr[c + 1]]``, for each ``c``.
+
+    Chains that begin with the same instances replay them once: every event
+    before the first that touches an instance where the chains differ is the
+    same in all of them, so the first chain runs to that event, the others
+    start from where it stands (:func:`_carry`), and all run on from there.
+
+    Returns the chains' results stacked: finish [chain, rank], busy seconds and
+    their first-use order [chain, rank, tier]; per instance of every chain in
+    turn, entered, left and ops still unfinished [instance, rank] and whether
+    it was entered; each chain's instance base offsets in turn (one more than
+    its instances), counted over the chains' ops laid end to end; and, if
+    ``record``, every op's start and end there."""
+    n_chains = len(chain_ptr) - 1
+    first = chains[chain_ptr[0]:chain_ptr[1]]
+    shared = len(first) if n_chains > 1 else 0
+    for c in range(1, n_chains):
+        other = chains[chain_ptr[c]:chain_ptr[c + 1]]
+        k = 0
+        while k < min(len(first), len(other)) and first[k] == other[k]:
+            k += 1
+        shared = min(shared, k)
+    n_inst = chain_ptr[n_chains]
+    inst_base = np.zeros(n_inst + n_chains, np.int64)
+    for c in range(n_chains):
+        at = chain_ptr[c] + c
+        for k in range(chain_ptr[c], chain_ptr[c + 1]):
+            inst_base[at + 1] = inst_base[at] + seg_base[chains[k] + 1] - seg_base[chains[k]]
+            at += 1
+        if c + 1 < n_chains:
+            inst_base[at + 1] = inst_base[at]
+    finish = np.zeros((n_chains, world))
+    busy = np.zeros((n_chains, world, n_tiers))
+    order = np.zeros((n_chains, world, n_tiers), np.int64)
+    entered = np.zeros((n_inst, world))
+    left = np.zeros((n_inst, world))
+    remaining = np.zeros((n_inst, world), np.int64)
+    created = np.zeros(n_inst, np.bool_)
+    n_ops = inst_base[n_inst + n_chains - 1] if record else 0
+    op_start = np.zeros(n_ops)
+    op_end = np.zeros(n_ops)
+    state0 = _start(world, first, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps, users_ptr,
+                    users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx, op_lane, op_lands, op_bsend,
+                    op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports, record)
+    paused = False
+    if shared > 0:
+        paused = _run(state0, world, first, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps,
+                      users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx, op_lane,
+                      op_lands, op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports,
+                      record, shared)
+    for c in range(n_chains - 1, -1, -1):         # the first chain last: the others start from it, paused
+        chain = chains[chain_ptr[c]:chain_ptr[c + 1]]
+        state = state0
+        if c > 0:
+            state = _start(world, chain, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps, users_ptr,
+                           users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx, op_lane, op_lands,
+                           op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports, record)
+            if paused:
+                _carry(state, state0, shared, record)
+        _run(state, world, chain, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps,
+             users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx, op_lane,
+             op_lands, op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports, record, 0)
+        k0, k1 = chain_ptr[c], chain_ptr[c + 1]
+        finish[c] = state[20]
+        busy[c] = state[21]
+        order[c] = state[22]
+        entered[k0:k1] = state[12]
+        left[k0:k1] = state[13]
+        remaining[k0:k1] = state[14]
+        created[k0:k1] = state[15]
+        if record:
+            b = inst_base[k0 + c]
+            op_start[b:b + len(state[5])] = state[5]
+            op_end[b:b + len(state[6])] = state[6]
+    return finish, busy, order, entered, left, remaining, created, inst_base, op_start, op_end
