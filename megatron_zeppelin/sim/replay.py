@@ -71,8 +71,9 @@ def work_seconds(works: Sequence[tuple], cost: CostModel) -> np.ndarray:
     ``(tier, backward, tokens, pairs, block, lengths)`` in ``works``, then a 0.0.
 
     Attention is priced in one ``CostModel.attn_s`` over arrays (elementwise the
-    scalar's float operations, bit for bit); a work of whole local sequences
-    (``lengths``) sums theirs in order, as ``sum`` over the scalar answers."""
+    scalar's float operations, bit for bit): a work's pairs in its query block,
+    or each of its whole local sequences (``lengths``), which it sums in order
+    (as ``sum`` over the scalar answers)."""
     n = cost.model.num_layers
     out = np.zeros(len(works) + 1)
     attn, whole = [], []                     # attention by pairs; by whole sequences
@@ -82,19 +83,27 @@ def work_seconds(works: Sequence[tuple], cost: CostModel) -> np.ndarray:
             out[i] = cost.linear_s(tokens) * share / ((1 + LINEAR_BWD_RATIO) * n)
         else:
             (whole if lengths else attn).append(i)
-    if attn:
-        out[attn] = cost.attn_s(np.array([works[i][3] for i in attn]), np.array([works[i][4] for i in attn]))
-    if whole:
-        length = np.array([L for i in whole for L in works[i][5]])
-        each = cost.attn_s(causal_pairs(0, length), length).tolist()
-        at = 0
-        for i in whole:
-            out[i] = sum(each[at:at + len(works[i][5])])
-            at += len(works[i][5])
     if attn or whole:
+        length = [L for i in whole for L in works[i][5]]
+        seconds = cost.attn_s(np.array([works[i][3] for i in attn] + [causal_pairs(0, L) for L in length]),
+                              np.array([works[i][4] for i in attn] + length))
+        out[attn] = seconds[:len(attn)]
+        out[whole] = _sums_in_order(seconds[len(attn):], np.array([len(works[i][5]) for i in whole], np.int64))
         priced = attn + whole
         share = np.where([works[i][1] for i in priced], ATTN_BWD_RATIO, 1.0)
         out[priced] = out[priced] * share / ((1 + ATTN_BWD_RATIO) * n)
+    return out
+
+
+@njit(cache=True)
+def _sums_in_order(values, counts):
+    """Each run of ``counts[j]`` consecutive ``values``, summed left to right from 0.0."""
+    out = np.zeros(len(counts))
+    at = 0
+    for j in range(len(counts)):
+        for x in range(at, at + counts[j]):
+            out[j] += values[x]
+        at += counts[j]
     return out
 
 
