@@ -54,7 +54,7 @@ from numba import njit
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
 from megatron_zeppelin.plan.shards import causal_pairs
-from megatron_zeppelin.schedule.ops import TIERS, Schedule
+from megatron_zeppelin.schedule.ops import TIERS, OpArrays, Schedule
 from megatron_zeppelin.sim.event_loop import run_chains
 
 
@@ -66,31 +66,31 @@ class OpTiming:
     end_s: float
 
 
-def work_seconds(works: Sequence[tuple], cost: CostModel) -> np.ndarray:
-    """Cost-model duration (one layer, one pass) of each compute op's fields
-    ``(tier, backward, tokens, pairs, block, lengths)`` in ``works``, then a 0.0.
+def work_seconds(cols: OpArrays, cost: CostModel) -> np.ndarray:
+    """Cost-model duration (one layer, one pass) of each distinct compute work
+    of ``cols`` (``OpArrays.work``), then a 0.0.
 
     Attention is priced in one ``CostModel.attn_s`` over arrays (elementwise the
     scalar's float operations, bit for bit): a work's pairs in its query block,
     or each of its whole local sequences (``lengths``), which it sums in order
     (as ``sum`` over the scalar answers)."""
     n = cost.model.num_layers
-    out = np.zeros(len(works) + 1)
-    attn, whole = [], []                     # attention by pairs; by whole sequences
-    for i, (tier, backward, tokens, _, _, lengths) in enumerate(works):
-        if tier == "linear":
-            share = LINEAR_BWD_RATIO if backward else 1.0
-            out[i] = cost.linear_s(tokens) * share / ((1 + LINEAR_BWD_RATIO) * n)
-        else:
-            (whole if lengths else attn).append(i)
-    if attn or whole:
-        length = [L for i in whole for L in works[i][5]]
-        seconds = cost.attn_s(np.array([works[i][3] for i in attn] + [causal_pairs(0, L) for L in length]),
-                              np.array([works[i][4] for i in attn] + length))
+    linear, backward = cols.work_linear, cols.work_backward
+    out = np.zeros(len(linear) + 1)
+    priced = np.flatnonzero(linear).tolist()
+    tokens, back = cols.work_tokens, backward.tolist()
+    for i in priced:
+        out[i] = cost.linear_s(tokens[i]) * (LINEAR_BWD_RATIO if back[i] else 1.0) / ((1 + LINEAR_BWD_RATIO) * n)
+    if len(priced) < len(linear):
+        attn = np.flatnonzero(~linear & (cols.work_nlengths == 0))     # priced by pairs
+        whole = np.flatnonzero(~linear & (cols.work_nlengths > 0))     # by whole sequences
+        length = cols.work_lengths
+        seconds = cost.attn_s(np.concatenate((cols.work_pairs[attn], causal_pairs(0, length))),
+                              np.concatenate((cols.work_block[attn], length)))
         out[attn] = seconds[:len(attn)]
-        out[whole] = _sums_in_order(seconds[len(attn):], np.array([len(works[i][5]) for i in whole], np.int64))
-        priced = attn + whole
-        share = np.where([works[i][1] for i in priced], ATTN_BWD_RATIO, 1.0)
+        out[whole] = _sums_in_order(seconds[len(attn):], cols.work_nlengths[whole])
+        priced = np.concatenate((attn, whole))
+        share = np.where(backward[priced], ATTN_BWD_RATIO, 1.0)
         out[priced] = out[priced] * share / ((1 + ATTN_BWD_RATIO) * n)
     return out
 
@@ -125,7 +125,7 @@ class CompiledSegment:
         self.tier = cols.tier                      # a compute op's: the replay sums busy time by it
         # Many compute ops share their fields (a ring's steps over equal shards,
         # equal linear shares): each distinct set of fields is priced once.
-        self.seconds = work_seconds(cols.works, cost)[cols.work]   # a transfer's (-1: the 0.0) is set below
+        self.seconds = work_seconds(cols, cost)[cols.work]   # a transfer's (-1: the 0.0) is set below
         # A transfer holds NVLink inside a node (unless it names a NIC: a routed leg), else a NIC.
         comm = np.flatnonzero(cols.is_comm)
         nbytes = cols.nbytes[comm].astype(np.float64)
