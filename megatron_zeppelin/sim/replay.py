@@ -125,13 +125,12 @@ class CompiledSegment:
         self.tier = cols.tier                      # a compute op's: the replay sums busy time by it
         # Many compute ops share their fields (a ring's steps over equal shards,
         # equal linear shares): each distinct set of fields is priced once.
-        self.seconds = work_seconds(cols, cost)[cols.work]   # a transfer's (-1: the 0.0) is set below
+        self.seconds = work_seconds(cols, cost)[cols.work]   # a transfer's is set below
         # A transfer holds NVLink inside a node (unless it names a NIC: a routed leg), else a NIC.
-        comm = np.flatnonzero(cols.is_comm)
-        nbytes = cols.nbytes[comm].astype(np.float64)
-        nvlink = (cols.rank[comm] // topo.gpus_per_node == cols.peer[comm] // topo.gpus_per_node) & (cols.nic[comm] < 0)
-        self.seconds[comm] = np.where(nvlink, cost.cluster.nvlink.transfer_s(nbytes),
-                                      cost.cluster.nic.transfer_s(nbytes))
+        nbytes = cols.nbytes.astype(np.float64)
+        nvlink = (cols.rank // topo.gpus_per_node == cols.peer // topo.gpus_per_node) & (cols.nic < 0)
+        self.seconds = np.where(cols.is_comm, np.where(nvlink, cost.cluster.nvlink.transfer_s(nbytes),
+                                                       cost.cluster.nic.transfer_s(nbytes)), self.seconds)
 
 
 @njit(cache=True)
@@ -366,6 +365,16 @@ def _busy_sums(busy: np.ndarray, order: np.ndarray) -> dict[tuple[int, str], flo
     return dict(zip(zip(ranks.tolist(), [TIERS[t] for t in tiers.tolist()]), busy[ranks, tiers].tolist()))
 
 
+@njit(cache=True)
+def _part_sums(spent, part, n_parts):
+    """``out[p, r]``: the sum of ``spent[k, r]`` over the instances ``k`` of part
+    ``p`` (``part[k]``), in chain order from 0.0."""
+    out = np.zeros((n_parts, spent.shape[1]))
+    for k in range(len(part)):
+        out[part[k]] += spent[k]
+    return out
+
+
 def replay_schedule(schedule: Schedule, cost: CostModel) -> ChainReplay:
     """Replay one schedule (every op's timing recorded, by its id in ``schedule``).
     A whole step's schedule (``Schedule.calls``) replays as the chain of its
@@ -422,11 +431,8 @@ def replay_step(parts: Sequence[tuple[str, Schedule, Schedule]], num_layers: int
         out = []
         for chain, (finish, busy, order, entered, left, *_) in zip(chains, _run_chains(chains, world_size, False,
                                                                                         segments)):
-            # Per rank, a part's instances summed in chain order (an accumulate adds
-            # row after row, as a loop would; its first row is 0.0 + that row).
-            part = np.array([names.index(seg.name) for seg in chain])
-            spent = left - entered
-            inside = {name: np.add.accumulate(spent[part == p])[-1] for p, name in enumerate(names)}
+            sums = _part_sums(left - entered, np.array([names.index(seg.name) for seg in chain]), len(names))
+            inside = dict(zip(names, sums))
             out.append((finish, busy, order, inside))
         return out
 
