@@ -33,7 +33,9 @@ dependant on its rank queues no landing.  An event is one int64: (instance
 << wbits | what) << 3 | kind.
 
 A replay's state is one tuple of arrays (``_start``), which ``_run`` advances;
-chains that begin with the same instances share that start (``run_chains``).
+chains that begin with the same instances share that start.  One compiled
+call replays all the chains of a ``run_chains`` (``_replay``), so no state
+crosses into Python: it returns their results stacked.
 The helpers the loop calls per event take arrays and are compiled without
 reference counting (``_nrt=False``): numba counts an array argument's
 references with an atomic add and subtract on every call, a fifth of the loop's
@@ -111,7 +113,7 @@ def _start(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_se
     ``(s * world + r) * 2 + lane`` the rank's batches on that lane in order
     (``rl_ptr``, a range of batch ids).
 
-    :func:`_run` runs it (see :func:`run_chains` for the results)."""
+    :func:`_run` runs it (see :func:`_replay` for the results)."""
     n_inst = len(chain_seg)
     inst_base = np.zeros(n_inst + 1, np.int64)
     inst_bat = np.zeros(n_inst + 1, np.int64)     # each instance's first batch
@@ -489,7 +491,7 @@ def run_chains(world, chains, segments, record):
     chain_ptr[1:] = np.cumsum([len(chain) for chain in chains])
     flat = np.concatenate(chains)
     finish, busy, order, entered, left, remaining, created, inst_base, op_start, op_end = _replay(
-        world, flat, chain_ptr, *segments, record)
+        world, flat, chain_ptr, segments, record)
     out = []
     for c in range(len(chains)):
         k0, k1 = chain_ptr[c], chain_ptr[c + 1]
@@ -501,11 +503,9 @@ def run_chains(world, chains, segments, record):
 
 
 @njit(cache=True)
-def _replay(world, chains, chain_ptr, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps,
-            users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx,
-            op_lane, op_lands, op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports,
-            record):
-    """Replay chain ``c``, ``chains[chain_ptr[c]:chain_ptr[c + 1]]``, for each ``c``.
+def _replay(world, chains, chain_ptr, segments, record):
+    """Replay chain ``c``, ``chains[chain_ptr[c]:chain_ptr[c + 1]]``, for each ``c``
+    (``segments``: the static arrays, ``_start``'s arguments after the chain).
 
     Chains that begin with the same instances replay them once: every event
     before the first that touches an instance where the chains differ is the
@@ -518,6 +518,7 @@ def _replay(world, chains, chain_ptr, seg_base, op_comm, op_rank, op_peer, op_ti
     it was entered; each chain's instance base offsets in turn (one more than
     its instances), counted over the chains' ops laid end to end; and, if
     ``record``, every op's start and end there."""
+    seg_base, n_tiers = segments[0], segments[24]
     n_chains = len(chain_ptr) - 1
     first = chains[chain_ptr[0]:chain_ptr[1]]
     shared = len(first) if n_chains > 1 else 0
@@ -546,27 +547,18 @@ def _replay(world, chains, chain_ptr, seg_base, op_comm, op_rank, op_peer, op_ti
     n_ops = inst_base[n_inst + n_chains - 1] if record else 0
     op_start = np.zeros(n_ops)
     op_end = np.zeros(n_ops)
-    state0 = _start(world, first, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps, users_ptr,
-                    users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx, op_lane, op_lands, op_bsend,
-                    op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports, record)
+    state0 = _start(world, first, *segments, record)
     paused = False
     if shared > 0:
-        paused = _run(state0, world, first, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps,
-                      users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx, op_lane,
-                      op_lands, op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports,
-                      record, shared)
+        paused = _run(state0, world, first, *segments, record, shared)
     for c in range(n_chains - 1, -1, -1):         # the first chain last: the others start from it, paused
         chain = chains[chain_ptr[c]:chain_ptr[c + 1]]
         state = state0
         if c > 0:
-            state = _start(world, chain, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps, users_ptr,
-                           users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx, op_lane, op_lands,
-                           op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports, record)
+            state = _start(world, chain, *segments, record)
             if paused:
                 _carry(state, state0, shared, record)
-        _run(state, world, chain, seg_base, op_comm, op_rank, op_peer, op_tier, op_sec, op_ndeps,
-             users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx, op_lane,
-             op_lands, op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, n_tiers, n_ports, record, 0)
+        _run(state, world, chain, *segments, record, 0)
         k0, k1 = chain_ptr[c], chain_ptr[c + 1]
         finish[c] = state[19]
         busy[c] = state[20]

@@ -39,9 +39,10 @@ enters a segment when its part of the previous one is done (every op on its
 lanes), and a transfer starts only once both of its ends have entered (a
 receive is posted when its call starts).  All segments of the step run in one
 event loop, so ranks at different layers share links in time order.  A
-segment is compiled once (durations, ports, dependency lists, as flat arrays)
-and reused by every layer; the event loop itself is compiled
-(``sim/event_loop.py``).
+segment is compiled once (its durations, ``CompiledSegment``) and the distinct
+segments of a step are laid out together (ports, dependants, lanes and batches
+as flat arrays, ``SegmentSet``), which every layer reuses; the event loop
+itself is compiled (``sim/event_loop.py``).
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ class CompiledSegment:
         self.n = len(schedule)
         self.world = schedule.world_size
         self.topology = topo
-        self.is_comm, self.rank, self.peer, self.ndeps, self.dep = cols.is_comm, cols.rank, cols.peer, cols.ndeps, cols.dep
-        self.wave, self.nic = cols.wave, cols.nic
+        self.is_comm, self.rank, self.peer, self.ndeps = cols.is_comm, cols.rank, cols.peer, cols.ndeps
+        self.dep, self.wave, self.nic = cols.dep, cols.wave, cols.nic
         self.tier = cols.tier                      # a compute op's: the replay sums busy time by it
         # Many compute ops share their fields (a ring's steps over equal shards,
         # equal linear shares): each distinct set of fields is priced once.
