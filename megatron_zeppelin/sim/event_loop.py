@@ -117,14 +117,13 @@ def _start(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_se
     n_inst = len(chain_seg)
     inst_base = np.zeros(n_inst + 1, np.int64)
     inst_bat = np.zeros(n_inst + 1, np.int64)     # each instance's first batch
-    compute_cap = np.zeros(world, np.int64)     # compute ops per rank over the chain
+    lane_cap = np.zeros(world, np.int64)        # ops per rank over the chain: room for its ready compute ops
     for k in range(n_inst):
         s = chain_seg[k]
         inst_base[k + 1] = inst_base[k] + seg_base[s + 1] - seg_base[s]
         inst_bat[k + 1] = inst_bat[k] + bat_base[s + 1] - bat_base[s]
-        for i in range(seg_base[s], seg_base[s + 1]):
-            if not op_comm[i]:
-                compute_cap[op_rank[i]] += 1
+        for r in range(world):
+            lane_cap[r] += onr_ptr[s * world + r + 1] - onr_ptr[s * world + r]
     total = inst_base[n_inst]
     total_bat = inst_bat[n_inst]
     # An event is packed as (instance << wbits | what) << 3 | kind.
@@ -138,8 +137,7 @@ def _start(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_se
     waiting = np.empty(total, np.int64)
     for k in range(n_inst):
         sb = seg_base[chain_seg[k]]
-        for i in range(inst_base[k + 1] - inst_base[k]):
-            waiting[inst_base[k] + i] = op_ndeps[sb + i]
+        waiting[inst_base[k]:inst_base[k + 1]] = op_ndeps[sb:sb + inst_base[k + 1] - inst_base[k]]
     posted_ends = np.zeros(total, np.int64)     # a transfer's ends whose batch is posted (0, 1, 2)
     op_start = np.zeros(total if record else 0)
     op_end = np.zeros(total if record else 0)
@@ -149,8 +147,8 @@ def _start(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_se
     unstarted = np.empty(total_bat, np.int64)
     for k in range(n_inst):
         bb = bat_base[chain_seg[k]]
+        need[inst_bat[k]:inst_bat[k + 1]] = bat_need[bb:bb + inst_bat[k + 1] - inst_bat[k]]
         for b in range(inst_bat[k + 1] - inst_bat[k]):
-            need[inst_bat[k] + b] = bat_need[bb + b]
             unstarted[inst_bat[k] + b] = bat_ptr[bb + b + 1] - bat_ptr[bb + b]
     last_t = np.full(total_bat, -np.inf)
     last_c = np.zeros(total_bat, np.int64)
@@ -178,10 +176,10 @@ def _start(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_se
     while (1 << lbits) < lane_width:
         lbits += 1
     # Per rank, a heap of ready compute ops keyed by instance x lane width + lane position.
-    lane_heap = np.empty(max(compute_cap.sum(), 1), np.int64)
+    lane_heap = np.empty(max(lane_cap.sum(), 1), np.int64)
     lane_base = np.zeros(world, np.int64)
     for r in range(1, world):
-        lane_base[r] = lane_base[r - 1] + compute_cap[r - 1]
+        lane_base[r] = lane_base[r - 1] + lane_cap[r - 1]
     lane_n = np.zeros(world, np.int64)
     port_free = np.zeros(n_ports)       # when each port has carried every transfer charged to it
 
