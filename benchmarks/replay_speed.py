@@ -95,7 +95,7 @@ def main() -> None:
                        for _ in range(few))
         timeline = ("-" if name == UNPACKED else
                     f"{best_cpu_ms(lambda: step_timeline(plan, cost, reuse=False), few)[0]:.1f}")
-        print(f"| {name} | {sum(seg.n for seg in chain):,} | {loop:.2f} | {step_ms:.1f} | {fresh_ms:.1f} | {timeline} | "
+        print(f"| {name} | {sum(seg.n for seg in chain):,} | {loop:.2f} | {step_ms:.2f} | {fresh_ms:.2f} | {timeline} | "
               f"{step.step_s!r} |", flush=True)
 
 

@@ -356,10 +356,24 @@ class OpArrays:
     tier: np.ndarray
     """A compute op's tier, as its index in :data:`TIERS` (0: a transfer)."""
     work: np.ndarray
-    """A compute op's index in :attr:`works` (-1: a transfer)."""
-    works: list[tuple]
-    """The distinct ``(tier, backward, tokens, pairs, block, lengths)`` of the
-    compute ops, in order of first use: what prices a compute op."""
+    """A compute op's index among the distinct works (-1: a transfer): the
+    distinct ``(tier, backward, tokens, pairs, block, lengths)`` of the compute
+    ops, in order of first use, what prices a compute op.  The ``work_*``
+    columns below hold them."""
+    work_linear: np.ndarray
+    """bool per work: a linear op (priced by its tokens), else attention."""
+    work_backward: np.ndarray
+    """bool per work: part of the backward pass."""
+    work_tokens: list[int]
+    """Per work: a linear op's tokens."""
+    work_pairs: np.ndarray
+    """Per work: an attention op's causal pairs (one without ``lengths``)."""
+    work_block: np.ndarray
+    """Per work: that op's query block."""
+    work_lengths: np.ndarray
+    """The whole local sequences of every work, work after work (``lengths``)."""
+    work_nlengths: np.ndarray
+    """Per work: how many of :attr:`work_lengths` are its."""
     nbytes: np.ndarray
     """A transfer's bytes (0: a compute op)."""
     nic: np.ndarray
@@ -381,17 +395,22 @@ class OpArrays:
         work = np.full(n, -1, np.int64)
         work[compute] = [index.setdefault(key, len(index)) for key in keys]
         tier_index = {tier: i for i, tier in enumerate(TIERS)}
+        work_tier = np.array([tier_index[key[0]] for key in index] + [0], np.int64)
         tier = np.zeros(n, np.int64)
-        tier[compute] = np.array([tier_index[key[0]] for key in index] + [0], np.int64)[work[compute]]
+        tier[compute] = work_tier[work[compute]]
         nbytes = np.zeros(n, np.int64)
         nic = np.full(n, -1, np.int64)
         if comm:
             rows = schedule.rows(comm)
             nbytes[comm] = [f.get("nbytes", 0) for f in rows]
             nic[comm] = [-1 if (x := f.get("nic")) is None else x for f in rows]
+        _, backward, tokens, pairs, block, lengths = zip(*index) if index else ((),) * 6
+        nlengths = np.fromiter(map(len, lengths), np.int64, len(index))
         return cls(is_comm, np.fromiter(schedule.column("rank"), np.int64, n),
                    np.fromiter(schedule.column("peer"), np.int64, n), *schedule.dependency_arrays(),
-                   schedule.wave_levels(), tier, work, list(index), nbytes, nic)
+                   schedule.wave_levels(), tier, work, work_tier[:-1] == tier_index["linear"],
+                   np.array(backward, np.bool_), list(tokens), np.array(pairs), np.array(block),
+                   np.fromiter(chain.from_iterable(lengths), np.int64, int(nlengths.sum())), nlengths, nbytes, nic)
 
 
 _OP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Op) if f.default is not MISSING}

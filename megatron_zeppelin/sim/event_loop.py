@@ -33,7 +33,9 @@ dependant on its rank queues no landing.  An event is one int64: (instance
 << wbits | what) << 3 | kind.
 
 A replay's state is one tuple of arrays (``_start``), which ``_run`` advances;
-chains that begin with the same instances share that start (``run_chains``).
+chains that begin with the same instances share that start.  One compiled
+call replays all the chains of a ``run_chains`` (``_replay``), so no state
+crosses into Python: it returns their results stacked.
 The helpers the loop calls per event take arrays and are compiled without
 reference counting (``_nrt=False``): numba counts an array argument's
 references with an atomic add and subtract on every call, a fifth of the loop's
@@ -111,18 +113,17 @@ def _start(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_se
     ``(s * world + r) * 2 + lane`` the rank's batches on that lane in order
     (``rl_ptr``, a range of batch ids).
 
-    :func:`_run` runs it (see :func:`run_chains` for the results)."""
+    :func:`_run` runs it (see :func:`_replay` for the results)."""
     n_inst = len(chain_seg)
     inst_base = np.zeros(n_inst + 1, np.int64)
     inst_bat = np.zeros(n_inst + 1, np.int64)     # each instance's first batch
-    compute_cap = np.zeros(world, np.int64)     # compute ops per rank over the chain
+    lane_cap = np.zeros(world, np.int64)        # ops per rank over the chain: room for its ready compute ops
     for k in range(n_inst):
         s = chain_seg[k]
         inst_base[k + 1] = inst_base[k] + seg_base[s + 1] - seg_base[s]
         inst_bat[k + 1] = inst_bat[k] + bat_base[s + 1] - bat_base[s]
-        for i in range(seg_base[s], seg_base[s + 1]):
-            if not op_comm[i]:
-                compute_cap[op_rank[i]] += 1
+        for r in range(world):
+            lane_cap[r] += onr_ptr[s * world + r + 1] - onr_ptr[s * world + r]
     total = inst_base[n_inst]
     total_bat = inst_bat[n_inst]
     # An event is packed as (instance << wbits | what) << 3 | kind.
@@ -136,9 +137,7 @@ def _start(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_se
     waiting = np.empty(total, np.int64)
     for k in range(n_inst):
         sb = seg_base[chain_seg[k]]
-        for i in range(inst_base[k + 1] - inst_base[k]):
-            waiting[inst_base[k] + i] = op_ndeps[sb + i]
-    released = np.zeros(total, np.bool_)
+        waiting[inst_base[k]:inst_base[k + 1]] = op_ndeps[sb:sb + inst_base[k + 1] - inst_base[k]]
     posted_ends = np.zeros(total, np.int64)     # a transfer's ends whose batch is posted (0, 1, 2)
     op_start = np.zeros(total if record else 0)
     op_end = np.zeros(total if record else 0)
@@ -148,8 +147,8 @@ def _start(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_se
     unstarted = np.empty(total_bat, np.int64)
     for k in range(n_inst):
         bb = bat_base[chain_seg[k]]
+        need[inst_bat[k]:inst_bat[k + 1]] = bat_need[bb:bb + inst_bat[k + 1] - inst_bat[k]]
         for b in range(inst_bat[k + 1] - inst_bat[k]):
-            need[inst_bat[k] + b] = bat_need[bb + b]
             unstarted[inst_bat[k] + b] = bat_ptr[bb + b + 1] - bat_ptr[bb + b]
     last_t = np.full(total_bat, -np.inf)
     last_c = np.zeros(total_bat, np.int64)
@@ -164,8 +163,8 @@ def _start(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_se
     created = np.zeros(n_inst, np.bool_)
     # Per rank and lane: the instance batch it posts next (or posted, until it is
     # done), and the end of its batches in the instance it is in.
-    cursor = np.full((world, 2), -1, np.int64)
-    cursor_end = np.full((world, 2), -1, np.int64)
+    cursor = np.full(2 * world, -1, np.int64)
+    cursor_end = np.full(2 * world, -1, np.int64)
 
     compute_free = np.zeros(world)
     compute_busy = np.zeros(world, np.bool_)
@@ -177,10 +176,10 @@ def _start(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_se
     while (1 << lbits) < lane_width:
         lbits += 1
     # Per rank, a heap of ready compute ops keyed by instance x lane width + lane position.
-    lane_heap = np.empty(max(compute_cap.sum(), 1), np.int64)
+    lane_heap = np.empty(max(lane_cap.sum(), 1), np.int64)
     lane_base = np.zeros(world, np.int64)
     for r in range(1, world):
-        lane_base[r] = lane_base[r - 1] + compute_cap[r - 1]
+        lane_base[r] = lane_base[r - 1] + lane_cap[r - 1]
     lane_n = np.zeros(world, np.int64)
     port_free = np.zeros(n_ports)       # when each port has carried every transfer charged to it
 
@@ -206,7 +205,7 @@ def _start(world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, op_se
     counter = 0
     for r in range(world):           # every rank enters segment 0 at time 0, rank by rank
         now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits, r << 3 | ENTER)
-    return (inst_base, inst_bat, waiting, released, posted_ends, op_start, op_end, need, unstarted, last_t,
+    return (inst_base, inst_bat, waiting, posted_ends, op_start, op_end, need, unstarted, last_t,
             last_c, last_ev, entered, left, remaining, created, cursor, cursor_end, compute_free, compute_busy,
             finish, busy, busy_order, lane_heap, lane_base, lane_n, port_free, end_t, end_c, slot_ev, now_c,
             now_ev, np.array([0.0]), np.array([n_events, now_head, now_tail, counter, n_busy, wbits, sbits, lbits]))
@@ -221,7 +220,7 @@ def _run(state, world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, 
     until the next event is the first to touch an instance from ``stop`` on:
     then it returns True, that event not taken, and ``state`` is where every
     chain that runs the same first ``stop`` instances stands at that point."""
-    (inst_base, inst_bat, waiting, released, posted_ends, op_start, op_end, need, unstarted, last_t,
+    (inst_base, inst_bat, waiting, posted_ends, op_start, op_end, need, unstarted, last_t,
      last_c, last_ev, entered, left, remaining, created, cursor, cursor_end, compute_free, compute_busy,
      finish, busy, busy_order, lane_heap, lane_base, lane_n, port_free, end_t, end_c, slot_ev, now_c,
      now_ev, clock, ints) = state
@@ -232,6 +231,14 @@ def _run(state, world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, 
     slots = 1 << sbits
     t = clock[0]
     paused = False
+    # Per instance: its segment's first op and first batch, and its batches' offset from there.
+    inst_sb = np.empty(n_inst, np.int64)
+    inst_bb = np.empty(n_inst, np.int64)
+    inst_boff = np.empty(n_inst, np.int64)
+    for k in range(n_inst):
+        inst_sb[k] = seg_base[chain_seg[k]]
+        inst_bb[k] = bat_base[chain_seg[k]]
+        inst_boff[k] = inst_bat[k] - inst_bb[k]
 
     while n_events or now_head < now_tail:
         nxt = n_events - 1                       # the next end
@@ -248,6 +255,7 @@ def _run(state, world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, 
         else:
             t, n_events = end_t[nxt], nxt
         start_rank = -1                  # a rank whose compute lane may start its next op
+        start_op = -1                    # the op it starts, if known (else its lane's first ready one)
         at = -1                          # LANDED: the end whose dependants it releases
         lo, hi = 0, 0                    # ops of instance ``k`` that may have become ready:
         on_rank = False                  # users_idx[lo:hi], or (ENTER) onr_idx[lo:hi]
@@ -261,9 +269,9 @@ def _run(state, world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, 
                     for lane in range(2):          # its lanes start on their first batch
                         jl = 2 * j + lane
                         if rl_ptr[jl + 1] > rl_ptr[jl]:
-                            b = inst_bat[k] + rl_ptr[jl] - bat_base[chain_seg[k]]
-                            cursor[r, lane] = b
-                            cursor_end[r, lane] = b + rl_ptr[jl + 1] - rl_ptr[jl]
+                            b = inst_boff[k] + rl_ptr[jl]
+                            cursor[2 * r + lane] = b
+                            cursor_end[2 * r + lane] = b + rl_ptr[jl + 1] - rl_ptr[jl]
                             if need[b] == 0:
                                 now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits,
                                                           ((k << wbits | b - inst_bat[k]) << 3) | POST)
@@ -274,22 +282,24 @@ def _run(state, world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, 
             if k >= n_inst:
                 finish[r] = t
         elif kind == READY:
-            sb = seg_base[chain_seg[k]]
+            sb = inst_sb[k]
             r = op_rank[sb + what]
             if not op_comm[sb + what]:
-                lane_n[r] = key_push(lane_heap, lane_base[r], lane_n[r], k << lbits | lane_pos[sb + what])
-                start_rank = r
+                if compute_busy[r]:              # it waits its turn in lane order
+                    lane_n[r] = key_push(lane_heap, lane_base[r], lane_n[r], k << lbits | lane_pos[sb + what])
+                else:                            # a free lane has no op waiting: it starts this one
+                    start_rank, start_op = r, what
             else:                                # its data is there: one send fewer for its batch
-                b = inst_bat[k] + op_bsend[sb + what] - bat_base[chain_seg[k]]
+                b = inst_boff[k] + op_bsend[sb + what]
                 need[b] -= 1
-                if need[b] == 0 and cursor[r, op_lane[sb + what]] == b:
+                if need[b] == 0 and cursor[2 * r + op_lane[sb + what]] == b:
                     now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits,
                                               ((k << wbits | b - inst_bat[k]) << 3) | POST)
         elif kind == POST:
             # A batch is posted: each of its transfers whose other end is posted
             # too is charged to its two ports, each carrying its transfers one
             # after another from now on; it has moved once both have carried it.
-            sb, bb = seg_base[chain_seg[k]], bat_base[chain_seg[k]]
+            sb, bb = inst_sb[k], inst_bb[k]
             b = bb + what
             for x in range(bat_ptr[b], bat_ptr[b + 1]):
                 op = bat_idx[x]
@@ -311,7 +321,7 @@ def _run(state, world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, 
                 counter += 2
                 end = start + dur
                 for side in range(2):
-                    bs = inst_bat[k] + (op_brecv[sb + op] if side else op_bsend[sb + op]) - bb
+                    bs = inst_boff[k] + (op_brecv[sb + op] if side else op_bsend[sb + op])
                     if end >= last_t[bs]:
                         last_t[bs], last_c[bs] = end, counter - 1 + side
                         last_ev[bs] = ((k << wbits | 2 * op + side) << 3) | MOVED
@@ -324,7 +334,7 @@ def _run(state, world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, 
         elif kind == MOVED:
             # The last transfer of a batch is over on one end: the batch is done on
             # that rank, what it received lands, and the lane posts its next batch.
-            sb, bb = seg_base[chain_seg[k]], bat_base[chain_seg[k]]
+            sb, bb = inst_sb[k], inst_bb[k]
             x, side = what >> 1, what & 1
             lane = op_lane[sb + x]
             r = op_peer[sb + x] if side else op_rank[sb + x]
@@ -337,23 +347,23 @@ def _run(state, world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, 
                                               ((k << wbits | 2 * op + end) << 3) | LANDED)
             now_tail, counter = _done(remaining, left, k, r, bat_ptr[b + 1] - bat_ptr[b], t, now_c, now_ev,
                                       now_tail, counter, sbits, wbits)
-            cursor[r, lane] += 1
-            b = cursor[r, lane]
-            if b < cursor_end[r, lane] and need[b] == 0:
+            cursor[2 * r + lane] += 1
+            b = cursor[2 * r + lane]
+            if b < cursor_end[2 * r + lane] and need[b] == 0:
                 now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits,
                                           ((k << wbits | b - inst_bat[k]) << 3) | POST)
         elif kind == LANDED:
             # A transfer is done on one end (its batch there is done): the ops
             # of that end depending on it may be ready.
-            sb = seg_base[chain_seg[k]]
+            sb = inst_sb[k]
             op, side = what >> 1, what & 1
             at = op_peer[sb + op] if side else op_rank[sb + op]
             lo, hi = users_ptr[sb + op], users_ptr[sb + op + 1]
         else:                                    # DONE: its dependants may be ready
-            sb = seg_base[chain_seg[k]]
+            sb = inst_sb[k]
             lo, hi = users_ptr[sb + what], users_ptr[sb + what + 1]
         if hi > lo:
-            b, sb = inst_base[k], seg_base[chain_seg[k]]
+            b, sb = inst_base[k], inst_sb[k]
             for x in range(lo, hi):
                 op = onr_idx[x] if on_rank else users_idx[x]
                 g = b + op
@@ -361,25 +371,30 @@ def _run(state, world, chain_seg, seg_base, op_comm, op_rank, op_peer, op_tier, 
                     continue                     # a dependant waits for the end it runs on
                 if kind != ENTER:
                     waiting[g] -= 1
-                if released[g] or waiting[g] != 0 or entered[k, op_rank[sb + op]] < 0:
+                if waiting[g] != 0 or entered[k, op_rank[sb + op]] < 0:
                     continue
-                released[g] = True               # ready now (an op's dependencies end by now)
+                waiting[g] = -1                  # ready now (an op's dependencies end by now)
                 now_tail, counter = _soon(now_c, now_ev, now_tail, counter, sbits, ((k << wbits | op) << 3) | READY)
         if kind == DONE:                                         # its compute lane is free again
-            sb = seg_base[chain_seg[k]]
+            sb = inst_sb[k]
             r = op_rank[sb + what]
             now_tail, counter = _done(remaining, left, k, r, 1, t, now_c, now_ev, now_tail, counter, sbits, wbits)
             start_rank = r
             compute_busy[r] = False
         r = start_rank
-        if r < 0 or compute_busy[r] or lane_n[r] == 0:
+        if r < 0:
             continue
-        key = key_pop(lane_heap, lane_base[r], lane_n[r])
-        lane_n[r] -= 1
-        k = key >> lbits
-        j = chain_seg[k] * world + r
-        op = onr_idx[onr_ptr[j] + (key & ((1 << lbits) - 1))]       # the compute lane heads the rank's ops
-        sb = seg_base[chain_seg[k]]
+        if start_op >= 0:
+            op = start_op
+        elif lane_n[r] == 0:
+            continue
+        else:
+            key = key_pop(lane_heap, lane_base[r], lane_n[r])
+            lane_n[r] -= 1
+            k = key >> lbits
+            j = chain_seg[k] * world + r
+            op = onr_idx[onr_ptr[j] + (key & ((1 << lbits) - 1))]       # the compute lane heads the rank's ops
+        sb = inst_sb[k]
         start = max(t, compute_free[r])
         dur = op_sec[sb + op]
         compute_busy[r] = True
@@ -423,77 +438,135 @@ def _carry(dst, src, stop, record):
     fresh state ``dst`` of a chain with the same first ``stop`` instances: their
     ops and batches are numbered alike in both."""
     ops, bats = src[0][stop], src[1][stop]          # instance ops and batches before ``stop``
-    dst[2][:ops] = src[2][:ops]                     # waiting, released, posted ends
+    dst[2][:ops] = src[2][:ops]                     # waiting, posted ends
     dst[3][:ops] = src[3][:ops]
-    dst[4][:ops] = src[4][:ops]
     if record:                                      # op starts and ends
+        dst[4][:ops] = src[4][:ops]
         dst[5][:ops] = src[5][:ops]
-        dst[6][:ops] = src[6][:ops]
-    dst[7][:bats] = src[7][:bats]                   # need, unstarted, last move (t, order, event)
+    dst[6][:bats] = src[6][:bats]                   # need, unstarted, last move (t, order, event)
+    dst[7][:bats] = src[7][:bats]
     dst[8][:bats] = src[8][:bats]
     dst[9][:bats] = src[9][:bats]
     dst[10][:bats] = src[10][:bats]
-    dst[11][:bats] = src[11][:bats]
-    dst[12][:stop] = src[12][:stop]                 # entered, left, remaining, created
+    dst[11][:stop] = src[11][:stop]                 # entered, left, remaining, created
+    dst[12][:stop] = src[12][:stop]
     dst[13][:stop] = src[13][:stop]
     dst[14][:stop] = src[14][:stop]
-    dst[15][:stop] = src[15][:stop]
-    dst[16][:] = src[16]                            # lane cursors
-    dst[17][:] = src[17]
-    dst[18][:] = src[18]                            # compute lanes, finish, busy sums and their order
+    dst[15][:] = src[15]                            # lane cursors
+    dst[16][:] = src[16]
+    dst[17][:] = src[17]                            # compute lanes, finish, busy sums and their order
+    dst[18][:] = src[18]
     dst[19][:] = src[19]
     dst[20][:] = src[20]
     dst[21][:] = src[21]
-    dst[22][:] = src[22]
-    heap, base, n = src[23], src[24], src[25]       # each rank's ready compute ops, at its base here
+    heap, base, n = src[22], src[23], src[24]       # each rank's ready compute ops, at its base here
     for r in range(len(n)):
-        dst[23][dst[24][r]:dst[24][r] + n[r]] = heap[base[r]:base[r] + n[r]]
-    dst[25][:] = n
-    dst[26][:] = src[26]                            # ports, the pending ends and their slots' events
+        dst[22][dst[23][r]:dst[23][r] + n[r]] = heap[base[r]:base[r] + n[r]]
+    dst[24][:] = n
+    dst[25][:] = src[25]                            # ports, the pending ends and their slots' events
+    dst[26][:] = src[26]
     dst[27][:] = src[27]
     dst[28][:] = src[28]
-    dst[29][:] = src[29]
-    head, tail = src[33][1], src[33][2]             # the current instant's FIFO
+    head, tail = src[32][1], src[32][2]             # the current instant's FIFO
+    dst[29][head:tail] = src[29][head:tail]
     dst[30][head:tail] = src[30][head:tail]
-    dst[31][head:tail] = src[31][head:tail]
-    dst[32][:] = src[32]                            # clock, counters
-    dst[33][:5] = src[33][:5]
+    dst[31][:] = src[31]                            # clock, counters
+    dst[32][:5] = src[32][:5]
 
 
 def run_chains(world, chains, segments, record):
     """Replay each chain of ``chains`` (arrays of segment ids) from time 0;
     ``segments``: the static arrays (``_start``'s arguments after the chain).
 
-    Chains that begin with the same instances replay them once: every event
-    before the first that touches an instance where the chains differ is the
-    same in all of them, so the first chain runs to that event, the others
-    start from where it stands, and all run on from there.
+    Chains that begin with the same instances replay them once (:func:`_replay`).
 
     Returns, per chain: (finish per rank, busy seconds [rank, tier], first-use
     order of each busy entry, entered [instance, rank], left [instance, rank],
     op start and end per instance op (if ``record``, else empty), instance
     base offsets, ops still unfinished per [instance, rank], whether each
     instance was entered)."""
-    first = chains[0]
-    shared = min((_common(first, chain) for chain in chains[1:]), default=0)
-    states = [_start(world, first, *segments, record)]
-    paused = shared > 0 and _run(states[0], world, first, *segments, record, shared)
-    for chain in chains[1:]:
-        state = _start(world, chain, *segments, record)
-        if paused:
-            _carry(state, states[0], shared, record)
-        states.append(state)
+    chain_ptr = np.zeros(len(chains) + 1, np.int64)
+    chain_ptr[1:] = np.cumsum([len(chain) for chain in chains])
+    flat = np.concatenate(chains)
+    finish, busy, order, entered, left, remaining, created, inst_base, op_start, op_end = _replay(
+        world, flat, chain_ptr, segments, record)
     out = []
-    for chain, state in zip(chains, states):
-        _run(state, world, chain, *segments, record, 0)
-        (inst_base, _, _, _, _, op_start, op_end, _, _, _, _, _, entered, left, remaining, created, _, _, _, _,
-         finish, busy, busy_order, *_) = state
-        out.append((finish, busy, busy_order, entered, left, op_start, op_end, inst_base, remaining, created))
+    for c in range(len(chains)):
+        k0, k1 = chain_ptr[c], chain_ptr[c + 1]
+        base = inst_base[k0 + c:k1 + c + 1]
+        ops = op_start[base[0]:base[-1]] if record else op_start
+        out.append((finish[c], busy[c], order[c], entered[k0:k1], left[k0:k1], ops,
+                    op_end[base[0]:base[-1]] if record else op_end, base - base[0], remaining[k0:k1], created[k0:k1]))
     return out
 
 
-def _common(a: np.ndarray, b: np.ndarray) -> int:
-    """How many leading entries ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
+@njit(cache=True)
+def _replay(world, chains, chain_ptr, segments, record):
+    """Replay chain ``c``, ``chains[chain_ptr[c]:chain_ptr[c + 1]]``, for each ``c``
+    (``segments``: the static arrays, ``_start``'s arguments after the chain).
+
+    Chains that begin with the same instances replay them once: every event
+    before the first that touches an instance where the chains differ is the
+    same in all of them, so the first chain runs to that event, the others
+    start from where it stands (:func:`_carry`), and all run on from there.
+
+    Returns the chains' results stacked: finish [chain, rank], busy seconds and
+    their first-use order [chain, rank, tier]; per instance of every chain in
+    turn, entered, left and ops still unfinished [instance, rank] and whether
+    it was entered; each chain's instance base offsets in turn (one more than
+    its instances), counted over the chains' ops laid end to end; and, if
+    ``record``, every op's start and end there."""
+    seg_base, n_tiers = segments[0], segments[24]
+    n_chains = len(chain_ptr) - 1
+    first = chains[chain_ptr[0]:chain_ptr[1]]
+    shared = len(first) if n_chains > 1 else 0
+    for c in range(1, n_chains):
+        other = chains[chain_ptr[c]:chain_ptr[c + 1]]
+        k = 0
+        while k < min(len(first), len(other)) and first[k] == other[k]:
+            k += 1
+        shared = min(shared, k)
+    n_inst = chain_ptr[n_chains]
+    inst_base = np.zeros(n_inst + n_chains, np.int64)
+    for c in range(n_chains):
+        at = chain_ptr[c] + c
+        for k in range(chain_ptr[c], chain_ptr[c + 1]):
+            inst_base[at + 1] = inst_base[at] + seg_base[chains[k] + 1] - seg_base[chains[k]]
+            at += 1
+        if c + 1 < n_chains:
+            inst_base[at + 1] = inst_base[at]
+    finish = np.zeros((n_chains, world))
+    busy = np.zeros((n_chains, world, n_tiers))
+    order = np.zeros((n_chains, world, n_tiers), np.int64)
+    entered = np.zeros((n_inst, world))
+    left = np.zeros((n_inst, world))
+    remaining = np.zeros((n_inst, world), np.int64)
+    created = np.zeros(n_inst, np.bool_)
+    n_ops = inst_base[n_inst + n_chains - 1] if record else 0
+    op_start = np.zeros(n_ops)
+    op_end = np.zeros(n_ops)
+    state0 = _start(world, first, *segments, record)
+    paused = False
+    if shared > 0:
+        paused = _run(state0, world, first, *segments, record, shared)
+    for c in range(n_chains - 1, -1, -1):         # the first chain last: the others start from it, paused
+        chain = chains[chain_ptr[c]:chain_ptr[c + 1]]
+        state = state0
+        if c > 0:
+            state = _start(world, chain, *segments, record)
+            if paused:
+                _carry(state, state0, shared, record)
+        _run(state, world, chain, *segments, record, 0)
+        k0, k1 = chain_ptr[c], chain_ptr[c + 1]
+        finish[c] = state[19]
+        busy[c] = state[20]
+        order[c] = state[21]
+        entered[k0:k1] = state[11]
+        left[k0:k1] = state[12]
+        remaining[k0:k1] = state[13]
+        created[k0:k1] = state[14]
+        if record:
+            b = inst_base[k0 + c]
+            op_start[b:b + len(state[4])] = state[4]
+            op_end[b:b + len(state[5])] = state[5]
+    return finish, busy, order, entered, left, remaining, created, inst_base, op_start, op_end

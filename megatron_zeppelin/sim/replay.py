@@ -39,9 +39,10 @@ enters a segment when its part of the previous one is done (every op on its
 lanes), and a transfer starts only once both of its ends have entered (a
 receive is posted when its call starts).  All segments of the step run in one
 event loop, so ranks at different layers share links in time order.  A
-segment is compiled once (durations, ports, dependency lists, as flat arrays)
-and reused by every layer; the event loop itself is compiled
-(``sim/event_loop.py``).
+segment is compiled once (its durations, ``CompiledSegment``) and the distinct
+segments of a step are laid out together (ports, dependants, lanes and batches
+as flat arrays, ``SegmentSet``), which every layer reuses; the event loop
+itself is compiled (``sim/event_loop.py``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from numba import njit
 
 from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostModel
 from megatron_zeppelin.plan.shards import causal_pairs
-from megatron_zeppelin.schedule.ops import TIERS, Schedule
+from megatron_zeppelin.schedule.ops import TIERS, OpArrays, Schedule
 from megatron_zeppelin.sim.event_loop import run_chains
 
 
@@ -66,183 +67,208 @@ class OpTiming:
     end_s: float
 
 
-def work_seconds(works: Sequence[tuple], cost: CostModel) -> np.ndarray:
-    """Cost-model duration (one layer, one pass) of each compute op's fields
-    ``(tier, backward, tokens, pairs, block, lengths)`` in ``works``, then a 0.0.
+def work_seconds(cols: OpArrays, cost: CostModel) -> np.ndarray:
+    """Cost-model duration (one layer, one pass) of each distinct compute work
+    of ``cols`` (``OpArrays.work``), then a 0.0.
 
     Attention is priced in one ``CostModel.attn_s`` over arrays (elementwise the
-    scalar's float operations, bit for bit); a work of whole local sequences
-    (``lengths``) sums theirs in order, as ``sum`` over the scalar answers."""
+    scalar's float operations, bit for bit): a work's pairs in its query block,
+    or each of its whole local sequences (``lengths``), which it sums in order
+    (as ``sum`` over the scalar answers)."""
     n = cost.model.num_layers
-    out = np.zeros(len(works) + 1)
-    attn, whole = [], []                     # attention by pairs; by whole sequences
-    for i, (tier, backward, tokens, _, _, lengths) in enumerate(works):
-        if tier == "linear":
-            share = LINEAR_BWD_RATIO if backward else 1.0
-            out[i] = cost.linear_s(tokens) * share / ((1 + LINEAR_BWD_RATIO) * n)
-        else:
-            (whole if lengths else attn).append(i)
-    if attn:
-        out[attn] = cost.attn_s(np.array([works[i][3] for i in attn]), np.array([works[i][4] for i in attn]))
-    if whole:
-        length = np.array([L for i in whole for L in works[i][5]])
-        each = cost.attn_s(causal_pairs(0, length), length).tolist()
-        at = 0
-        for i in whole:
-            out[i] = sum(each[at:at + len(works[i][5])])
-            at += len(works[i][5])
-    if attn or whole:
-        priced = attn + whole
-        share = np.where([works[i][1] for i in priced], ATTN_BWD_RATIO, 1.0)
+    linear, backward = cols.work_linear, cols.work_backward
+    out = np.zeros(len(linear) + 1)
+    priced = np.flatnonzero(linear).tolist()
+    tokens, back = cols.work_tokens, backward.tolist()
+    for i in priced:
+        out[i] = cost.linear_s(tokens[i]) * (LINEAR_BWD_RATIO if back[i] else 1.0) / ((1 + LINEAR_BWD_RATIO) * n)
+    if len(priced) < len(linear):
+        attn = np.flatnonzero(~linear & (cols.work_nlengths == 0))     # priced by pairs
+        whole = np.flatnonzero(~linear & (cols.work_nlengths > 0))     # by whole sequences
+        length = cols.work_lengths
+        seconds = cost.attn_s(np.concatenate((cols.work_pairs[attn], causal_pairs(0, length))),
+                              np.concatenate((cols.work_block[attn], length)))
+        out[attn] = seconds[:len(attn)]
+        out[whole] = _sums_in_order(seconds[len(attn):], cols.work_nlengths[whole])
+        priced = np.concatenate((attn, whole))
+        share = np.where(backward[priced], ATTN_BWD_RATIO, 1.0)
         out[priced] = out[priced] * share / ((1 + ATTN_BWD_RATIO) * n)
     return out
 
 
+@njit(cache=True)
+def _sums_in_order(values, counts):
+    """Each run of ``counts[j]`` consecutive ``values``, summed left to right from 0.0."""
+    out = np.zeros(len(counts))
+    at = 0
+    for j in range(len(counts)):
+        for x in range(at, at + counts[j]):
+            out[j] += values[x]
+        at += counts[j]
+    return out
+
+
 class CompiledSegment:
-    """A schedule's ops as flat arrays, for replaying it many times
-    (``sim/event_loop.py`` reads them; ids are positions in ``schedule.ops``).
-    Read from the schedule's columns, without making its ops."""
+    """A schedule's ops as flat arrays, priced, for replaying it many times (ids
+    are positions in ``schedule.ops``); :class:`SegmentSet` lays out what the
+    event loop reads from them.  Read from the schedule's columns, without
+    making its ops."""
 
     def __init__(self, schedule: Schedule, cost: CostModel, name: str = "") -> None:
         topo = cost.cluster.topology
         cols = schedule.arrays()
         self.name = name
         self.n = len(schedule)
+        self.world = schedule.world_size
+        self.topology = topo
         self.is_comm, self.rank, self.peer, self.ndeps = cols.is_comm, cols.rank, cols.peer, cols.ndeps
+        self.dep, self.wave, self.nic = cols.dep, cols.wave, cols.nic
         self.tier = cols.tier                      # a compute op's: the replay sums busy time by it
-        (self.users_ptr, self.users_idx, self.lands, self.port_out, self.port_in, self.lane_pos, self.op_lane,
-         self.op_bsend, self.op_brecv, self.bat_ptr, self.bat_idx, self.bat_need, self.rl_ptr, self.onr_ptr,
-         self.onr_idx, self.lane_width, self.n_ports) = _layout(
-            schedule.world_size, cols.is_comm, cols.rank, cols.peer, cols.ndeps, cols.dep, cols.wave, cols.nic,
-            topo.gpus_per_node, topo.nics_per_node, np.array(topo.nic_affinity, np.int64))
-        self.n_batches = len(self.bat_need)
         # Many compute ops share their fields (a ring's steps over equal shards,
         # equal linear shares): each distinct set of fields is priced once.
-        self.seconds = work_seconds(cols.works, cost)[cols.work]   # a transfer's (-1: the 0.0) is set below
+        self.seconds = work_seconds(cols, cost)[cols.work]   # a transfer's is set below
         # A transfer holds NVLink inside a node (unless it names a NIC: a routed leg), else a NIC.
-        comm = np.flatnonzero(cols.is_comm)
-        nbytes = cols.nbytes[comm].astype(np.float64)
-        nvlink = (self.port_out[comm] < 2 * schedule.world_size) & (cols.nic[comm] < 0)
-        self.seconds[comm] = np.where(nvlink, cost.cluster.nvlink.transfer_s(nbytes),
-                                      cost.cluster.nic.transfer_s(nbytes))
+        nbytes = cols.nbytes.astype(np.float64)
+        nvlink = (cols.rank // topo.gpus_per_node == cols.peer // topo.gpus_per_node) & (cols.nic < 0)
+        self.seconds = np.where(cols.is_comm, np.where(nvlink, cost.cluster.nvlink.transfer_s(nbytes),
+                                                       cost.cluster.nic.transfer_s(nbytes)), self.seconds)
 
 
 @njit(cache=True)
-def _layout(world, is_comm, rank, peer, ndeps, dep, wave, named, gpn, nics, affinity):
-    """A segment's static arrays (``CompiledSegment``'s fields, in its order) from its columns."""
-    n = len(rank)
-    # Who depends on each op, in op order (the order the replay releases them),
-    # and which ends of a transfer have a dependant on their rank (bit 0: its
-    # sender, bit 1: its receiver): only those release anything when it lands.
-    users_ptr = np.zeros(n + 1, np.int64)
-    for x in range(len(dep)):
-        users_ptr[dep[x] + 1] += 1
-    users_ptr = np.cumsum(users_ptr)
-    fill = users_ptr[:-1].copy()
+def _layout(world, seg_base, dep_base, is_comm, rank, peer, ndeps, dep, wave, named, gpn, nics, affinity):
+    """The static arrays of segments laid end to end (``SegmentSet.arrays`` from
+    ``users_ptr`` on, in its order): segment ``s``'s ops at ``seg_base[s]`` on,
+    their dependencies at ``dep_base[s]`` on, ids inside a segment its own."""
+    n_seg = len(seg_base) - 1
+    total = seg_base[n_seg]
+    n_comm = 0
+    for i in range(total):
+        n_comm += is_comm[i]
+    users_ptr = np.zeros(total + 1, np.int64)
     users_idx = np.empty(len(dep), np.int64)
-    lands = np.zeros(n, np.int64)
-    at = 0
-    for u in range(n):
-        for x in range(at, at + ndeps[u]):
-            d = dep[x]
-            users_idx[fill[d]] = u
-            fill[d] += 1
-            lands[d] |= (1 if rank[u] == rank[d] else 0) | (2 if rank[u] == peer[d] else 0)
-        at += ndeps[u]
-    # A transfer goes out through its sender's NVLink port inside a node, else
-    # the NIC it names (a routed leg) or its sender's, and in through its
-    # receiver's NVLink port or NIC.  A compute op's place in its rank's lane
-    # (lanes run in op order); how many ops each rank has on its lanes.
-    port_out = np.full(n, -1, np.int64)
-    port_in = np.full(n, -1, np.int64)
-    lane_pos = np.zeros(n, np.int64)
+    lands = np.zeros(total, np.int64)
+    port_out = np.full(total, -1, np.int64)
+    port_in = np.full(total, -1, np.int64)
+    lane_pos = np.zeros(total, np.int64)
+    op_lane = np.zeros(total, np.int64)
+    op_bsend = np.full(total, -1, np.int64)
+    op_brecv = np.full(total, -1, np.int64)
+    bat_base = np.zeros(n_seg + 1, np.int64)
+    bat_ptr = np.zeros(2 * n_comm + 1, np.int64)
+    bat_idx = np.empty(2 * n_comm, np.int64)
+    bat_need = np.zeros(2 * n_comm, np.int64)
+    sends = np.zeros(2 * n_comm, np.bool_)
+    rl_ptr = np.zeros(2 * world * n_seg + 1, np.int64)
+    onr_ptr = np.zeros(world * n_seg + 1, np.int64)
+    onr_idx = np.empty(total + n_comm, np.int64)
     on_rank = np.zeros(world, np.int64)
     computes = np.zeros(world, np.int64)
-    n_comm = 0
-    for i in range(n):
-        r = rank[i]
-        if not is_comm[i]:
-            lane_pos[i] = computes[r]
-            computes[r] += 1
+    lane_width = 1
+    n_ports = 1
+    nb = 0                          # batches numbered over all segments
+    bat_at = 0                      # where this segment's transfers' ends start in bat_idx
+    for s in range(n_seg):
+        o, n = seg_base[s], seg_base[s + 1] - seg_base[s]
+        # Who depends on each op, in op order (the order the replay releases them),
+        # and which ends of a transfer have a dependant on their rank (bit 0: its
+        # sender, bit 1: its receiver): only those release anything when it lands.
+        for x in range(dep_base[s], dep_base[s + 1]):
+            users_ptr[o + dep[x] + 1] += 1
+        for i in range(o, o + n):
+            users_ptr[i + 1] += users_ptr[i]
+        fill = users_ptr[o:o + n].copy()
+        at = dep_base[s]
+        for u in range(n):
+            for x in range(at, at + ndeps[o + u]):
+                d = dep[x]
+                users_idx[fill[d]] = u
+                fill[d] += 1
+                lands[o + d] |= (1 if rank[o + u] == rank[o + d] else 0) | (2 if rank[o + u] == peer[o + d] else 0)
+            at += ndeps[o + u]
+        # A transfer goes out through its sender's NVLink port inside a node, else
+        # the NIC it names (a routed leg) or its sender's, and in through its
+        # receiver's NVLink port or NIC.  A compute op's place in its rank's lane
+        # (lanes run in op order); how many ops each rank has on its lanes.
+        on_rank[:] = 0
+        computes[:] = 0
+        seg_comm = 0
+        for i in range(o, o + n):
+            r = rank[i]
+            if not is_comm[i]:
+                lane_pos[i] = computes[r]
+                computes[r] += 1
+                on_rank[r] += 1
+                continue
+            seg_comm += 1
+            q = peer[i]
             on_rank[r] += 1
-            continue
-        n_comm += 1
-        q = peer[i]
-        on_rank[r] += 1
-        on_rank[q] += 1
-        if r // gpn == q // gpn:
-            port_out[i], port_in[i] = 2 * r, 2 * q + 1
-        else:
-            nic = named[i] if named[i] >= 0 else affinity[r % gpn]
-            port_out[i] = 2 * world + 2 * ((r // gpn) * nics + nic)
-            port_in[i] = 2 * world + 2 * ((q // gpn) * nics + affinity[q % gpn]) + 1
-    # Communication lanes, as the engine runs them (``comm/lanes.py``): per
-    # rank, one lane per link class (0: intra-node, 1: through a NIC named:
-    # ``schedule.ops.lane_of``), each a sequence of batches -- the rank's
-    # transfers (sent or received) of one wave, posted together and done
-    # together.  Batches are numbered by (rank, lane, wave), so a (rank, lane)'s
-    # batches are consecutive; a batch lists its transfers in op order.
-    op_lane = np.zeros(n, np.int64)
-    waves = 1
-    for i in range(n):
-        if is_comm[i]:
-            op_lane[i] = 1 if named[i] >= 0 else 0
-            waves = max(waves, wave[i] + 1)
-    # A counting sort of the transfers' ends by (rank, lane, wave), each group in op order.
-    groups = 2 * world * waves
-    bat_ptr = np.zeros(groups + 1, np.int64)
-    for i in range(n):
-        if is_comm[i]:
-            for end in (rank[i], peer[i]):
-                bat_ptr[(end * 2 + op_lane[i]) * waves + wave[i] + 1] += 1
-    bat_ptr = np.cumsum(bat_ptr)
-    fill = bat_ptr[:-1].copy()
-    bat_idx = np.empty(2 * n_comm, np.int64)
-    sends = np.zeros(2 * n_comm, np.bool_)
-    for i in range(n):
-        if is_comm[i]:
-            for end in (rank[i], peer[i]):
-                g = (end * 2 + op_lane[i]) * waves + wave[i]
-                bat_idx[fill[g]] = i
-                sends[fill[g]] = end == rank[i]
-                fill[g] += 1
-    # The groups that hold any are the batches, numbered in that order.
-    op_bsend = np.full(n, -1, np.int64)
-    op_brecv = np.full(n, -1, np.int64)
-    bat_need = np.zeros(2 * n_comm, np.int64)
-    rl_ptr = np.zeros(2 * world + 1, np.int64)
-    nb = 0
-    for g in range(groups):
-        if bat_ptr[g + 1] == bat_ptr[g]:
-            continue
-        bat_ptr[nb] = bat_ptr[g]
-        rl_ptr[g // waves + 1] += 1
-        for x in range(bat_ptr[g], bat_ptr[g + 1]):
-            if sends[x]:
-                op_bsend[bat_idx[x]] = nb
-                bat_need[nb] += 1
+            on_rank[q] += 1
+            if r // gpn == q // gpn:
+                port_out[i], port_in[i] = 2 * r, 2 * q + 1
             else:
-                op_brecv[bat_idx[x]] = nb
-        nb += 1
+                nic = named[i] if named[i] >= 0 else affinity[r % gpn]
+                port_out[i] = 2 * world + 2 * ((r // gpn) * nics + nic)
+                port_in[i] = 2 * world + 2 * ((q // gpn) * nics + affinity[q % gpn]) + 1
+            n_ports = max(n_ports, port_out[i] + 1, port_in[i] + 1)
+        lane_width = max(lane_width, computes.max())
+        # Communication lanes, as the engine runs them (``comm/lanes.py``): per
+        # rank, one lane per link class (0: intra-node, 1: through a NIC named:
+        # ``schedule.ops.lane_of``), each a sequence of batches -- the rank's
+        # transfers (sent or received) of one wave, posted together and done
+        # together.  Batches are numbered by (segment, rank, lane, wave), so a
+        # (rank, lane)'s batches are consecutive; a batch lists its transfers in op order.
+        waves = 1
+        for i in range(o, o + n):
+            if is_comm[i]:
+                op_lane[i] = 1 if named[i] >= 0 else 0
+                waves = max(waves, wave[i] + 1)
+        # A counting sort of the transfers' ends by (rank, lane, wave), each group in op order.
+        groups = 2 * world * waves
+        group_ptr = np.zeros(groups + 1, np.int64)
+        for i in range(o, o + n):
+            if is_comm[i]:
+                for end in (rank[i], peer[i]):
+                    group_ptr[(end * 2 + op_lane[i]) * waves + wave[i] + 1] += 1
+        group_ptr = np.cumsum(group_ptr) + bat_at
+        fill = group_ptr[:-1].copy()
+        for i in range(o, o + n):
+            if is_comm[i]:
+                for end in (rank[i], peer[i]):
+                    g = (end * 2 + op_lane[i]) * waves + wave[i]
+                    bat_idx[fill[g]] = i - o
+                    sends[fill[g]] = end == rank[i]
+                    fill[g] += 1
+        # The groups that hold any are the batches, numbered in that order.
+        for g in range(groups):
+            if group_ptr[g + 1] == group_ptr[g]:
+                continue
+            bat_ptr[nb] = group_ptr[g]
+            rl_ptr[s * 2 * world + g // waves + 1] += 1
+            for x in range(group_ptr[g], group_ptr[g + 1]):
+                if sends[x]:
+                    op_bsend[o + bat_idx[x]] = nb
+                    bat_need[nb] += 1
+                else:
+                    op_brecv[o + bat_idx[x]] = nb
+            nb += 1
+        bat_base[s + 1] = nb
+        bat_at += 2 * seg_comm
+        # Every op on a rank's lanes: its compute lane, then its transfers (sent or received), in op order.
+        for r in range(world):
+            onr_ptr[s * world + r + 1] = onr_ptr[s * world + r] + on_rank[r]
+        fill = onr_ptr[s * world:(s + 1) * world].copy()
+        for i in range(o, o + n):
+            if not is_comm[i]:
+                onr_idx[fill[rank[i]]] = i - o
+                fill[rank[i]] += 1
+        for i in range(o, o + n):
+            if is_comm[i]:
+                for end in (rank[i], peer[i]):
+                    onr_idx[fill[end]] = i - o
+                    fill[end] += 1
     bat_ptr[nb] = 2 * n_comm
-    # Every op on a rank's lanes: its compute lane, then its transfers (sent or received), in op order.
-    onr_ptr = np.zeros(world + 1, np.int64)
-    onr_ptr[1:] = np.cumsum(on_rank)
-    fill = onr_ptr[:-1].copy()
-    onr_idx = np.empty(onr_ptr[world], np.int64)
-    for i in range(n):
-        if not is_comm[i]:
-            onr_idx[fill[rank[i]]] = i
-            fill[rank[i]] += 1
-    for i in range(n):
-        if is_comm[i]:
-            for end in (rank[i], peer[i]):
-                onr_idx[fill[end]] = i
-                fill[end] += 1
-    lane_width = max(computes.max(), 1) if n > n_comm else 1
-    n_ports = max(port_out.max(), port_in.max()) + 1 if n else 0
-    return (users_ptr, users_idx, lands, port_out, port_in, lane_pos, op_lane, op_bsend, op_brecv,
-            bat_ptr[:nb + 1], bat_idx, bat_need[:nb], np.cumsum(rl_ptr), onr_ptr, onr_idx, lane_width, n_ports)
+    return (users_ptr, users_idx, port_out, port_in, lane_pos, lane_width, onr_ptr, onr_idx, op_lane, lands,
+            op_bsend, op_brecv, bat_base, bat_ptr[:nb + 1], bat_idx, bat_need[:nb], np.cumsum(rl_ptr), n_ports)
 
 
 @dataclass
@@ -266,43 +292,29 @@ class ChainReplay:
 class SegmentSet:
     """Distinct segments laid end to end: the static arrays ``run_chains`` reads
     (op ``i`` of segment ``s`` at ``seg_base[s] + i``), built once for every
-    chain of them (``replay_step`` replays two)."""
+    chain of them (``replay_step`` replays two).  The segments span one world
+    on one topology."""
 
     def __init__(self, segs: Sequence[CompiledSegment]) -> None:
         self.index = {id(seg): s for s, seg in enumerate(segs)}
-        seg_base = np.concatenate([[0], np.cumsum([seg.n for seg in segs])]).astype(np.int64)
+        seg_base = np.zeros(len(segs) + 1, np.int64)
+        seg_base[1:] = np.cumsum([seg.n for seg in segs])
+        dep_base = np.zeros(len(segs) + 1, np.int64)
+        dep_base[1:] = np.cumsum([len(seg.dep) for seg in segs])
 
         def joined(field: str) -> np.ndarray:
             return np.concatenate([getattr(seg, field) for seg in segs])
 
-        def csr(ptr: str, size) -> np.ndarray:
-            """Segments' CSR offsets joined: each shifted by the ``size`` of the ones before."""
-            ptrs, shift = [np.zeros(1, np.int64)], 0
-            for seg in segs:
-                ptrs.append(getattr(seg, ptr)[1:] + shift)
-                shift += size(seg)
-            return np.concatenate(ptrs)
-
-        def rows(idx: str) -> tuple[np.ndarray, np.ndarray]:
-            return csr(f"{idx[:-4]}_ptr", lambda seg: len(getattr(seg, idx))), joined(idx)
-
-        # Batch ids made global over the distinct segments (``bat_base[s]`` is segment s's first).
-        bat_base = np.concatenate([[0], np.cumsum([seg.n_batches for seg in segs])]).astype(np.int64)
-
-        def batch_ids(field: str) -> np.ndarray:
-            return np.concatenate([np.where(getattr(seg, field) >= 0, getattr(seg, field) + bat_base[s], -1)
-                                   for s, seg in enumerate(segs)])
-
-        users_ptr, users_idx = rows("users_idx")
-        onr_ptr, onr_idx = rows("onr_idx")
-        bat_ptr, bat_idx = rows("bat_idx")
-        rl_ptr = csr("rl_ptr", lambda seg: seg.n_batches)
+        is_comm, rank, peer, ndeps = joined("is_comm"), joined("rank"), joined("peer"), joined("ndeps")
+        topo = segs[0].topology
+        (users_ptr, users_idx, self.port_out, self.port_in, lane_pos, lane_width, onr_ptr, onr_idx, op_lane, lands,
+         op_bsend, op_brecv, bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, self.n_ports) = _layout(
+            segs[0].world, seg_base, dep_base, is_comm, rank, peer, ndeps, joined("dep"), joined("wave"),
+            joined("nic"), topo.gpus_per_node, topo.nics_per_node, np.array(topo.nic_affinity, np.int64))
         self.arrays = (
-            seg_base, joined("is_comm"), joined("rank"), joined("peer"), joined("tier"), joined("seconds"),
-            joined("ndeps"), users_ptr, users_idx, joined("port_out"), joined("port_in"), joined("lane_pos"),
-            max(seg.lane_width for seg in segs), onr_ptr, onr_idx, joined("op_lane"), joined("lands"),
-            batch_ids("op_bsend"), batch_ids("op_brecv"), bat_base, bat_ptr, bat_idx, joined("bat_need"), rl_ptr,
-            len(TIERS), max(max(seg.n_ports for seg in segs), 1))
+            seg_base, is_comm, rank, peer, joined("tier"), joined("seconds"), ndeps, users_ptr, users_idx,
+            self.port_out, self.port_in, lane_pos, lane_width, onr_ptr, onr_idx, op_lane, lands, op_bsend, op_brecv,
+            bat_base, bat_ptr, bat_idx, bat_need, rl_ptr, len(TIERS), self.n_ports)
         """The static arrays ``run_chains`` reads, in ``event_loop._start``'s order."""
 
 
@@ -354,6 +366,16 @@ def _busy_sums(busy: np.ndarray, order: np.ndarray) -> dict[tuple[int, str], flo
     return dict(zip(zip(ranks.tolist(), [TIERS[t] for t in tiers.tolist()]), busy[ranks, tiers].tolist()))
 
 
+@njit(cache=True)
+def _part_sums(spent, part, n_parts):
+    """``out[p, r]``: the sum of ``spent[k, r]`` over the instances ``k`` of part
+    ``p`` (``part[k]``), in chain order from 0.0."""
+    out = np.zeros((n_parts, spent.shape[1]))
+    for k in range(len(part)):
+        out[part[k]] += spent[k]
+    return out
+
+
 def replay_schedule(schedule: Schedule, cost: CostModel) -> ChainReplay:
     """Replay one schedule (every op's timing recorded, by its id in ``schedule``).
     A whole step's schedule (``Schedule.calls``) replays as the chain of its
@@ -400,7 +422,7 @@ def replay_step(parts: Sequence[tuple[str, Schedule, Schedule]], num_layers: int
     replays every layer (what ``sim --plan`` and trace replays do)."""
     fwd = [CompiledSegment(f, cost, name) for name, f, _ in parts]
     bwd = [CompiledSegment(b, cost, name) for name, _, b in parts]
-    names = [name for name, _, _ in parts]
+    names = list(dict.fromkeys(name for name, _, _ in parts))
 
     segments = SegmentSet(fwd + bwd)
 
@@ -410,9 +432,8 @@ def replay_step(parts: Sequence[tuple[str, Schedule, Schedule]], num_layers: int
         out = []
         for chain, (finish, busy, order, entered, left, *_) in zip(chains, _run_chains(chains, world_size, False,
                                                                                         segments)):
-            inside = {name: np.zeros(world_size) for name in names}
-            for seg, row in zip(chain, left - entered):      # per rank, a sum in chain order
-                inside[seg.name] += row
+            sums = _part_sums(left - entered, np.array([names.index(seg.name) for seg in chain]), len(names))
+            inside = dict(zip(names, sums))
             out.append((finish, busy, order, inside))
         return out
 

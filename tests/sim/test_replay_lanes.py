@@ -16,7 +16,7 @@ import pytest
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.schedule.ops import COMM, COMPUTE, ScheduleBuilder
-from megatron_zeppelin.sim.replay import CompiledSegment, replay_schedule
+from megatron_zeppelin.sim.replay import CompiledSegment, SegmentSet, replay_schedule
 from megatron_zeppelin.topology import Topology, load_cluster
 
 
@@ -129,8 +129,9 @@ def _all_to_alls(groups, tokens) -> tuple[float, float]:
                           tier="inter" if inter else "intra", nbytes=tokens(src, dst) << 13, nic=None)
     schedule = b.build()
     segment = CompiledSegment(schedule, cost)
-    load = np.zeros(segment.n_ports)
-    for ports in (segment.port_out, segment.port_in):
+    laid = SegmentSet([segment])
+    load = np.zeros(laid.n_ports)
+    for ports in (laid.port_out, laid.port_in):
         np.add.at(load, ports[segment.is_comm], segment.seconds[segment.is_comm])
     return max(replay_schedule(schedule, cost).finish_s), float(load.max())
 
