@@ -7,6 +7,10 @@ carrying their transfers back to back): steps moved -72 % to +20 % (median
 the same layout routed and direct broke where the lanes replay times them
 apart too, and three 256-GPU layouts (rings and groups against groups only)
 that the replay times bit-equal now differ by 1.4e-13 (sums in another order).
+Re-recorded (steps only, the plans kept) when routed rings followed the
+lanes batch by batch (a port's load per wave, not per step; a K/V landing
+with its receiver's batch; a relay's lanes paced wave by wave): 55 of 296
+steps moved, all down, by up to 4.67 % (median 0.57 %).
 
 ``golden/surrogate_plans.json.xz`` holds the plans: every distinct layout the
 per-batch decision's candidates (``zeppelin_decide.py: decision_candidates``:
