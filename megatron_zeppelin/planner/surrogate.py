@@ -26,11 +26,17 @@ numpy over its rings, groups and ranks, what the replay executes:
   outputs' all-to-alls, its own rings' transfers (a second pass, paced by the
   first's batches) -- and the rank leaves the segment once it relayed its
   last piece; backward, a K/V batch also carries the dK/dV of its wave, which
-  waits for its kernel; a rank's compute lane is done at the latest over its
-  ring and Ulysses kernels of (one's release + the kernels released no
-  earlier), as any lane that idles only while none is released (the replay's
-  runs the first released op in lane order); it leaves once its last message
-  in and out landed;
+  waits for its kernel, and the K/V lands with the receiver's batch once that
+  batch's dK/dV moved too; a transfer holds its port for the port's load in
+  the transfer's own wave (a receiving port: all of it; a sending port: what
+  it carries before it, in the schedule's order), and every rank's lane is
+  done with a wave's batch no sooner than with the batch before plus its
+  busiest port's load in it -- after the other lane's batch before, for a
+  relayed piece (``planner/surrogate_lanes.py``); a rank's compute lane is
+  done at the latest over its ring and Ulysses kernels of (one's release +
+  the kernels released no earlier), as any lane that idles only while none
+  is released (the replay's runs the first released op in lane order); it
+  leaves once its last message in and out landed;
 * Ulysses groups as the engine posts them (``planner/surrogate_ulysses.py``): a
   rank's inputs of all its groups as one batch per lane, its kernels in the
   compute lane's order beside its local kernel calls, then its outputs as one
@@ -65,6 +71,7 @@ from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.shards import chunk_sizes
 from megatron_zeppelin.planner.plan_arrays import PlanArrays, layout_arrays, plan_arrays
 from megatron_zeppelin.planner.surrogate_alltoall import exchanged
+from megatron_zeppelin.planner.surrogate_lanes import lane_floor
 from megatron_zeppelin.planner.surrogate_packed import packed_floor_pairs, packed_ring_batches
 from megatron_zeppelin.planner.surrogate_ulysses import UlyssesGroups
 from megatron_zeppelin.schedule.routing import min_routed_bytes
@@ -392,16 +399,21 @@ class StepSurrogate:
     def _transfers(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, w: int,
                    routed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The legs of the messages from ``src`` to ``dst`` (:meth:`_hops`): (message
-        index, port, seconds the leg holds the port, hop, wave), each transfer's
-        egress leg and ingress leg."""
+        index, port, seconds the leg holds the port, hop, wave, the rank whose
+        lanes post it), each transfer's egress leg (its sender's) and ingress
+        leg (its receiver's)."""
         legs = []
-        for on, i, a, b, sec, kind, wave in self._hops(src, dst, nbytes, w, routed):
+        hops = self._hops(src, dst, nbytes, w, routed)
+        for x, (on, i, a, b, sec, kind, wave) in enumerate(hops):
+            # A GPU's NVLink ports are its own; a NIC crossing goes from the
+            # piece's proxy (the dispatch's receiver) to its twin (the combine's sender).
+            snd, rcv = ((src[i], dst[i]) if kind == DIRECT else
+                        ((hops[x - 1][3] - 1) // 2, hops[x + 1][2] // 2) if kind == NIC else (a // 2, (b - 1) // 2))
             wave = np.broadcast_to(wave, i.shape)
-            i, a, b, sec, wave = (x.ravel() if on is None else x[on] for x in (i, a, b, sec, wave))
+            i, a, b, sec, wave, snd, rcv = (x.ravel() if on is None else x[on] for x in (i, a, b, sec, wave, snd, rcv))
             kinds = np.full(len(i), kind)
-            legs += [(i, a, sec, kinds, wave), (i, b, sec, kinds, wave)]
-        msg, port, sec, hops, waves = (np.concatenate(x) for x in zip(*legs))
-        return msg, port, sec, hops, waves
+            legs += [(i, a, sec, kinds, wave, snd), (i, b, sec, kinds, wave, rcv)]
+        return tuple(np.concatenate(x) for x in zip(*legs))
 
     # ----------------------------------------------------------- attention
     def _attention(self, w: int, layout: PlanArrays, groups: UlyssesGroups | None, backward: bool,
@@ -476,12 +488,12 @@ class StepSurrogate:
             shape = nbytes.shape
             src = np.broadcast_to(senders[:, :, None], shape).ravel()
             dst = np.broadcast_to(np.roll(senders, -1, axis=1)[:, :, None], shape).ravel()
-            msg, port, held, hop, wave = self._transfers(src, dst, nbytes.ravel(), w, routed)
+            msg, port, held, hop, wave, owner = self._transfers(src, dst, nbytes.ravel(), w, routed)
             ring, link, col = np.unravel_index(msg, shape)
             if inside:
                 held = held + extra[ring] * self.nvl_lat
                 ring = first[ring]
-            batch.legs.append((ring, link, steps[col], port, held, hop, wave))
+            batch.legs.append((ring, link, steps[col], port, held, hop, wave, owner))
             if routed and not inside:
                 msg, *relayed = self._relays(src, dst, nbytes.ravel())
                 ring, link, col = np.unravel_index(msg, shape)
@@ -523,7 +535,7 @@ class StepSurrogate:
         # whose pieces a rank relays share its lanes as its own rings do.
         # (NVLink ports are numbered 2 * rank and 2 * rank + 1)
         relay = [(base[i] + ring[port < 2 * w], port[port < 2 * w] // 2) for i, bt in enumerate(batches)
-                 for ring, _, _, port, _, _, _ in bt.legs]
+                 for ring, _, _, port, _, _, _, _ in bt.legs]
         family = _components(np.concatenate([ring_of_slot] + [r for r, _ in relay]),
                              np.concatenate([rank_of_slot] + [x for _, x in relay]), int(base[-1]), w)
         fam_of_rank = np.full(w, -1)
@@ -542,32 +554,76 @@ class StepSurrogate:
         # landed) beside its ring kernels, in the schedule's order: at step 1.
         if S > 1:
             lane[:, 1] += gate[2]
-        legs = [(ring, link, step, port, held, hop, wave, family[base[i] + ring])
-                for i, bt in enumerate(batches) for ring, link, step, port, held, hop, wave in bt.legs]
+        legs = [(ring, link, step, port, held, hop, wave, owner, family[base[i] + ring], np.full(len(ring), kind))
+                for i, bt in enumerate(batches)
+                for kind, (ring, link, step, port, held, hop, wave, owner) in enumerate(bt.legs)]
         # the legs of batch i: leg_at[i] .. leg_at[i + 1]
         leg_at = np.cumsum([0] + [sum(len(leg[0]) for leg in bt.legs) for bt in batches])
         # Per (ring, step): the busiest port over every leg of that step of the
         # rings it shares ranks with through rings that still send then (what a
         # rank's lanes need per step at the least: a lane's batch holds every
         # ring's transfers of its wave); per leg: its port's load in its own
-        # wave (the step's direct transfers, or one hop of its routed pieces).
+        # wave (the batches posted in that wave: a K/V beside the dK/dV of an
+        # earlier step, one hop of routed pieces beside what their relays post then).
         busiest = np.zeros((int(base[-1]), S))
+        waves = []
         if legs:
-            ring, link, step, port, held, hop, wave, lfam = (np.concatenate(x) for x in zip(*legs))
+            ring, link, step, port, held, hop, wave, owner, lfam, kind = (np.concatenate(x) for x in zip(*legs))
             np.add.at(load, port, held)
-            uniq, inv = np.unique(((lfam * S + step) * 4 + hop) * n_ports + port, return_inverse=True)
-            in_wave = np.bincount(inv, weights=held)[inv]
             sharing = _sharing(batches, backward, ring_of_slot, rank_of_slot, relay, w)
             ring_at = np.concatenate([base[i] + leg[0] for i, bt in enumerate(batches) for leg in bt.legs])
             label = sharing[np.minimum(step, sharing.shape[0] - 1), ring_at]
             both, of = np.unique((label * S + step) * n_ports + port, return_inverse=True)
-            keys, at = np.unique(both // n_ports, return_inverse=True)
+            keys, of_key = np.unique(both // n_ports, return_inverse=True)
             most = np.zeros(len(keys))
-            np.maximum.at(most, at, np.bincount(of, weights=held))
+            np.maximum.at(most, of_key, np.bincount(of, weights=held))
             steps = np.arange(S)
             want = sharing[np.minimum(steps, sharing.shape[0] - 1)].T * S + steps
             j = np.minimum(np.searchsorted(keys, want), len(keys) - 1)
             busiest = np.where(keys[j] == want, most[j], 0.0)
+            # Each leg's wave in the segment: its message's first hop's (after
+            # the K/V it forwards; a dK/dV's after its kernel and the dK/dV it
+            # adds to, ``_ring_waves``) plus the hop's within the message.
+            at = np.empty(len(ring), np.int64)
+            for i, bt in enumerate(batches):
+                on = slice(leg_at[i], leg_at[i + 1])
+                span = np.ones((len(bt.ranks), bt.k, bt.k + 1), np.int64)
+                np.maximum.at(span, (ring[on], link[on], step[on]), wave[on] + 1)
+                kv_wave, dkv_sent, dkv_got = self._ring_waves(span, backward)
+                first = np.where(kind[on] == 0, kv_wave[ring[on], link[on], step[on]] + 1,
+                                 dkv_sent[ring[on], link[on], step[on]])
+                at[on] = first + wave[on]
+                waves.append((kv_wave, dkv_sent, dkv_got))
+            # A port carries its wave's transfers back to back in the order they
+            # start: a receiving port's batch is done once it carried them all,
+            # a sending port's transfer once it carried those before it too (in
+            # the schedule's order: by step, K/V before dK/dV, ring, link, hop).
+            _, inv = np.unique((lfam * (at.max() + 1) + at) * n_ports + port, return_inverse=True)
+            in_wave = np.bincount(inv, weights=held)[inv]
+            sends = port % 2 == 0
+            seq = np.concatenate([np.full(leg_at[i + 1] - leg_at[i], i) for i in range(len(batches))])
+            order = np.lexsort((hop, link, ring, seq, kind, step, inv))
+            ahead = np.cumsum(held[order])
+            starts = np.r_[True, inv[order][1:] != inv[order][:-1]]
+            ahead -= np.repeat(ahead[starts] - held[order][starts], np.diff(np.r_[np.flatnonzero(starts), len(order)]))
+            in_wave[order[sends[order]]] = ahead[sends[order]]
+            # A rank's lanes post their batches wave after wave, a relayed piece
+            # in the wave after its previous hop landed (``surrogate_lanes.py``).
+            lane_of = (port >= 2 * w).astype(np.int64)
+            span = int(at.max()) + 1
+            mine, of = np.unique(((owner * 2 + lane_of) * span + at) * n_ports + port, return_inverse=True)
+            key, of_batch = np.unique(mine // n_ports, return_inverse=True)
+            busiest_port = np.zeros(len(key))
+            np.maximum.at(busiest_port, of_batch, np.bincount(of, weights=held))
+            # a proxy's NIC crossing (wave 1 of its piece) and a twin's combine, as sent
+            relayed = np.zeros(len(key), np.bool_)
+            relayed[of_batch[of[(port % 2 == 0) & (((hop == NIC) & (wave == 1)) | (hop == COMBINE))]]] = True
+            b_rank, b_lane, b_wave = key // (2 * span), key // span % 2, key % span
+            order = np.argsort(b_wave, kind="stable")
+            floor_s = np.empty(len(key))
+            floor_s[order] = lane_floor(b_rank[order], b_lane[order], b_wave[order], busiest_port[order],
+                                        relayed[order], w)
+            paced = _LaneClock([(b_rank, b_lane, b_wave, np.full(len(key), -np.inf), floor_s)])
             # A family that routes pieces does not step together: a crossing
             # spreads a step over up to three waves, positions cross at
             # different waves, and the ranks relaying the pieces pace them
@@ -576,20 +632,21 @@ class StepSurrogate:
             routes[lfam[hop != DIRECT]] = True
             busiest[routes[family]] = 0.0
         else:
-            port, lfam = np.zeros(0, np.int64), np.zeros(0, np.int64)
+            port, lfam, paced = np.zeros(0, np.int64), np.zeros(0, np.int64), None
         inputs = []
         for i, bt in enumerate(batches):
-            hops = np.zeros(bt.comp.shape[:2] + (bt.k + 1, 4))
-            spans = np.ones(hops.shape[:3], np.int64)
+            # per kind of message (K/V, dK/dV), ring, link, step and hop: its wave's seconds
+            hops = np.zeros((2,) + bt.comp.shape[:2] + (bt.k + 1, 4))
             if legs:
                 on = slice(leg_at[i], leg_at[i + 1])
-                np.maximum.at(hops, (ring[on], link[on], step[on], hop[on]), in_wave[on])
-                np.maximum.at(spans, (ring[on], link[on], step[on]), wave[on] + 1)
+                np.maximum.at(hops, (kind[on], ring[on], link[on], step[on], hop[on]), in_wave[on])
+            else:
+                waves.append(self._ring_waves(np.ones((len(bt.ranks), bt.k, bt.k + 1), np.int64), backward))
             nodes = bt.ranks // self.gpn
             # (none where no piece is relayed: no lane clock is built then)
             relays = [_Relays(x) for x in bt.relays]
             relays = relays if any(len(x.rank) for x in relays) else []
-            inputs.append((hops, spans, nodes != np.roll(nodes, -1, axis=1), relays))
+            inputs.append((hops, waves[i], nodes != np.roll(nodes, -1, axis=1), relays, paced))
         # A Ulysses member's lanes post its inputs at wave 0 and its outputs at
         # ULYSSES_OUT_WAVE, once its kernels are done (``gate`` rows 3-8).
         member = np.flatnonzero(gate[2] > 0)
@@ -649,21 +706,43 @@ class StepSurrogate:
         return finish
 
     @staticmethod
-    def _ring_chain(bt: "_RingBatch", hops: np.ndarray, spans: np.ndarray, crossing: np.ndarray, relays: list,
+    def _ring_waves(spans: np.ndarray, backward: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per (ring, position, step) the waves (``Schedule.waves``) of the
+        transfer that delivered the position's data of the step (-1: its own),
+        of the first hop of the dK/dV it sends at the step (after its kernel
+        of the step before: two waves after that kernel's data; and after the
+        dK/dV it received), of that dK/dV's arrival; ``spans``: per (ring,
+        link, step) the waves its message takes."""
+        n, k = spans.shape[:2]
+        kv_wave = np.full((n, k, k + 1), -1)
+        dkv_sent = np.full((n, k, k + 1), -2 * k - 9)
+        dkv_got = np.full((n, k, k + 1), -2 * k - 9)
+        for t in range(1, k + 1):
+            kv_wave[:, :, t] = np.roll(kv_wave[:, :, t - 1] + spans[:, :, t - 1], 1, axis=1)
+            if backward:
+                dkv_sent[:, :, t] = np.maximum(kv_wave[:, :, t - 1] + 2, dkv_got[:, :, t - 1]) + 1
+                dkv_got[:, :, t] = np.roll(dkv_sent[:, :, t] + spans[:, :, t] - 1, 1, axis=1)
+        return kv_wave, dkv_sent, dkv_got
+
+    @staticmethod
+    def _ring_chain(bt: "_RingBatch", hops: np.ndarray, waves: tuple, crossing: np.ndarray, relays: list,
+                    paced: _LaneClock | None,
                     floor: np.ndarray, lane: np.ndarray, gate: np.ndarray, backward: bool,
                     clock: _LaneClock | None, relayed_until: np.ndarray, events: list | None
                     ) -> tuple[np.ndarray, np.ndarray]:
         """The rings of one size step by step: (per (ring, position, step) when
         the step's data reached the position, per (ring, position) when its
         last message -- the K/V forward, the dK/dV backward -- in and out
-        landed).  ``hops``: per (ring, link, step, hop) its wave's seconds;
-        ``spans``: per (ring, link, step) the waves its message takes;
+        landed).  ``hops``: per kind of message (K/V, dK/dV), ring, link, step
+        and hop its wave's seconds; ``waves``: :meth:`_ring_waves`;
         ``crossing``: per (ring, link) whether it leaves the node; ``relays``:
         the hops other ranks relay (:class:`_Relays`, K/V then dK/dV), paced by
         their lanes' batches in ``clock`` (which also paces direct links by
-        the batches of both their ends); ``floor``: per (ring, step) the busiest
-        port of the rings joined to it that step; ``gate``: per rank and lane when the Ulysses
-        inputs landed and the outputs left (``_attention``).  Raises
+        the batches of both their ends); ``paced``: every rank's lanes' floor
+        per wave (``surrogate_lanes.py``; None without legs); ``floor``: per
+        (ring, step) the busiest port of the rings joined to it that step;
+        ``gate``: per rank and lane when the Ulysses inputs landed and the
+        outputs left (``_attention``).  Raises
         ``relayed_until`` per rank to when it relayed its last piece of these
         rings, and adds the rings' batches to ``events`` (:class:`_LaneClock`;
         unless None)."""
@@ -673,11 +752,17 @@ class StepSurrogate:
         # wave, a routed one in its hops one after another (every position
         # of the ring at once); and no sooner than the step before plus the
         # busiest port of the rings joined to it that step.
-        link_s = np.maximum(hops[..., DIRECT], hops[..., DISPATCH:].sum(axis=3))
-        first_hop = np.maximum(hops[..., DIRECT], hops[..., DISPATCH])
+        (link_s, dkv_link), (first_hop, dkv_first) = (np.maximum(hops[..., DIRECT], hops[..., DISPATCH:].sum(axis=-1)),
+                                                      np.maximum(hops[..., DIRECT], hops[..., DISPATCH]))
+        # the hop a K/V lands in: a routed piece's combine (or NIC crossing into the receiver)
+        last_hop = np.where(hops[0, ..., COMBINE] > 0, hops[0, ..., COMBINE],
+                            np.maximum(hops[0, ..., DIRECT], hops[0, ..., NIC]))
         # A link's batches: on NVLink inside a node, through a NIC across, routed on both.
-        on_lane = (~crossing | (hops[..., NIC].max(axis=2) > 0), crossing)
+        on_lane = (~crossing | (hops[..., NIC].max(axis=(0, 3)) > 0), crossing)
         ranks = bt.ranks
+        # per (ring, position) the lanes the link into it lands on; per (ring, position, step) whether it combines
+        into = [np.roll(on, 1, axis=1) for on in on_lane]
+        combined = np.roll(hops[0, ..., COMBINE] > 0, 1, axis=1).astype(np.int64)
 
         def batch(at_receiver: bool, wave: np.ndarray, posted: np.ndarray | None, done: np.ndarray) -> None:
             if events is None:
@@ -691,7 +776,6 @@ class StepSurrogate:
         # A link waits for the Ulysses batches of the lanes it takes at both
         # its ends (NVLink inside a node, the NIC across, both when routed):
         # per (ring, position) those of the link into it.
-        into = [np.roll(on, 1, axis=1) for on in on_lane]
         after_in, after_out = (np.max([np.where(into[ln], gate[row + ln][r], 0.0) for ln in (0, 1) for r in ends],
                                       axis=0) for row in (3, 7))
 
@@ -701,13 +785,7 @@ class StepSurrogate:
             return np.where(wave >= ULYSSES_OUT_WAVE, after_out, np.where(wave >= 1, after_in, 0.0))
 
         got = np.zeros((n, k, k + 1))
-        # Waves (Schedule.waves): of the transfer that delivered each position's
-        # data of a step (-1: its own), of the first hop of the dK/dV it sends at
-        # a step (after its kernel of the step before: two waves after that
-        # kernel's data; and after the dK/dV it received), of that dK/dV's arrival.
-        kv_wave = np.full((n, k, k + 1), -1)
-        dkv_sent = np.full((n, k, k + 1), -2 * k - 9)
-        dkv_got = np.full((n, k, k + 1), -2 * k - 9)
+        kv_wave, dkv_sent, dkv_got = waves
         kernels = lane[bt.ranks, :k + 1]                # (n, k, step) the rank's kernels
         done = np.zeros((n, k, k + 1))                  # when a position's kernel of each step is done
         done[:, :, 0] = kernels[:, :, 0]
@@ -731,22 +809,31 @@ class StepSurrogate:
             if relays:
                 sent = np.maximum(sent, relays[0].bound(t - 1, kv_wave[:, :, t - 1] + 1, clock))
             got[:, :, t] = np.maximum(np.roll(sent, 1, axis=1), got[:, :, t - 1] + floor[:, t - 1, None])
-            kv_wave[:, :, t] = np.roll(kv_wave[:, :, t - 1] + spans[:, :, t - 1], 1, axis=1)
             if backward:
-                dkv_sent[:, :, t] = np.maximum(kv_wave[:, :, t - 1] + 2, dkv_got[:, :, t - 1]) + 1
-                dkv_got[:, :, t] = np.roll(dkv_sent[:, :, t] + spans[:, :, t] - 1, 1, axis=1)
                 # The K/V's batches at its sender (its first wave) and at its
                 # receiver (its last) hold the dK/dV sent in that wave, which
-                # waits for the kernel of the step before it on that end.
+                # waits for the kernel of the step before it on that end: the
+                # K/V leaves the sender after it, and its last hop lands with
+                # the receiver's batch, once both it and that dK/dV moved.
                 lo = max(1, t - 2 * BACKWARD_LAG)
                 window = dkv_sent[:, :, lo:t + 1]
-                wait = []
-                for batch_wave, sender in ((kv_wave[:, :, t - 1] + 1, True), (kv_wave[:, :, t], False)):
-                    match = window == batch_wave[:, :, None]
-                    kernel_end = np.where(match, done[:, :, lo - 1:t], 0.0).max(axis=2)
-                    wait.append(np.roll(kernel_end, 1, axis=1) if sender else kernel_end)
-                got[:, :, t] = np.maximum(got[:, :, t], np.maximum(*wait) + link_s[:, :, t - 1])
+                match = window == (kv_wave[:, :, t - 1] + 1)[:, :, None]
+                sender = np.where(match, done[:, :, lo - 1:t], 0.0).max(axis=2) + link_s[:, :, t - 1]
+                match = window == kv_wave[:, :, t][:, :, None]
+                receiver = (np.where(match, done[:, :, lo - 1:t], 0.0).max(axis=2)
+                            + np.maximum(np.roll(last_hop[:, :, t - 1], 1, axis=1),
+                                         np.where(match, dkv_first[:, :, lo:t + 1], 0.0).max(axis=2)))
+                got[:, :, t] = np.maximum(got[:, :, t], np.maximum(np.roll(sender, 1, axis=1), receiver))
             wave = kv_wave[:, :, t]
+            if paced is not None:
+                # it lands once the receiver's batches it lands in are done:
+                # the last wave's on NVLink (a direct link inside the node, a
+                # routed piece's combine), through the NIC the wave before
+                # (a routed piece crossing into the receiver) or the last
+                for ln, on in enumerate(into):
+                    at_wave = wave - (ln == 1) * combined[:, :, t - 1]
+                    got[:, :, t] = np.maximum(got[:, :, t], np.where(on, paced.done_by(
+                        ranks.ravel(), np.full(ranks.size, ln), at_wave.ravel()).reshape(ranks.shape), -np.inf))
             # a batch after the Ulysses inputs' lands after them; the outputs' batch, once they left
             into_link = np.roll(link_s[:, :, t - 1], 1, axis=1)
             got[:, :, t] = np.maximum(got[:, :, t], np.maximum(ulysses_batch(wave), lanes_free(wave, into_link)))
@@ -765,15 +852,15 @@ class StepSurrogate:
                 # but the lane runs a ring's kernel as soon as its data is there.
                 before = done[:, :, t - 2] if t > 1 else 0.0
                 start = np.maximum(before, got[:, :, t - 1]) + bt.comp[:, :, t - 1]
-                into_link = np.roll(link_s[:, :, t], 1, axis=1)
+                into_link = np.roll(dkv_link[:, :, t], 1, axis=1)
                 land = np.maximum.reduce([np.roll(start, 1, axis=1) + into_link, ulysses_batch(dkv_got[:, :, t]),
                                           lanes_free(dkv_got[:, :, t], into_link)])
                 batch(False, dkv_sent[:, :, t], start, np.where(direct_out, np.roll(land, -1, axis=1),
-                                                                start + first_hop[:, :, t]))
+                                                                start + dkv_first[:, :, t]))
                 batch(True, dkv_got[:, :, t], None, land)
         # the last dK/dV leaves once the position before ran its last kernel, in
         # its batch of its wave
-        last_link = np.roll(link_s[:, :, k], 1, axis=1)
+        last_link = np.roll(dkv_link[:, :, k], 1, axis=1)
         final = np.maximum(got[:, :, k], np.roll(done[:, :, k - 1], 1, axis=1)) + last_link
         if backward:
             final = np.maximum.reduce([final, ulysses_batch(dkv_got[:, :, k]), lanes_free(dkv_got[:, :, k], last_link)])

@@ -5,7 +5,15 @@ routing and remap on and off, the remap forced on; the planner-latency and
 speedup-matrix samples) the same pick, the same candidates and every baseline
 source's plans, placement for placement.  ``python -m
 tests.planner.decision_picks --all --check`` adds 128- and 256-GPU batches and
-the shared samples."""
+the shared samples.  One pick updated by hand since (``synthetic-books-a100-40g-4x100g-32-llama-13b-256K-r1m1``,
+when the surrogate followed routed rings' lanes batch by batch): the new pick replays fastest of its
+candidates, the recorded one 0.93 % slower; candidates and sources unchanged.  Re-recorded with
+``--all`` when that change merged with rings sharing a rank's lanes: the 25 cases here unchanged;
+of the ``--all`` extras, three picks (``python-docs-h100-8x400g-32-llama-30b-256K-r0m1``,
+``synthetic-longtail-h100-8x400g-256-llama-7b-512K-r1m1``,
+``synthetic-books-a800-4x200g-128-llama-13b-256K-r1m1``) and one candidate of
+``python-code-a800-4x200g-32-llama-13b-512K-r1m1`` changed (the first pick and that candidate
+had already changed before the merge, unrecorded)."""
 
 from __future__ import annotations
 

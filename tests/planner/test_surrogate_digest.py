@@ -9,7 +9,11 @@ apart too, and three 256-GPU layouts (rings and groups against groups only)
 that the replay times bit-equal now differ by 1.4e-13 (sums in another order);
 and again when rings sharing a rank shared its lanes' batches and its compute
 lane's kernels were ordered by their data's arrival: 85 of 296 steps moved, by
-at most 4.9 %, and no tie broke.
+at most 4.9 %, and no tie broke.  Re-recorded (steps only, the plans kept)
+when routed rings followed the lanes batch by batch (a port's load per wave,
+not per step; a K/V landing with its receiver's batch; a relay's lanes paced
+wave by wave), merged onto the shared lanes: 55 of 296 steps moved, -4.67 %
+to +0.12 % (median 0.23 %), and no tie broke.
 
 ``golden/surrogate_plans.json.xz`` holds the plans: every distinct layout the
 per-batch decision's candidates (``zeppelin_decide.py: decision_candidates``:
