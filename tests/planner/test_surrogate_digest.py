@@ -9,7 +9,10 @@ apart too, and three 256-GPU layouts (rings and groups against groups only)
 that the replay times bit-equal now differ by 1.4e-13 (sums in another order);
 and again when rings sharing a rank shared its lanes' batches and its compute
 lane's kernels were ordered by their data's arrival: 85 of 296 steps moved, by
-at most 4.9 %, and no tie broke.
+at most 4.9 %, and no tie broke; and again (the steps of the stored plans) when
+a ring member's exit followed each member's own entry instead of the ring's
+last: 61 of 296 steps moved, by -0.48 % to +0.21 % (median -0.001 %), and no
+tie broke.
 
 ``golden/surrogate_plans.json.xz`` holds the plans: every distinct layout the
 per-batch decision's candidates (``zeppelin_decide.py: decision_candidates``:
