@@ -44,8 +44,11 @@ numpy over its rings, groups and ranks, what the replay executes:
   layout switches as all-to-alls followed the same way
   (``planner/surrogate_alltoall.py``), a routed message's pieces a wave per hop;
 * the segments chained per rank as the replay chains them (a rank enters a
-  segment when its part of the previous one is done; a ring starts once all
-  its ranks entered, a message once both its ends did), for ``m`` and
+  segment when its part of the previous one is done; a message leaves once
+  both its ends entered, so a ring member leaves as late after each member's
+  entry as the ring's chain from that entry to its exit takes -- rings of a
+  family that hold different ranks, coupled through their lanes, start once
+  its last member entered), for ``m`` and
   ``m - 1`` layers extrapolated as ``replay_step`` extrapolates, plus the
   gradient sync tail (``cost/step_sync.py``).
 
@@ -102,9 +105,15 @@ class _Segment:
 
     work: np.ndarray
     """Seconds of compute-lane work per rank."""
-    chains: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    chains: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]]
     """Ring families: (member ranks flat, family id per member, seconds from the
-    family's start to the member's exit)."""
+    family's start to the member's exit, per ring batch (its (rings, k) ranks,
+    per (ring, position i, position j) how much earlier the rank at j leaves
+    this ring after position i entered (the others long before:
+    ``_entry_leave``) than the latest of its rings when all enter at once:
+    <= 0; none for a family whose rings hold different ranks)).  A ring
+    member leaves its family's seconds after the latest over its rings'
+    positions ``i`` of entry plus that slack (without: the family's start)."""
     followed: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
     """What is followed from every rank's own entry (the Ulysses groups:
     ``UlyssesGroups.price``; a direct layout switch): from the entries, (its
@@ -180,6 +189,33 @@ def _sharing(batches: list["_RingBatch"], backward: bool, ring_of_slot: np.ndarr
         label = _components(rings, ranks, n, w) + len(rows) * n
         rows += [label] * int(hi - lo)
     return np.array(rows)
+
+
+def _entry_leave(link_s: np.ndarray, dkv_link: np.ndarray, floor: np.ndarray, comp: np.ndarray,
+                 backward: bool) -> np.ndarray:
+    """Per (ring, position i, position j): when position j leaves the ring if
+    position i entered at 0 and the others long before (max-plus: the replay's
+    ring transfer waits for its own two ends, so a member that entered early
+    starts early).  Followed as ``_ring_chain`` follows a ring
+    -- a step's data reaches position j once position j - 1 had it and their
+    link carried it, a kernel once its data arrived and the kernel before is
+    done, a member leaves once its last message in and out landed -- from one
+    entering position at a time (max-plus: the first axis).  ``link_s``: per
+    (ring, link, step) a K/V's seconds (``dkv_link``: a dK/dV's); ``floor``: per (ring, step) the busiest port of
+    the rings joined to it that step; ``comp``: per (ring, position, step)
+    kernel seconds."""
+    n, k = comp.shape[:2]
+    got = np.broadcast_to(np.where(np.eye(k, dtype=bool), 0.0, -np.inf), (n, k, k))
+    link, kernels = link_s[:, None], comp[:, None]
+    done = got + kernels[..., 0]
+    for t in range(1, k):
+        got = np.maximum(np.roll(got + link[..., t - 1], 1, axis=2), got + floor[:, t - 1, None, None])
+        done = np.maximum(done, got) + kernels[..., t]
+    final = got
+    if backward:        # the last dK/dV, after the position before ran its last kernel
+        got = np.maximum(np.roll(got + link[..., k - 1], 1, axis=2), got + floor[:, k - 1, None, None])
+        final = np.maximum(got, np.roll(done, 1, axis=2)) + np.roll(dkv_link[:, None, :, k], 1, axis=2)
+    return np.maximum(np.maximum(final, np.roll(final, -1, axis=2)), done)
 
 
 def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -567,6 +603,7 @@ class StepSurrogate:
         # earlier step, one hop of routed pieces beside what their relays post then).
         busiest = np.zeros((int(base[-1]), S))
         waves = []
+        routes = np.zeros(F, bool)      # the families that route pieces
         if legs:
             ring, link, step, port, held, hop, wave, owner, lfam, kind = (np.concatenate(x) for x in zip(*legs))
             np.add.at(load, port, held)
@@ -628,7 +665,6 @@ class StepSurrogate:
             # spreads a step over up to three waves, positions cross at
             # different waves, and the ranks relaying the pieces pace them
             # wave by wave; its ports bind through each hop's load and the drain.
-            routes = np.zeros(F, bool)
             routes[lfam[hop != DIRECT]] = True
             busiest[routes[family]] = 0.0
         else:
@@ -696,12 +732,34 @@ class StepSurrogate:
         members = np.r_[members, relaying]
         fam_of_rank[relaying] = relay_fam[relaying]
 
-        def finish(total: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # A ring's transfers wait for their own two ends only: how late a
+        # member's exit is when each member entered late, against the latest
+        # of its rings' exits when all enter at once -- in a family whose
+        # rings all hold the same ranks (a rank in rings of other ranks, or
+        # relaying their pieces, couples them through its lanes, and a family
+        # that routes pieces is paced by its relays' lanes: such a family
+        # starts once its last member entered).
+        in_family = family[ring_of_slot]
+        alike = (np.bincount(in_family, minlength=F)
+                 == np.bincount(fam_of_rank[np.unique(rank_of_slot)], minlength=F) * np.bincount(family, minlength=F))
+        alike[relay_fam[relaying]] = False
+        alike &= ~routes        # paced by their relays' lanes wave by wave, which _entry_leave does not follow
+        keep = [alike[family[base[i]:base[i + 1]]] for i in range(len(batches))]
+        # per kind of message (K/V, dK/dV): a link's seconds, as ``_ring_chain`` takes them
+        links = [np.maximum(hops[..., DIRECT], hops[..., DISPATCH:].sum(axis=-1)) for hops, *_ in inputs]
+        leave = [_entry_leave(kv[on], dkv[on], busiest[base[i]:base[i + 1]][on], bt.comp[on], backward)
+                 for i, (bt, (kv, dkv), on) in enumerate(zip(batches, links, keep))]
+        latest = np.full(w, -np.inf)
+        for bt, x, on in zip(batches, leave, keep):
+            np.maximum.at(latest, bt.ranks[on], x.max(axis=1))
+        slack = [(bt.ranks[on], x - latest[bt.ranks[on]][:, None, :]) for bt, x, on in zip(batches, leave, keep)]
+
+        def finish(total: np.ndarray) -> tuple:
             drain = np.zeros(F)
             if len(port):
                 np.maximum.at(drain, lfam, total[port])
             fam = fam_of_rank[members]
-            return members, fam, np.maximum(np.maximum(end, last), drain[fam])
+            return members, fam, np.maximum(np.maximum(end, last), drain[fam]), slack
 
         return finish
 
@@ -978,10 +1036,17 @@ class StepSurrogate:
     def _advance(seg: _Segment, entry: np.ndarray) -> np.ndarray:
         """Per rank, when it leaves ``seg`` having entered at ``entry``."""
         out = entry + seg.work
-        for flat, gid, end in seg.chains:
+        for flat, gid, end, rings in seg.chains:
             start = np.full(gid.max() + 1, -np.inf)
             np.maximum.at(start, gid, entry[flat])
-            np.maximum.at(out, flat, start[gid] + end)
+            # A ring member starts once its ring's members' entries, each as
+            # late as the member's exit waits for it, allow (a relaying rank
+            # outside the rings: once its family entered).
+            own = np.full(len(entry), -np.inf)
+            for ranks, slack in rings:
+                np.maximum.at(own, ranks, (entry[ranks][:, :, None] + slack).max(axis=1))
+            begin = np.where(own[flat] > -np.inf, own[flat], start[gid])
+            np.maximum.at(out, flat, begin + end)
         if seg.followed is not None:
             ranks, leave = seg.followed(entry)
             out[ranks] = np.maximum(out[ranks], leave)

@@ -13,7 +13,10 @@ at most 4.9 %, and no tie broke.  Re-recorded (steps only, the plans kept)
 when routed rings followed the lanes batch by batch (a port's load per wave,
 not per step; a K/V landing with its receiver's batch; a relay's lanes paced
 wave by wave), merged onto the shared lanes: 55 of 296 steps moved, -4.67 %
-to +0.12 % (median 0.23 %), and no tie broke.
+to +0.12 % (median 0.23 %), and no tie broke; and again (steps only) when a
+ring member's exit followed each member's own entry instead of the ring's
+last (in families that neither route nor share ranks with other rings): 48 of
+296 steps moved, -0.18 % to +0.21 % (median 0.001 %), and no tie broke.
 
 ``golden/surrogate_plans.json.xz`` holds the plans: every distinct layout the
 per-batch decision's candidates (``zeppelin_decide.py: decision_candidates``:
