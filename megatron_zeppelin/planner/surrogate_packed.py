@@ -22,11 +22,12 @@ from megatron_zeppelin.planner.plan_arrays import PlanArrays
 from megatron_zeppelin.schedule.packed import ring_work
 
 if TYPE_CHECKING:
-    from megatron_zeppelin.planner.surrogate import StepSurrogate, _RingBatch
+    from megatron_zeppelin.planner.surrogate import StepSurrogate
+    from megatron_zeppelin.planner.surrogate_rings import RingBatch
 
 
 def packed_ring_batches(clock: "StepSurrogate", layout: PlanArrays, backward: bool, routed: bool,
-                        w: int) -> list["_RingBatch"]:
+                        w: int) -> list["RingBatch"]:
     """The packed rings of ``layout`` as the surrogate's ring batches, one per ring size."""
     out = []
     for k, rings in _by_size(layout).items():

@@ -197,7 +197,7 @@ def test_a_ring_member_starts_once_the_members_it_waits_for_entered():
     and a transfer waits only for its own two ends.  The surrogate that
     started the ring once its last member entered was 0.31 % slow here
     (2.8570 s against the replay's 2.8481 s); following each member's exit
-    from every member's entry (``_entry_leave``) it is within 1e-5."""
+    from every member's entry (``surrogate_rings._entry_leave``) it is within 1e-5."""
     cost = CostModel(load_cluster("a800-4x200g").with_nodes(4),
                      dataclasses.replace(load_model("llama-7b"), num_layers=4), routing=True)
     plan = _shared_rank_plan([(248621, Mode.RING, tuple(range(16)))])
