@@ -158,7 +158,7 @@ def report(args, rows, pairs_total, pairs_same, batches, sur_cpu, replay_cpu, wa
             f"Relative error |surrogate / replay - 1| over {len(rows)} candidate plans:\n\n"
             + "\n".join(lines)
             + f"\n\nCandidate pairs of one batch more than {PAIR_GAP:.0%} apart by the replay: {pairs_total}; "
-            f"the surrogate orders {pairs_same} of them as the replay does (**{share:.1%}**).\n\n"
+            f"the surrogate orders {pairs_same} of them as the replay does (**{share:.2%}**).\n\n"
             "Largest errors:\n\n| error | batch | tiers | layers |\n| --- | --- | --- | --- |\n"
             + "\n".join(worst_lines) + "\n")
 
