@@ -19,6 +19,7 @@ columns once, on the first such query).
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -100,8 +101,9 @@ class _Lazy(Sequence):
     def __init__(self) -> None:
         self._kept: dict[int, object] = {}
 
+    @abstractmethod
     def _make(self, i: int):
-        raise NotImplementedError
+        """Item ``i``, made from the columns."""
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -136,8 +138,9 @@ class _Lazy(Sequence):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self)} items)"
 
+    @abstractmethod
     def _same_columns(self, other) -> bool:
-        raise NotImplementedError
+        """Whether ``other`` (of this type) holds the same columns."""
 
 
 class Placements(_Lazy):

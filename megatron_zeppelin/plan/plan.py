@@ -134,7 +134,8 @@ class Plan:
 
     def _cache(self, name: str, build):
         """``self.<name>``, built by ``build()`` on first use (the Plan is frozen;
-        its derived data is not a field: not compared, not in the JSON)."""
+        its derived data is not a field: not compared, not in the JSON; a
+        received Plan arrives with some already set, ``plan/compact.py``)."""
         value = self.__dict__.get(name)
         if value is None:
             value = build()
@@ -145,16 +146,16 @@ class Plan:
         """Placement index of every packed ring's or packed Ulysses group's member
         -> the index of its pack's first member in plan order (the pack's name in
         the schedule); members of no pack are absent."""
-        cached = self.__dict__.get("_packed_leads")
-        if cached is None:
-            cached = {}
+        def build() -> dict[int, int]:
+            leads: dict[int, int] = {}
             if self.packed_rings or self.packed_ulysses:
                 index_of = self.placement_columns().index_of_seq()
                 for members in (*self.packed_rings, *self.packed_ulysses):
                     indices = sorted(int(index_of[s]) for s in members)
-                    cached.update((i, indices[0]) for i in indices)
-            object.__setattr__(self, "_packed_leads", cached)
-        return cached
+                    leads.update((i, indices[0]) for i in indices)
+            return leads
+
+        return self._cache("_packed_leads", build)
 
     def attention_tokens_per_rank(self) -> list[int]:
         tokens = self._per_local_rank(lambda n: n)
@@ -244,14 +245,13 @@ class Plan:
         order: the switch's messages, numbered by position.  Cached (a planning
         child sends it with the Plan: at 1,024 GPUs every rank's moves cost the
         training thread tens of ms)."""
-        cached = self.__dict__.get("_remap_pairs")
-        if cached is None:
+        def build() -> tuple[tuple[int, int, int], ...]:
             tokens: dict[tuple[int, int], int] = {}
             for t in self.remap_schedule():
                 tokens[(t.src, t.dst)] = tokens.get((t.src, t.dst), 0) + t.length
-            cached = tuple((s, d, n) for (s, d), n in tokens.items())
-            object.__setattr__(self, "_remap_pairs", cached)
-        return cached
+            return tuple((s, d, n) for (s, d), n in tokens.items())
+
+        return self._cache("_remap_pairs", build)
 
     # ------------------------------------------------------------- validation
     def validate(self) -> "Plan":
@@ -413,12 +413,11 @@ class Plan:
         """63-bit hash of the layouts; ranks all-reduce it to prove they agree.
         Cached (a planning child sends it with the Plan: at 1,024 GPUs the JSON
         it hashes costs the training thread 70 ms)."""
-        cached = self.__dict__.get("_fingerprint")
-        if cached is None:
+        def build() -> int:
             digest = hashlib.blake2b(self.to_json().encode(), digest_size=8).digest()
-            cached = int.from_bytes(digest, "little") >> 1
-            object.__setattr__(self, "_fingerprint", cached)
-        return cached
+            return int.from_bytes(digest, "little") >> 1
+
+        return self._cache("_fingerprint", build)
 
 
 def _owners(p: SeqPlacement) -> list[tuple[int, int, int]]:

@@ -121,7 +121,6 @@ class _Move:
             self.counters.remap_inter_node += after[1] - before[1]
         return out
 
-
     def _messages(self, row: int) -> tuple[Message, ...]:
         """The round's messages for rows of ``row`` elements (numel: tokens x row;
         every rank has the same trailing dims), built once per exchange, direction
