@@ -491,8 +491,7 @@ class RingSegments:
         def batch(at_receiver: bool, wave: np.ndarray, posted: np.ndarray | None, done: np.ndarray) -> None:
             if events is None:
                 return
-            for ln, on in enumerate(on_lane):
-                on = np.roll(on, 1, axis=1) if at_receiver else on
+            for ln, on in enumerate(into if at_receiver else on_lane):
                 events.append((ranks[on], np.full(int(on.sum()), ln), wave[on],
                                np.full(int(on.sum()), -np.inf) if posted is None else posted[on], done[on]))
 
@@ -582,16 +581,16 @@ class RingSegments:
                 batch(False, dkv_sent[:, :, t], start, np.where(direct_out, np.roll(land, -1, axis=1),
                                                                 start + dkv_first[:, :, t]))
                 batch(True, dkv_got[:, :, t], None, land)
-        # the last dK/dV leaves once the position before ran its last kernel, in
-        # its batch of its wave
-        last_link = np.roll(dkv_link[:, :, k], 1, axis=1)
-        final = np.maximum(got[:, :, k], np.roll(done[:, :, k - 1], 1, axis=1)) + last_link
         if backward:
-            final = np.maximum.reduce([final, ulysses_batch(dkv_got[:, :, k]), lanes_free(dkv_got[:, :, k], last_link)])
-        if backward and relays:
-            final = np.maximum(final, np.roll(relays[1].bound(k, dkv_sent[:, :, k], clock), 1, axis=1))
-            relays[1].relayed(k, np.roll(final, -1, axis=1), relayed_until)
-        if not backward:        # forward, the last message is the K/V of step k - 2
+            # the last dK/dV leaves once the position before ran its last
+            # kernel, in its batch of its wave
+            last_link = np.roll(dkv_link[:, :, k], 1, axis=1)
+            final = np.maximum.reduce([np.maximum(got[:, :, k], np.roll(done[:, :, k - 1], 1, axis=1)) + last_link,
+                                       ulysses_batch(dkv_got[:, :, k]), lanes_free(dkv_got[:, :, k], last_link)])
+            if relays:
+                final = np.maximum(final, np.roll(relays[1].bound(k, dkv_sent[:, :, k], clock), 1, axis=1))
+                relays[1].relayed(k, np.roll(final, -1, axis=1), relayed_until)
+        else:                   # forward, the last message is the K/V of step k - 2
             final = got[:, :, k - 1]
         # a position's lanes are done once it received its last message and its successor did
         return got, np.maximum(final, np.roll(final, -1, axis=1))
