@@ -131,6 +131,13 @@ def _entry_leave(link_s: np.ndarray, dkv_link: np.ndarray, floor: np.ndarray, co
     return np.maximum(np.maximum(final, np.roll(final, -1, axis=2)), done)
 
 
+def _link_seconds(hops: np.ndarray) -> np.ndarray:
+    """Per kind of message (K/V, dK/dV), ring, link and step, the seconds a link
+    carries it: a direct transfer's wave, or a routed piece's hops one after
+    another (``hops``: the same axes, then the hop)."""
+    return np.maximum(hops[..., DIRECT], hops[..., DISPATCH:].sum(axis=-1))
+
+
 def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(distinct rows in lexicographic order, index of each row's, first row of
     each, rows of each): ``np.unique(rows, axis=0)`` without its row-as-bytes sort."""
@@ -412,7 +419,7 @@ class RingSegments:
         alike &= ~routes        # paced by their relays' lanes wave by wave, which _entry_leave does not follow
         keep = [alike[family[base[i]:base[i + 1]]] for i in range(len(batches))]
         # per kind of message (K/V, dK/dV): a link's seconds, as ``_ring_chain`` takes them
-        links = [np.maximum(hops[..., DIRECT], hops[..., DISPATCH:].sum(axis=-1)) for hops, *_ in inputs]
+        links = [_link_seconds(hops) for hops, *_ in inputs]
         leave = [_entry_leave(kv[on], dkv[on], busiest[base[i]:base[i + 1]][on], bt.comp[on], backward)
                  for i, (bt, (kv, dkv), on) in enumerate(zip(batches, links, keep))]
         latest = np.full(w, -np.inf)
@@ -476,8 +483,8 @@ class RingSegments:
         # wave, a routed one in its hops one after another (every position
         # of the ring at once); and no sooner than the step before plus the
         # busiest port of the rings joined to it that step.
-        (link_s, dkv_link), (first_hop, dkv_first) = (np.maximum(hops[..., DIRECT], hops[..., DISPATCH:].sum(axis=-1)),
-                                                      np.maximum(hops[..., DIRECT], hops[..., DISPATCH]))
+        link_s, dkv_link = _link_seconds(hops)
+        first_hop, dkv_first = np.maximum(hops[..., DIRECT], hops[..., DISPATCH])
         # the hop a K/V lands in: a routed piece's combine (or NIC crossing into the receiver)
         last_hop = np.where(hops[0, ..., COMBINE] > 0, hops[0, ..., COMBINE],
                             np.maximum(hops[0, ..., DIRECT], hops[0, ..., NIC]))
