@@ -13,7 +13,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Sequence
 
-from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Mode, Plan, SeqPlacement
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.packing import Bins, Shares, check_lengths, fit_in_one_pass, pack_in_rounds, placements

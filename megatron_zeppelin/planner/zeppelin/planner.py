@@ -69,7 +69,7 @@ class ZeppelinPlanner:
 
     def _pass_drafts(self, seq_lens: Sequence[int], ctx: PlanContext) -> list[PassDraft]:
         topo = ctx.topology
-        w, g, cap = topo.world_size, topo.gpus_per_node, ctx.tokens_per_gpu
+        w, cap = topo.world_size, ctx.tokens_per_gpu
         lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
         check_feasible(lens, w, cap)
         lens_t = tuple(lens.tolist())
