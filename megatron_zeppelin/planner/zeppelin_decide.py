@@ -8,8 +8,12 @@ compete with the other NVLink traffic.  So every batch is planned with
 each choice the run allows -- remap on and off (on only if
 ``PlanContext.remap_enabled``, off only if ``remap_decided``), planned and run
 with routed or with direct crossings (routed only if ``cost.routing``; a plan
-for direct crossings carries ``Plan.routed = False``, which the engine and the
-replay honor) -- and the plan with the smallest step by
+run with direct crossings carries ``Plan.routed = False``, which the engine and
+the replay honor), and each plan made for routed crossings also run direct (a
+relay's lanes post its relayed pieces in their batches beside its own ring
+traffic, so where the relays hold long rings of their own the layout routing
+chose can run faster direct than routed, and than the layout planned for direct
+crossings) -- and the plan with the smallest step by
 ``PlanContext.step_model`` runs: the replay's surrogate
 (``planner/surrogate.py: surrogate_clock``) in the simulator, the trainer and
 ``pretrain_gpt.py``.  Every candidate is timed under the run's own cost model,
@@ -190,6 +194,12 @@ def _candidate_plans(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinP
         # dispatch and combine legs share NVLink with the other traffic, and
         # on some batches they cost more than they save.
         contexts.append((option, drafts, option.cost.routing == ctx.cost.routing))
+        if option.cost.routing:
+            # Its layout run direct too: where a crossing's relays are busy with
+            # rings of their own, their lanes' batches hold the relayed pieces
+            # (docs/engine.md), and the direct run of the layout routing chose
+            # can beat both that and the layout planned for direct crossings.
+            contexts.append((option, drafts, False))
     baselines = baseline_drafts(seq_lens, ctx)   # so no baseline's plan is faster
     if not contexts and not baselines:
         raise errors[0]

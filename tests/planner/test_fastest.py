@@ -153,3 +153,30 @@ def test_the_direct_context_reuses_only_passes_that_never_asked_across_nodes():
         fresh = ZeppelinPlanner().pass_plans(lens, direct)
         assert [(p.attention, p.linear) for p in again] == [(p.attention, p.linear) for p in fresh]
     assert reused == [True, False]
+
+
+def test_a_layout_planned_for_routed_crossings_is_also_offered_run_direct():
+    """On the speedup matrix's A800 512K books batch (64 GPUs) routing's layouts
+    put relayed pieces on ranks that hold long rings of their own (node 7's
+    5-ring): their lanes post the pieces in batches beside that ring's dK/dV, so
+    the pass the decision once picked replayed 38.0 s routed (the surrogate
+    put it at 27.8 s) against 29.2 s for the fastest other candidate.  Each
+    routed context's passes are also offered run direct: the pick is one of
+    them, and it replays faster than every candidate that is not."""
+    from megatron_zeppelin.cost import CostModel
+    from megatron_zeppelin.model_config import load_model
+    from megatron_zeppelin.sim.timeline import step_timeline
+    from megatron_zeppelin.topology import load_cluster
+    case = matrix_case(resolve_lengths("synthetic-books"), "a800-4x200g", 64, "llama-3b", 512, True, True)
+    cost = CostModel(load_cluster("a800-4x200g", nodes=8), load_model("llama-3b"), routing=True)  # the matrix's
+    ctx = PlanContext(cost=cost, tokens_per_gpu=case.cap, remap_enabled=True, remap_decided=True,
+                      step_model=surrogate_clock(cost))
+    pick = decide(case.lens, ctx)
+    routed_passes_direct = [(p.attention, p.linear) for o in candidate_contexts(ctx) if o.cost.routing
+                            for p in (d.plan(False) for d in ZeppelinPlanner().pass_drafts(case.lens, o))]
+    assert not pick.routed and (pick.attention, pick.linear) in routed_passes_direct
+    others = [p for p in decision_candidates(case.lens, ctx)
+              if p.routed or (p.attention, p.linear) not in routed_passes_direct]
+    assert len(others) >= 10
+    replayed = step_timeline(pick, ctx.cost, reuse=False).step_s
+    assert all(replayed < step_timeline(p, ctx.cost, reuse=False).step_s for p in others)
