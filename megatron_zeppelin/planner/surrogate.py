@@ -48,7 +48,10 @@ numpy over its rings, groups and ranks, what the replay executes:
   both its ends entered, so a ring member leaves as late after each member's
   entry as the ring's chain from that entry to its exit takes -- rings of a
   family that hold different ranks, coupled through their lanes, start once
-  its last member entered), for ``m`` and
+  its last member entered; what the groups' batches hold back of a ring
+  member goes as much earlier as every Ulysses member of its family has its
+  outputs done earlier, followed from the entries, than the chain timed
+  them from the family's start), for ``m`` and
   ``m - 1`` layers extrapolated as ``replay_step`` extrapolates, plus the
   gradient sync tail (``cost/step_sync.py``).
 
@@ -91,19 +94,27 @@ class _Segment:
 
     work: np.ndarray
     """Seconds of compute-lane work per rank."""
-    chains: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]]
+    chains: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]],
+                       tuple[np.ndarray, np.ndarray] | None]]
     """Ring families: (member ranks flat, family id per member, seconds from the
     family's start to the member's exit, per ring batch (its (rings, k) ranks,
     per (ring, position i, position j) how much earlier the rank at j leaves
     this ring after position i entered (the others long before:
     ``surrogate_rings._entry_leave``) than the latest of its rings when all enter at once:
-    <= 0; none for a family whose rings hold different ranks)).  A ring
+    <= 0; none for a family whose rings hold different ranks), and for
+    families beside Ulysses groups (else None) per member (relaying ranks
+    after them hold none) the seconds of its kernels, ring and Ulysses, one
+    after another, and when its Ulysses outputs were done in the chain (NaN:
+    none of its own, or a family that routes pieces)).  A ring
     member leaves its family's seconds after the latest over its rings'
-    positions ``i`` of entry plus that slack (without: the family's start)."""
-    followed: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
+    positions ``i`` of entry plus that slack (without: the family's start),
+    less what the groups hold back of it as much as every member of its
+    family has its outputs done earlier, as followed, than in the chain."""
+    followed: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray | None]] | None = None
     """What is followed from every rank's own entry (the Ulysses groups:
     ``UlyssesGroups.price``; a direct layout switch): from the entries, (its
-    ranks, when each leaves); None without."""
+    ranks, when each leaves, per rank when its Ulysses outputs were done or
+    None); None without."""
 
 
 class StepSurrogate(RingSegments):
@@ -318,7 +329,7 @@ class StepSurrogate(RingSegments):
         ranks = np.unique(np.concatenate([snd, rcv]))
         n_ports = self._n_ports(w)
         return _Segment(np.zeros(w), [], followed=lambda entry: (
-            ranks, exchanged(entry, snd, rcv, lane, held, a, b, after, wave_ptr, w, n_ports)[ranks]))
+            ranks, exchanged(entry, snd, rcv, lane, held, a, b, after, wave_ptr, w, n_ports)[ranks], None))
 
     def _linear_s(self, tokens: np.ndarray) -> np.ndarray:
         """``CostModel.linear_s`` per rank, once per distinct count (a balanced
@@ -381,7 +392,9 @@ class StepSurrogate(RingSegments):
     def _advance(seg: _Segment, entry: np.ndarray) -> np.ndarray:
         """Per rank, when it leaves ``seg`` having entered at ``entry``."""
         out = entry + seg.work
-        for flat, gid, end, rings in seg.chains:
+        if seg.followed is not None:
+            groups, leave, outputs = seg.followed(entry)
+        for flat, gid, end, rings, gated in seg.chains:
             start = np.full(gid.max() + 1, -np.inf)
             np.maximum.at(start, gid, entry[flat])
             # A ring member starts once its ring's members' entries, each as
@@ -391,10 +404,22 @@ class StepSurrogate(RingSegments):
             for ranks, slack in rings:
                 np.maximum.at(own, ranks, (entry[ranks][:, :, None] + slack).max(axis=1))
             begin = np.where(own[flat] > -np.inf, own[flat], start[gid])
-            np.maximum.at(out, flat, begin + end)
+            at = begin + end
+            if gated is not None:
+                # Ulysses outputs that every member of a family has done
+                # earlier, as followed from the entries, than its chain has
+                # them (from its begin) let what they hold back go that much
+                # earlier -- a member no earlier than its kernels from its begin.
+                free, anchor = gated
+                on = np.flatnonzero(~np.isnan(anchor))
+                early = np.full(gid.max() + 1, np.inf)
+                np.minimum.at(early, gid[on], begin[on] + anchor[on] - outputs[flat[on]])
+                held = np.flatnonzero((end[:len(anchor)] > free) & (early[gid[:len(anchor)]] < np.inf))
+                gain = np.maximum(early[gid[held]], 0.0)
+                at[held] = np.maximum(begin[held] + free[held], at[held] - gain)
+            np.maximum.at(out, flat, at)
         if seg.followed is not None:
-            ranks, leave = seg.followed(entry)
-            out[ranks] = np.maximum(out[ranks], leave)
+            out[groups] = np.maximum(out[groups], leave)
         return out
 
 

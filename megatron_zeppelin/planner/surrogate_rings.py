@@ -233,7 +233,7 @@ class RingSegments:
         ``s`` waits for that data.  Adds kernels to ``work`` and messages to
         ``load``; returns the function of the segment's port loads that yields
         each ring (or relaying) rank's seconds from the family's start to its
-        exit."""
+        exit (``_Segment.chains``)."""
         S = max(bt.k for bt in batches) + 1
         ranks = [bt.ranks for bt in batches]
         base = np.cumsum([0] + [len(r) for r in ranks])
@@ -398,6 +398,25 @@ class RingSegments:
                         np.concatenate([bt.comp.ravel() for bt in batches] + [gate[2, on_member]]), w)[members]
         # and no earlier than the last transfer of its family it takes part in.
         last = last[members]
+        # The Ulysses batches above are timed from every rank entering at the
+        # family's start, but the groups are followed from each rank's own
+        # entry (``UlyssesGroups.price``) and span ranks far outside the
+        # family: where every member of a family has its outputs done earlier
+        # than here, what those batches hold back goes that much earlier
+        # (``StepSurrogate._advance``), down to the member's kernels, ring and
+        # Ulysses, one after another from its begin (and no earlier than it
+        # relays pieces: ``free``; a floor, not its chain without the groups,
+        # which would price the rings twice).  Not in a family that routes
+        # pieces (ranks outside it relay them in batches of their own), nor in
+        # one with a member outside the groups: its batches pace the others
+        # from its own entry (a ring's dK/dV riding a member's outputs' batch
+        # holds a rank outside the groups as long as it held it).
+        # (``anchor``: per member when its outputs were done here, ``gate``
+        # row 1; NaN: a family that routes or has a member outside the groups)
+        fam = fam_of_rank[members]
+        outside = np.bincount(fam, gate[2, members] <= 0, F) > 0
+        anchor = np.where(~routes[fam] & ~outside[fam], gate[1, members], np.nan)
+        free = np.maximum(lane.sum(axis=1)[members], relayed[members])
         # A rank that relays pieces leaves once it relayed its last one.
         relaying = np.flatnonzero((relayed > -np.inf) & (fam_of_rank < 0))
         end = np.maximum(np.r_[end, relayed[relaying]], np.r_[relayed[members], relayed[relaying]])
@@ -432,7 +451,11 @@ class RingSegments:
             if len(port):
                 np.maximum.at(drain, lfam, total[port])
             fam = fam_of_rank[members]
-            return members, fam, np.maximum(np.maximum(end, last), drain[fam]), slack
+            ends = np.maximum(np.maximum(end, last), drain[fam])
+            if np.isnan(anchor).all():
+                return members, fam, ends, slack, None
+            # (the relaying ranks after the members hold no anchor)
+            return members, fam, ends, slack, (np.maximum(free, drain[fam[:len(anchor)]]), anchor)
 
         return finish
 

@@ -217,8 +217,9 @@ class UlyssesGroups:
             gate[3:5, ranks], gate[5:7, ranks], gate[7:9, ranks] = landed[:, ranks], posted[:, ranks], sent[:, ranks]
         chain_rank = self.chain_rank
 
-        def leave(entry: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        def leave(entry: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             _, _, sent, lane_end = _follow(entry, *fixed)
-            return chain_rank, np.maximum(sent.max(axis=0)[chain_rank], lane_end)
+            outputs = sent.max(axis=0)
+            return chain_rank, np.maximum(outputs[chain_rank], lane_end), outputs
 
         return leave

@@ -16,7 +16,11 @@ wave by wave), merged onto the shared lanes: 55 of 296 steps moved, -4.67 %
 to +0.12 % (median 0.23 %), and no tie broke; and again (steps only) when a
 ring member's exit followed each member's own entry instead of the ring's
 last (in families that neither route nor share ranks with other rings): 48 of
-296 steps moved, -0.18 % to +0.21 % (median 0.001 %), and no tie broke.
+296 steps moved, -0.18 % to +0.21 % (median 0.001 %), and no tie broke; and again
+(steps only) when what Ulysses batches hold back in a ring family of Ulysses
+members (routing no pieces) went as much earlier as every member's outputs,
+followed from its own entry, were done earlier than the family's chain had
+them: 1 of 296 steps moved (by 3e-16, rounding), and no tie broke.
 
 ``golden/surrogate_plans.json.xz`` holds the plans: every distinct layout the
 per-batch decision's candidates (``zeppelin_decide.py: decision_candidates``:
