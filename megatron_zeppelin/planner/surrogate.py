@@ -74,7 +74,8 @@ from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.plan_arrays import PlanArrays, layout_arrays, plan_arrays
 from megatron_zeppelin.planner.surrogate_alltoall import exchanged
 from megatron_zeppelin.planner.surrogate_packed import packed_floor_pairs, packed_ring_batches
-from megatron_zeppelin.planner.surrogate_rings import COMBINE, DIRECT, DISPATCH, NIC, RingSegments
+from megatron_zeppelin.planner.surrogate_rings import (COMBINE, DIRECT, DISPATCH, NIC, ULYSSES_OUT_WAVE,
+                                                       RingBatch, RingSegments)
 from megatron_zeppelin.planner.surrogate_ulysses import UlyssesGroups
 from megatron_zeppelin.schedule.routing import min_routed_bytes
 
@@ -227,13 +228,12 @@ class StepSurrogate(RingSegments):
                 (twinned, i, peer, crossing, 1, False, n, d), (twinned, i, peer, crossing + 1, 0, True, d, 0.0)]
         return tuple(np.concatenate([np.broadcast_to(row[f], i.shape)[row[0]] for row in rows]) for f in range(1, 8))
 
-    def _transfers(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, w: int,
-                   routed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The legs of the messages from ``src`` to ``dst`` (:meth:`_hops`): (message
-        index, port, seconds the leg holds the port, hop, wave, the rank whose
-        lanes post it), each transfer's egress leg (its sender's) and ingress
-        leg (its receiver's)."""
-        legs = []
+    def _hop_transfers(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, w: int,
+                       routed: bool) -> list[tuple[np.ndarray, ...]]:
+        """Per hop of the messages from ``src`` to ``dst`` (:meth:`_hops`), its
+        transfers: (message index, egress port, ingress port, seconds, hop, wave,
+        sending rank, receiving rank)."""
+        out = []
         hops = self._hops(src, dst, nbytes, w, routed)
         for x, (on, i, a, b, sec, kind, wave) in enumerate(hops):
             # A GPU's NVLink ports are its own; a NIC crossing goes from the
@@ -242,7 +242,17 @@ class StepSurrogate(RingSegments):
                         ((hops[x - 1][3] - 1) // 2, hops[x + 1][2] // 2) if kind == NIC else (a // 2, (b - 1) // 2))
             wave = np.broadcast_to(wave, i.shape)
             i, a, b, sec, wave, snd, rcv = (x.ravel() if on is None else x[on] for x in (i, a, b, sec, wave, snd, rcv))
-            kinds = np.full(len(i), kind)
+            out.append((i, a, b, sec, np.full(len(i), kind), wave, snd, rcv))
+        return out
+
+    @staticmethod
+    def _legs(hops: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+        """The legs of the transfers ``hops`` (:meth:`_hop_transfers`): (message
+        index, port, seconds the leg holds the port, hop, wave, the rank whose
+        lanes post it), each transfer's egress leg (its sender's) and ingress
+        leg (its receiver's)."""
+        legs = []
+        for i, a, b, sec, kinds, wave, snd, rcv in hops:
             legs += [(i, a, sec, kinds, wave, snd), (i, b, sec, kinds, wave, rcv)]
         return tuple(np.concatenate(x) for x in zip(*legs))
 
@@ -271,9 +281,36 @@ class StepSurrogate(RingSegments):
             first = np.zeros(w)
             for bt in batches:
                 first += np.bincount(bt.ranks.ravel(), bt.comp[:, :, :2].sum(axis=2).ravel(), w)
-            followed = groups.price(backward, work, load, gate if batches else None, first)
+            followed = groups.price(backward, work, load, gate if batches else None, first,
+                                    self._beside_groups(batches, groups, backward))
         chains = [self._rings(batches, backward, work, load, w, gate)(load)] if batches else []
         return _Segment(work, chains, followed=followed)
+
+    def _beside_groups(self, batches: list[RingBatch], groups: UlyssesGroups, backward: bool
+                       ) -> tuple[np.ndarray, ...]:
+        """The rings' transfers that a rank's lanes post in one batch with its
+        Ulysses inputs (wave 0: every ring's first) or outputs
+        (:data:`ULYSSES_OUT_WAVE`, those with a member at an end) -- a lane's
+        batch is done with its slowest transfer and they share its ports --
+        as ``surrogate_ulysses._follow``'s ``ring_*``: (sender, receiver, lane,
+        seconds, egress port, ingress port, the batch's wave, whether it goes
+        ahead of the groups' messages: the schedule puts a wave's K/V ahead of
+        the inputs and after the outputs, its dK/dV ahead)."""
+        rows = []
+        member = np.zeros(groups.w, bool)
+        member[groups.ranks] = True
+        for bt in batches:
+            if not bt.transfers:
+                continue
+            kind = np.concatenate([np.full(len(x[0]), i) for i, x in enumerate(bt.transfers)])
+            ring, link, step, within, snd, rcv, sec, out, inn = (np.concatenate(x) for x in zip(*bt.transfers))
+            at, _ = self._segment_waves(bt, kind, ring, link, step, within, backward)
+            on = (at == 0) | ((at == ULYSSES_OUT_WAVE) & (member[snd] | member[rcv]))
+            rows.append((snd[on], rcv[on], (out[on] >= 2 * groups.w).astype(np.int64), sec[on], out[on], inn[on],
+                         at[on], ((at == 0) | (kind == 1))[on]))
+        if not rows:
+            return tuple(np.zeros(0, t) for t in (np.int64,) * 3 + (np.float64,) + (np.int64,) * 3 + (bool,))
+        return tuple(np.concatenate(x) for x in zip(*rows))
 
     # -------------------------------------------------------- switch, linear
     def _switch(self, messages: tuple[np.ndarray, np.ndarray, np.ndarray], w: int, routed: bool,

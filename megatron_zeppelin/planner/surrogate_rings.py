@@ -50,6 +50,11 @@ class RingBatch:
     other than the link's ends relays, as (ring, link, step, relaying rank,
     wave within the message, lane, whether it sends, seconds of the hop, of
     the hops after it) arrays (``StepSurrogate._relays``)."""
+    transfers: list = field(default_factory=list)
+    """Per kind of message (K/V, then dK/dV backward), its transfers as (ring,
+    link, step, wave within the message, sender, receiver, seconds, egress
+    port, ingress port) arrays -- what a Ulysses member's batches hold beside
+    its groups' messages (``StepSurrogate._attention``)."""
 
 
 def _components(group_of_slot: np.ndarray, rank_of_slot: np.ndarray, groups: int, w: int) -> np.ndarray:
@@ -197,12 +202,16 @@ class RingSegments:
             shape = nbytes.shape
             src = np.broadcast_to(senders[:, :, None], shape).ravel()
             dst = np.broadcast_to(np.roll(senders, -1, axis=1)[:, :, None], shape).ravel()
-            msg, port, held, hop, wave, owner = self._transfers(src, dst, nbytes.ravel(), w, routed)
+            hopped = self._hop_transfers(src, dst, nbytes.ravel(), w, routed)
+            msg, port, held, hop, wave, owner = self._legs(hopped)
+            i, out, inn, sec, _, within, snd, rcv = (np.concatenate(x) for x in zip(*hopped))
             ring, link, col = np.unravel_index(msg, shape)
+            t_ring, t_link, t_col = np.unravel_index(i, shape)
             if inside:
-                held = held + extra[ring] * self.nvl_lat
-                ring = first[ring]
+                held, sec = held + extra[ring] * self.nvl_lat, sec + extra[t_ring] * self.nvl_lat
+                ring, t_ring = first[ring], first[t_ring]
             batch.legs.append((ring, link, steps[col], port, held, hop, wave, owner))
+            batch.transfers.append((t_ring, t_link, steps[t_col], within, snd, rcv, sec, out, inn))
             if routed and not inside:
                 msg, *relayed = self._relays(src, dst, nbytes.ravel())
                 ring, link, col = np.unravel_index(msg, shape)
@@ -291,19 +300,13 @@ class RingSegments:
             want = sharing[np.minimum(steps, sharing.shape[0] - 1)].T * S + steps
             j = np.minimum(np.searchsorted(keys, want), len(keys) - 1)
             busiest = np.where(keys[j] == want, most[j], 0.0)
-            # Each leg's wave in the segment: its message's first hop's (after
-            # the K/V it forwards; a dK/dV's after its kernel and the dK/dV it
-            # adds to, ``_ring_waves``) plus the hop's within the message.
+            # Each leg's wave in the segment (``_segment_waves``).
             at = np.empty(len(ring), np.int64)
             for i, bt in enumerate(batches):
                 on = slice(leg_at[i], leg_at[i + 1])
-                span = np.ones((len(bt.ranks), bt.k, bt.k + 1), np.int64)
-                np.maximum.at(span, (ring[on], link[on], step[on]), wave[on] + 1)
-                kv_wave, dkv_sent, dkv_got = self._ring_waves(span, backward)
-                first = np.where(kind[on] == 0, kv_wave[ring[on], link[on], step[on]] + 1,
-                                 dkv_sent[ring[on], link[on], step[on]])
-                at[on] = first + wave[on]
-                waves.append((kv_wave, dkv_sent, dkv_got))
+                at[on], ring_waves = self._segment_waves(bt, kind[on], ring[on], link[on], step[on], wave[on],
+                                                         backward)
+                waves.append(ring_waves)
             # A port carries its wave's transfers back to back in the order they
             # start: a receiving port's batch is done once it carried them all,
             # a sending port's transfer once it carried those before it too (in
@@ -435,6 +438,20 @@ class RingSegments:
             return members, fam, np.maximum(np.maximum(end, last), drain[fam]), slack
 
         return finish
+
+    def _segment_waves(self, bt: "RingBatch", kind: np.ndarray, ring: np.ndarray, link: np.ndarray,
+                       step: np.ndarray, wave: np.ndarray, backward: bool) -> tuple[np.ndarray, tuple]:
+        """Each of ``bt``'s message legs' (or transfers': ``kind`` 0 a K/V, 1 a
+        dK/dV, on ``ring``'s ``link`` at ``step``, ``wave`` within its
+        message) wave in the segment -- its message's first hop's (after the
+        K/V it forwards; a dK/dV's after its kernel and the dK/dV it adds to)
+        plus the hop's within the message -- and the rings' waves
+        (:meth:`_ring_waves`)."""
+        span = np.ones((len(bt.ranks), bt.k, bt.k + 1), np.int64)
+        np.maximum.at(span, (ring, link, step), wave + 1)
+        waves = self._ring_waves(span, backward)
+        kv_wave, dkv_sent, _ = waves
+        return np.where(kind == 0, kv_wave[ring, link, step] + 1, dkv_sent[ring, link, step]) + wave, waves
 
     @staticmethod
     def _ring_waves(spans: np.ndarray, backward: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

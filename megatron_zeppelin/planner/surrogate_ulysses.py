@@ -44,8 +44,27 @@ LOCAL_PACK_TOKENS = AttnShape.local_pack_tokens
 
 
 @njit(cache=True)
+def _joined(ring, before, after, x):
+    """The rings' transfers ``ring[before]``, then ``x``, then ``ring[after]``."""
+    return np.concatenate((ring[before], x, ring[after]))
+
+
+@njit(cache=True)
+def _batches(post, src, dst, lane, held, port_out, port_in, w, n_ports):
+    """Per lane and rank when its batch of these transfers is done (0: none),
+    every end posting at ``post`` (``carried``)."""
+    moved = carried(post, src, dst, lane, held, port_out, port_in, w, np.full(n_ports, -np.inf))
+    done = np.zeros((2, w))
+    for i in range(len(src)):
+        done[lane[i], src[i]] = max(done[lane[i], src[i]], moved[i])
+        done[lane[i], dst[i]] = max(done[lane[i], dst[i]], moved[i])
+    return done
+
+
+@njit(cache=True)
 def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, rank, kernel, lanes,
-            chain_ptr, chain_slot, pack_ptr, pack_s, w):
+            chain_ptr, chain_slot, pack_ptr, pack_s, w, ring_src, ring_dst, ring_lane, ring_held, ring_out, ring_in,
+            ring_wave, ring_ahead):
     """One pass of the groups from every rank's ``entry``: (per lane and rank
     when its inputs' batch was done, when its outputs' batch was posted and
     when it was done, per rank of ``chain_ptr`` when its compute lane ran its
@@ -53,16 +72,22 @@ def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, 
     Members (``rank``, ``kernel`` seconds, ``lanes``: which lanes it receives
     on) in ``chain_slot`` by rank (``chain_ptr``), each rank's in plan order;
     its local calls' seconds ``pack_s`` by rank (``pack_ptr``); ``first``: per
-    rank the lane's work ahead of its Ulysses kernels."""
+    rank the lane's work ahead of its Ulysses kernels; ``ring_*``: the rings'
+    transfers that go in the inputs' batches (``ring_wave`` 0) or the outputs'
+    (else), ahead of the groups' messages or after them (``ring_ahead``: the
+    schedule's order), sharing their ports."""
     post = np.empty(2 * w)
     post[:w] = entry
     post[w:] = entry
-    n_ports = max(port_out.max(), port_in.max()) + 1
-    moved = carried(post, src, dst, lane, held_in, port_out, port_in, w, np.full(n_ports, -np.inf))
-    landed = np.zeros((2, w))
-    for i in range(len(src)):
-        landed[lane[i], src[i]] = max(landed[lane[i], src[i]], moved[i])
-        landed[lane[i], dst[i]] = max(landed[lane[i], dst[i]], moved[i])
+    n_ports = max(port_out.max(), port_in.max(), ring_out.max() if len(ring_out) else 0,
+                  ring_in.max() if len(ring_in) else 0) + 1
+    by_wave = []
+    for x in (ring_wave == 0, ring_wave != 0):
+        by_wave.append((x & ring_ahead, x & ~ring_ahead))
+    a, b = by_wave[0]
+    landed = _batches(post, _joined(ring_src, a, b, src), _joined(ring_dst, a, b, dst),
+                      _joined(ring_lane, a, b, lane), _joined(ring_held, a, b, held_in),
+                      _joined(ring_out, a, b, port_out), _joined(ring_in, a, b, port_in), w, n_ports)
     inputs = landed.copy()
     ready = np.zeros(len(rank))
     for j in range(len(rank)):
@@ -103,11 +128,10 @@ def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, 
         for x in range(2):
             if lanes[x, j]:
                 landed[x, rank[j]] = max(landed[x, rank[j]], done[j])   # now: when the outputs post
-    moved = carried(landed.ravel(), src, dst, lane, held_out, port_out, port_in, w, np.full(n_ports, -np.inf))
-    sent = np.zeros((2, w))
-    for i in range(len(src)):
-        sent[lane[i], src[i]] = max(sent[lane[i], src[i]], moved[i])
-        sent[lane[i], dst[i]] = max(sent[lane[i], dst[i]], moved[i])
+    a, b = by_wave[1]
+    sent = _batches(landed.ravel(), _joined(ring_src, a, b, src), _joined(ring_dst, a, b, dst),
+                    _joined(ring_lane, a, b, lane), _joined(ring_held, a, b, held_out),
+                    _joined(ring_out, a, b, port_out), _joined(ring_in, a, b, port_in), w, n_ports)
     return inputs, landed, sent, lane_end
 
 
@@ -191,10 +215,13 @@ class UlyssesGroups:
                                                  len(runs))
 
     def price(self, backward: bool, work: np.ndarray, load: np.ndarray, gate: np.ndarray | None,
-              first: np.ndarray) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+              first: np.ndarray, rings: tuple[np.ndarray, ...]
+              ) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
         """One pass: adds the kernels to ``work`` and the ports' seconds to
         ``load``; ``first``: per rank the compute lane's work ahead of its
-        Ulysses kernels; ``gate`` (rings beside the groups read it): set per
+        Ulysses kernels; ``rings``: the rings' transfers that the ranks' lanes
+        post in one batch with the inputs or outputs (:func:`_follow`'s
+        ``ring_*``, ``StepSurrogate._attention``); ``gate`` (rings beside the groups read it): set per
         member rank to when its inputs landed and its outputs left, entering
         at 0, and its Ulysses kernels' seconds (rows 0-2); then per lane
         (NVLink, NIC) when its inputs' batch was done (rows 3-4), its outputs'
@@ -209,7 +236,8 @@ class UlyssesGroups:
         load += np.bincount(self.port, np.concatenate([sec_in, sec_in]), n_ports)
         load += np.bincount(self.port, np.concatenate([sec_out, sec_out]), n_ports)
         fixed = (first, self.src, self.dst, self.lane, sec_in, sec_out, self.port_out, self.port_in, ranks,
-                 kernel, self.member_lanes, self.chain_ptr, self.chain_slot, self.call_ptr, self.calls * share, w)
+                 kernel, self.member_lanes, self.chain_ptr, self.chain_slot, self.call_ptr, self.calls * share, w,
+                 *rings)
         if gate is not None:
             landed, posted, sent, _ = _follow(np.zeros(w), *fixed)
             gate[0][ranks], gate[1][ranks] = landed.max(axis=0)[ranks], sent.max(axis=0)[ranks]
