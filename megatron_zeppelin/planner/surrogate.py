@@ -277,11 +277,21 @@ class StepSurrogate(RingSegments):
         followed = None
         if groups is not None:
             # The compute lane runs a rank's ring kernels of steps 0 and 1 before
-            # its Ulysses kernels (the schedule's order).
-            first = np.zeros(w)
+            # its Ulysses kernels (the schedule's order), step 1's once the first
+            # wave brought its data over a direct link: over NVLink inside a
+            # node, through the NIC across (a routed link's takes more waves,
+            # unfollowed here: ahead, as step 0's).
+            first, first_lanes = np.zeros((2, w)), np.zeros((2, w), bool)
             for bt in batches:
-                first += np.bincount(bt.ranks.ravel(), bt.comp[:, :, :2].sum(axis=2).ravel(), w)
-            followed = groups.price(backward, work, load, gate if batches else None, first,
+                first[0] += np.bincount(bt.ranks.ravel(), bt.comp[:, :, 0].ravel(), w)
+                if bt.k > 1:
+                    nodes = bt.ranks // self.gpn
+                    across = (nodes != np.roll(nodes, 1, axis=1)).ravel()
+                    waits = ~(across & routed)
+                    first[0] += np.bincount(bt.ranks.ravel()[~waits], bt.comp[:, :, 1].ravel()[~waits], w)
+                    first[1] += np.bincount(bt.ranks.ravel()[waits], bt.comp[:, :, 1].ravel()[waits], w)
+                    first_lanes[across.astype(np.int64)[waits], bt.ranks.ravel()[waits]] = True
+            followed = groups.price(backward, work, load, gate if batches else None, first, first_lanes,
                                     self._beside_groups(batches, groups, backward))
         chains = [self._rings(batches, backward, work, load, w, gate)(load)] if batches else []
         return _Segment(work, chains, followed=followed)

@@ -523,15 +523,28 @@ class RingSegments:
         # A link waits for the Ulysses batches of the lanes it takes at both
         # its ends (NVLink inside a node, the NIC across, both when routed):
         # per (ring, position) those of the link into it.
-        after_in, after_out = (np.max([np.where(into[ln], gate[row + ln][r], 0.0) for ln in (0, 1) for r in ends],
-                                      axis=0) for row in (3, 7))
+        after_in, posted_out, after_out = (
+            np.max([np.where(into[ln], gate[row + ln][r], 0.0) for ln in (0, 1) for r in ends], axis=0)
+            for row in (3, 5, 7))
+        # (a receiver's outputs' batch: done with the transfers of that wave it holds)
+        out_at_receiver = np.max([np.where(into[ln], gate[7 + ln][bt.ranks], 0.0) for ln in (0, 1)], axis=0)
 
-        def ulysses_batch(wave: np.ndarray) -> np.ndarray:
-            """When a batch of ``wave`` on the link into each position lands at the
-            earliest: after the Ulysses inputs' batch; the outputs' batch once they left."""
-            return np.where(wave >= ULYSSES_OUT_WAVE, after_out, np.where(wave >= 1, after_in, 0.0))
+        def ulysses_batch(wave: np.ndarray, link: np.ndarray) -> np.ndarray:
+            """When a transfer of ``wave`` on the link into each position, carried
+            in ``link`` seconds, has moved at the earliest: after the Ulysses
+            inputs' batch; in the outputs' wave, in their batches, once both
+            ends posted them (:meth:`landing`); after it, once they left."""
+            return np.where(wave > ULYSSES_OUT_WAVE, after_out,
+                            np.where(wave == ULYSSES_OUT_WAVE, posted_out + link, np.where(wave >= 1, after_in, 0.0)))
+
+        def landing(wave: np.ndarray) -> np.ndarray:
+            """When it lands at the earliest: in the outputs' wave, with the
+            receiver's outputs' batch (``StepSurrogate._beside_groups``) -- its
+            sender is done with it once it moved."""
+            return np.where(wave == ULYSSES_OUT_WAVE, out_at_receiver, 0.0)
 
         got = np.zeros((n, k, k + 1))
+        moved = np.zeros((n, k, k + 1))                 # when the step's data has moved (landed: ``got``)
         kv_wave, dkv_sent, dkv_got = waves
         kernels = lane[bt.ranks, :k + 1]                # (n, k, step) the rank's kernels
         done = np.zeros((n, k, k + 1))                  # when a position's kernel of each step is done
@@ -583,14 +596,17 @@ class RingSegments:
                         ranks.ravel(), np.full(ranks.size, ln), at_wave.ravel()).reshape(ranks.shape), -np.inf))
             # a batch after the Ulysses inputs' lands after them; the outputs' batch, once they left
             into_link = np.roll(link_s[:, :, t - 1], 1, axis=1)
-            got[:, :, t] = np.maximum(got[:, :, t], np.maximum(ulysses_batch(wave), lanes_free(wave, into_link)))
+            moved[:, :, t] = np.maximum(got[:, :, t], np.maximum(ulysses_batch(wave, into_link),
+                                                                 lanes_free(wave, into_link)))
+            got[:, :, t] = np.maximum(moved[:, :, t], landing(wave))
             done[:, :, t] = np.maximum(done[:, :, t - 1], got[:, :, t]) + kernels[:, :, t]
             if t == 1:
                 done[:, :, 1] = np.maximum(done[:, :, 1], ulysses_in + kernels[:, :, 1])
             if relays:
                 relays[0].relayed(t - 1, np.roll(got[:, :, t], -1, axis=1), relayed_until)
             if t < k:          # the K/V of step t - 1: sent, then received
-                out = np.where(direct_out, np.roll(got[:, :, t], -1, axis=1), got[:, :, t - 1] + first_hop[:, :, t - 1])
+                out = np.where(direct_out, np.roll(moved[:, :, t], -1, axis=1),
+                               got[:, :, t - 1] + first_hop[:, :, t - 1])
                 batch(False, kv_wave[:, :, t - 1] + 1, got[:, :, t - 1], out)
                 batch(True, kv_wave[:, :, t], None, got[:, :, t])
             if backward:
@@ -600,21 +616,25 @@ class RingSegments:
                 before = done[:, :, t - 2] if t > 1 else 0.0
                 start = np.maximum(before, got[:, :, t - 1]) + bt.comp[:, :, t - 1]
                 into_link = np.roll(dkv_link[:, :, t], 1, axis=1)
-                land = np.maximum.reduce([np.roll(start, 1, axis=1) + into_link, ulysses_batch(dkv_got[:, :, t]),
+                left = np.maximum.reduce([np.roll(start, 1, axis=1) + into_link,
+                                          ulysses_batch(dkv_got[:, :, t], into_link),
                                           lanes_free(dkv_got[:, :, t], into_link)])
-                batch(False, dkv_sent[:, :, t], start, np.where(direct_out, np.roll(land, -1, axis=1),
+                land = np.maximum(left, landing(dkv_got[:, :, t]))
+                batch(False, dkv_sent[:, :, t], start, np.where(direct_out, np.roll(left, -1, axis=1),
                                                                 start + dkv_first[:, :, t]))
                 batch(True, dkv_got[:, :, t], None, land)
         if backward:
             # the last dK/dV leaves once the position before ran its last
             # kernel, in its batch of its wave
             last_link = np.roll(dkv_link[:, :, k], 1, axis=1)
-            final = np.maximum.reduce([np.maximum(got[:, :, k], np.roll(done[:, :, k - 1], 1, axis=1)) + last_link,
-                                       ulysses_batch(dkv_got[:, :, k]), lanes_free(dkv_got[:, :, k], last_link)])
+            sent = np.maximum.reduce([np.maximum(got[:, :, k], np.roll(done[:, :, k - 1], 1, axis=1)) + last_link,
+                                      ulysses_batch(dkv_got[:, :, k], last_link),
+                                      lanes_free(dkv_got[:, :, k], last_link)])
             if relays:
-                final = np.maximum(final, np.roll(relays[1].bound(k, dkv_sent[:, :, k], clock), 1, axis=1))
-                relays[1].relayed(k, np.roll(final, -1, axis=1), relayed_until)
+                sent = np.maximum(sent, np.roll(relays[1].bound(k, dkv_sent[:, :, k], clock), 1, axis=1))
+                relays[1].relayed(k, np.roll(sent, -1, axis=1), relayed_until)
+            final = np.maximum(sent, landing(dkv_got[:, :, k]))
         else:                   # forward, the last message is the K/V of step k - 2
-            final = got[:, :, k - 1]
-        # a position's lanes are done once it received its last message and its successor did
-        return got, np.maximum(final, np.roll(final, -1, axis=1))
+            sent, final = moved[:, :, k - 1], got[:, :, k - 1]
+        # a position's lanes are done once it received its last message and its successor's moved
+        return got, np.maximum(final, np.roll(sent, -1, axis=1))

@@ -62,7 +62,7 @@ def _batches(post, src, dst, lane, held, port_out, port_in, w, n_ports):
 
 
 @njit(cache=True)
-def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, rank, kernel, lanes,
+def _follow(entry, first, first_lanes, src, dst, lane, held_in, held_out, port_out, port_in, rank, kernel, lanes,
             chain_ptr, chain_slot, pack_ptr, pack_s, w, ring_src, ring_dst, ring_lane, ring_held, ring_out, ring_in,
             ring_wave, ring_ahead):
     """One pass of the groups from every rank's ``entry``: (per lane and rank
@@ -72,7 +72,10 @@ def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, 
     Members (``rank``, ``kernel`` seconds, ``lanes``: which lanes it receives
     on) in ``chain_slot`` by rank (``chain_ptr``), each rank's in plan order;
     its local calls' seconds ``pack_s`` by rank (``pack_ptr``); ``first``: per
-    rank the lane's work ahead of its Ulysses kernels; ``ring_*``: the rings'
+    rank the lane's work ahead of its Ulysses kernels in order -- its ring
+    kernels of step 0 (row 0), released on entry, and of step 1 (row 1),
+    released once its batches of the lanes ``first_lanes`` brought their data
+    in the first wave (with the inputs); ``ring_*``: the rings'
     transfers that go in the inputs' batches (``ring_wave`` 0) or the outputs'
     (else), ahead of the groups' messages or after them (``ring_ahead``: the
     schedule's order), sharing their ports."""
@@ -100,15 +103,27 @@ def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, 
     for c in range(len(chain_ptr) - 1):
         lo, hi = chain_ptr[c], chain_ptr[c + 1]
         r = rank[chain_slot[lo]]
-        t = entry[r] + first[r]
+        t = entry[r] + first[0, r]
+        ring_ready, ring_left = entry[r], first[1, r] > 0       # the ring kernels of step 1
+        for x in range(2):
+            if first_lanes[x, r]:
+                ring_ready = max(ring_ready, landed[x, r])
         pk, pend = pack_ptr[c], pack_ptr[c + 1]
         by_ready = np.argsort(ready[chain_slot[lo:hi]], kind="mergesort")
         nxt, n = 0, 0
         for _ in range(hi - lo):
-            # The first kernel in order whose data is there; else local calls
-            # until the next one's data lands (the call then running runs on).
-            if n == 0 and t < ready[chain_slot[lo + by_ready[nxt]]]:
+            # The first kernel in order whose data is there (the ring kernels
+            # of step 1 before the Ulysses ones); else local calls until the
+            # next one's data lands (the call then running runs on).
+            while True:
+                if ring_left and ring_ready <= t:
+                    t += first[1, r]
+                    ring_left = False
+                if n > 0 or t >= ready[chain_slot[lo + by_ready[nxt]]]:
+                    break
                 soonest = ready[chain_slot[lo + by_ready[nxt]]]
+                if ring_left:
+                    soonest = min(soonest, ring_ready)
                 while pk < pend and t < soonest:
                     t += pack_s[pk]
                     pk += 1
@@ -121,6 +136,11 @@ def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, 
             j = chain_slot[lo + place]
             t += kernel[j]
             done[j] = t
+        if ring_left:
+            while pk < pend and t < ring_ready:
+                t += pack_s[pk]
+                pk += 1
+            t = max(t, ring_ready) + first[1, r]
         for q in range(pk, pend):
             t += pack_s[q]
         lane_end[c] = t
@@ -215,11 +235,12 @@ class UlyssesGroups:
                                                  len(runs))
 
     def price(self, backward: bool, work: np.ndarray, load: np.ndarray, gate: np.ndarray | None,
-              first: np.ndarray, rings: tuple[np.ndarray, ...]
+              first: np.ndarray, first_lanes: np.ndarray, rings: tuple[np.ndarray, ...]
               ) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
         """One pass: adds the kernels to ``work`` and the ports' seconds to
         ``load``; ``first``: per rank the compute lane's work ahead of its
-        Ulysses kernels; ``rings``: the rings' transfers that the ranks' lanes
+        Ulysses kernels (rows: its ring kernels of steps 0 and 1) and
+        ``first_lanes`` the lanes step 1's data comes by (:func:`_follow`); ``rings``: the rings' transfers that the ranks' lanes
         post in one batch with the inputs or outputs (:func:`_follow`'s
         ``ring_*``, ``StepSurrogate._attention``); ``gate`` (rings beside the groups read it): set per
         member rank to when its inputs landed and its outputs left, entering
@@ -235,7 +256,7 @@ class UlyssesGroups:
         n_ports = len(load)
         load += np.bincount(self.port, np.concatenate([sec_in, sec_in]), n_ports)
         load += np.bincount(self.port, np.concatenate([sec_out, sec_out]), n_ports)
-        fixed = (first, self.src, self.dst, self.lane, sec_in, sec_out, self.port_out, self.port_in, ranks,
+        fixed = (first, first_lanes, self.src, self.dst, self.lane, sec_in, sec_out, self.port_out, self.port_in, ranks,
                  kernel, self.member_lanes, self.chain_ptr, self.chain_slot, self.call_ptr, self.calls * share, w,
                  *rings)
         if gate is not None:
