@@ -40,7 +40,8 @@ numpy over its rings, groups and ranks, what the replay executes:
 * Ulysses groups as the engine posts them (``planner/surrogate_ulysses.py``): a
   rank's inputs of all its groups as one batch per lane, its kernels in the
   compute lane's order beside its local kernel calls, then its outputs as one
-  later batch -- followed message by message from every rank's own entry;
+  later batch, its rings' transfers of those waves in the same batches --
+  followed message by message from every rank's own entry;
   layout switches as all-to-alls followed the same way
   (``planner/surrogate_alltoall.py``), a routed message's pieces a wave per hop;
 * the segments chained per rank as the replay chains them (a rank enters a

@@ -18,9 +18,15 @@ at least ``AttnShape.local_pack_tokens`` rows, which fill the lane while no
 kernel's data is there -- and a call that started runs to its end while a
 kernel's data lands.  So a member whose entry, inputs or local calls differ
 from the others' delays its groups, and every layer the ranks enter at
-different times: the groups are followed message by message and kernel by
-kernel from every rank's own entry (:meth:`UlyssesGroups.price` returns that
-function of the entries), in one compiled pass (:func:`_follow`).
+different times.  A rank's lanes post its rings' transfers of those waves in
+the same batches (its first ring K/V beside the inputs, what its rings send
+in the outputs' wave beside the outputs), which are done with their slowest
+transfer and share their ports (a 25 MB ring K/V in the inputs' batch of a
+rank of two groups and an inter-node ring held its Ulysses kernels 0.5 ms);
+and its compute lane runs its ring kernels of step 1 once the first wave
+brought their data.  So the groups are followed message by message and
+kernel by kernel from every rank's own entry (:meth:`UlyssesGroups.price`
+returns that function of the entries), in one compiled pass (:func:`_follow`).
 What both passes share is built once per plan (:class:`UlyssesGroups`).
 """
 
@@ -240,9 +246,10 @@ class UlyssesGroups:
         """One pass: adds the kernels to ``work`` and the ports' seconds to
         ``load``; ``first``: per rank the compute lane's work ahead of its
         Ulysses kernels (rows: its ring kernels of steps 0 and 1) and
-        ``first_lanes`` the lanes step 1's data comes by (:func:`_follow`); ``rings``: the rings' transfers that the ranks' lanes
-        post in one batch with the inputs or outputs (:func:`_follow`'s
-        ``ring_*``, ``StepSurrogate._attention``); ``gate`` (rings beside the groups read it): set per
+        ``first_lanes`` the lanes step 1's data comes by (:func:`_follow`);
+        ``rings``: the rings' transfers that the ranks' lanes post in one
+        batch with the inputs or outputs (:func:`_follow`'s ``ring_*``,
+        ``StepSurrogate._beside_groups``); ``gate`` (rings beside the groups read it): set per
         member rank to when its inputs landed and its outputs left, entering
         at 0, and its Ulysses kernels' seconds (rows 0-2); then per lane
         (NVLink, NIC) when its inputs' batch was done (rows 3-4), its outputs'

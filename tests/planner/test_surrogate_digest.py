@@ -16,7 +16,12 @@ wave by wave), merged onto the shared lanes: 55 of 296 steps moved, -4.67 %
 to +0.12 % (median 0.23 %), and no tie broke; and again (steps only) when a
 ring member's exit followed each member's own entry instead of the ring's
 last (in families that neither route nor share ranks with other rings): 48 of
-296 steps moved, -0.18 % to +0.21 % (median 0.001 %), and no tie broke.
+296 steps moved, -0.18 % to +0.21 % (median 0.001 %), and no tie broke; and
+again (steps only) when a rank's ring transfers of the Ulysses inputs' and
+outputs' waves joined those batches (sharing their ports), its ring kernels
+of step 1 waited for the first wave, and a ring transfer in the outputs'
+wave landed with its receiver's batch but freed its sender once moved: 26 of
+296 steps moved, -1.99 % to +0.87 % (median 0.256 %).
 
 ``golden/surrogate_plans.json.xz`` holds the plans: every distinct layout the
 per-batch decision's candidates (``zeppelin_decide.py: decision_candidates``:
