@@ -21,7 +21,10 @@ again (steps only) when a rank's ring transfers of the Ulysses inputs' and
 outputs' waves joined those batches (sharing their ports), its ring kernels
 of step 1 waited for the first wave, and a ring transfer in the outputs'
 wave landed with its receiver's batch but freed its sender once moved: 26 of
-296 steps moved, -1.99 % to +0.87 % (median 0.256 %).
+296 steps moved, -1.99 % to +0.87 % (median 0.256 %); and again (steps only)
+when the switch into the attention layout was followed beside the Ulysses
+inputs that ranks which left it early post on the ports it still uses: 32 of
+296 steps moved, -0.28 % to +1.22 % (median 0.048 %).
 
 ``golden/surrogate_plans.json.xz`` holds the plans: every distinct layout the
 per-batch decision's candidates (``zeppelin_decide.py: decision_candidates``:
