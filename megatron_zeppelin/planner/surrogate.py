@@ -40,7 +40,8 @@ numpy over its rings, groups and ranks, what the replay executes:
 * Ulysses groups as the engine posts them (``planner/surrogate_ulysses.py``): a
   rank's inputs of all its groups as one batch per lane, its kernels in the
   compute lane's order beside its local kernel calls, then its outputs as one
-  later batch -- followed message by message from every rank's own entry;
+  later batch, its rings' transfers of those waves in the same batches --
+  followed message by message from every rank's own entry;
   layout switches as all-to-alls followed the same way
   (``planner/surrogate_alltoall.py``), a routed message's pieces a wave per hop;
 * the segments chained per rank as the replay chains them (a rank enters a
@@ -75,9 +76,10 @@ from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostM
 from megatron_zeppelin.cost.step_sync import forward_backward_split, grad_sync_s, optimizer_s, step_sync
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.plan_arrays import PlanArrays, layout_arrays, plan_arrays
-from megatron_zeppelin.planner.surrogate_alltoall import exchanged
+from megatron_zeppelin.planner.surrogate_alltoall import ahead, exchanged
 from megatron_zeppelin.planner.surrogate_packed import packed_floor_pairs, packed_ring_batches
-from megatron_zeppelin.planner.surrogate_rings import COMBINE, DIRECT, DISPATCH, NIC, RingSegments
+from megatron_zeppelin.planner.surrogate_rings import (COMBINE, DIRECT, DISPATCH, NIC, ULYSSES_OUT_WAVE,
+                                                       RingBatch, RingSegments)
 from megatron_zeppelin.planner.surrogate_ulysses import UlyssesGroups
 from megatron_zeppelin.schedule.routing import min_routed_bytes
 
@@ -238,13 +240,12 @@ class StepSurrogate(RingSegments):
                 (twinned, i, peer, crossing, 1, False, n, d), (twinned, i, peer, crossing + 1, 0, True, d, 0.0)]
         return tuple(np.concatenate([np.broadcast_to(row[f], i.shape)[row[0]] for row in rows]) for f in range(1, 8))
 
-    def _transfers(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, w: int,
-                   routed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The legs of the messages from ``src`` to ``dst`` (:meth:`_hops`): (message
-        index, port, seconds the leg holds the port, hop, wave, the rank whose
-        lanes post it), each transfer's egress leg (its sender's) and ingress
-        leg (its receiver's)."""
-        legs = []
+    def _hop_transfers(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, w: int,
+                       routed: bool) -> list[tuple[np.ndarray, ...]]:
+        """Per hop of the messages from ``src`` to ``dst`` (:meth:`_hops`), its
+        transfers: (message index, egress port, ingress port, seconds, hop, wave,
+        sending rank, receiving rank)."""
+        out = []
         hops = self._hops(src, dst, nbytes, w, routed)
         for x, (on, i, a, b, sec, kind, wave) in enumerate(hops):
             # A GPU's NVLink ports are its own; a NIC crossing goes from the
@@ -253,7 +254,17 @@ class StepSurrogate(RingSegments):
                         ((hops[x - 1][3] - 1) // 2, hops[x + 1][2] // 2) if kind == NIC else (a // 2, (b - 1) // 2))
             wave = np.broadcast_to(wave, i.shape)
             i, a, b, sec, wave, snd, rcv = (x.ravel() if on is None else x[on] for x in (i, a, b, sec, wave, snd, rcv))
-            kinds = np.full(len(i), kind)
+            out.append((i, a, b, sec, np.full(len(i), kind), wave, snd, rcv))
+        return out
+
+    @staticmethod
+    def _legs(hops: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+        """The legs of the transfers ``hops`` (:meth:`_hop_transfers`): (message
+        index, port, seconds the leg holds the port, hop, wave, the rank whose
+        lanes post it), each transfer's egress leg (its sender's) and ingress
+        leg (its receiver's)."""
+        legs = []
+        for i, a, b, sec, kinds, wave, snd, rcv in hops:
             legs += [(i, a, sec, kinds, wave, snd), (i, b, sec, kinds, wave, rcv)]
         return tuple(np.concatenate(x) for x in zip(*legs))
 
@@ -278,21 +289,62 @@ class StepSurrogate(RingSegments):
         followed = None
         if groups is not None:
             # The compute lane runs a rank's ring kernels of steps 0 and 1 before
-            # its Ulysses kernels (the schedule's order).
-            first = np.zeros(w)
+            # its Ulysses kernels (the schedule's order), step 1's once the first
+            # wave brought its data over a direct link: over NVLink inside a
+            # node, through the NIC across (a routed link's takes more waves,
+            # unfollowed here: ahead, as step 0's).
+            first, first_lanes = np.zeros((2, w)), np.zeros((2, w), bool)
             for bt in batches:
-                first += np.bincount(bt.ranks.ravel(), bt.comp[:, :, :2].sum(axis=2).ravel(), w)
-            followed = groups.price(backward, work, load, gate if batches else None, first)
+                first[0] += np.bincount(bt.ranks.ravel(), bt.comp[:, :, 0].ravel(), w)
+                if bt.k > 1:
+                    nodes = bt.ranks // self.gpn
+                    across = (nodes != np.roll(nodes, 1, axis=1)).ravel()
+                    waits = ~(across & routed)
+                    first[0] += np.bincount(bt.ranks.ravel()[~waits], bt.comp[:, :, 1].ravel()[~waits], w)
+                    first[1] += np.bincount(bt.ranks.ravel()[waits], bt.comp[:, :, 1].ravel()[waits], w)
+                    first_lanes[across.astype(np.int64)[waits], bt.ranks.ravel()[waits]] = True
+            followed = groups.price(backward, work, load, gate if batches else None, first, first_lanes,
+                                    self._beside_groups(batches, groups, backward))
         chains = [self._rings(batches, backward, work, load, w, gate)(load)] if batches else []
         return _Segment(work, chains, followed=followed)
 
+    def _beside_groups(self, batches: list[RingBatch], groups: UlyssesGroups, backward: bool
+                       ) -> tuple[np.ndarray, ...]:
+        """The rings' transfers that a rank's lanes post in one batch with its
+        Ulysses inputs (wave 0: every ring's first) or outputs
+        (:data:`ULYSSES_OUT_WAVE`, those with a member at an end) -- a lane's
+        batch is done with its slowest transfer and they share its ports --
+        as ``surrogate_ulysses._follow``'s ``ring_*``: (sender, receiver, lane,
+        seconds, egress port, ingress port, the batch's wave, whether it goes
+        ahead of the groups' messages: the schedule puts a wave's K/V ahead of
+        the inputs and after the outputs, its dK/dV ahead)."""
+        rows = []
+        member = np.zeros(groups.w, bool)
+        member[groups.ranks] = True
+        for bt in batches:
+            if not bt.transfers:
+                continue
+            kind = np.concatenate([np.full(len(x[0]), i) for i, x in enumerate(bt.transfers)])
+            ring, link, step, within, snd, rcv, sec, out, inn = (np.concatenate(x) for x in zip(*bt.transfers))
+            at, _ = self._segment_waves(bt, kind, ring, link, step, within, backward)
+            on = (at == 0) | ((at == ULYSSES_OUT_WAVE) & (member[snd] | member[rcv]))
+            rows.append((snd[on], rcv[on], (out[on] >= 2 * groups.w).astype(np.int64), sec[on], out[on], inn[on],
+                         at[on], ((at == 0) | (kind == 1))[on]))
+        if not rows:
+            return tuple(np.zeros(0, t) for t in (np.int64,) * 3 + (np.float64,) + (np.int64,) * 3 + (bool,))
+        return tuple(np.concatenate(x) for x in zip(*rows))
+
     # -------------------------------------------------------- switch, linear
     def _switch(self, messages: tuple[np.ndarray, np.ndarray, np.ndarray], w: int, routed: bool,
-                reverse: bool) -> _Segment:
+                reverse: bool, then: tuple[np.ndarray, ...] | None = None) -> _Segment:
         """A layout switch followed from every rank's own entry
         (``surrogate_alltoall.exchanged``): a direct message one transfer, a
         routed one its pieces' hops (:meth:`_hops`), each a wave after the one
-        whose landing it carries on from."""
+        whose landing it carries on from.  ``then``: the next segment's first
+        transfers (the Ulysses inputs: sender, receiver, seconds, egress and
+        ingress port), which a rank posts once it left the switch -- ahead of a
+        later start of the switch's on a port they share
+        (``surrogate_alltoall.ahead``; a one-wave switch)."""
         src, dst, tokens = messages
         if reverse:
             src, dst = dst, src
@@ -328,8 +380,14 @@ class StepSurrogate(RingSegments):
         snd, rcv, lane, held, a, b = (x[order] for x in (snd, rcv, lane, held, a, b))
         ranks = np.unique(np.concatenate([snd, rcv]))
         n_ports = self._n_ports(w)
-        return _Segment(np.zeros(w), [], followed=lambda entry: (
-            ranks, exchanged(entry, snd, rcv, lane, held, a, b, after, wave_ptr, w, n_ports)[ranks], None))
+
+        def leave(entry: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+            done = exchanged(entry, snd, rcv, lane, held, a, b, after, wave_ptr, w, n_ports)
+            if then is not None and len(wave_ptr) == 2:
+                done = np.maximum(done, ahead(entry, done, snd, rcv, held, a, b, *then, np.full(n_ports, -np.inf)))
+            return ranks, done[ranks], None
+
+        return _Segment(np.zeros(w), [], followed=leave)
 
     def _linear_s(self, tokens: np.ndarray) -> np.ndarray:
         """``CostModel.linear_s`` per rank, once per distinct count (a balanced
@@ -356,31 +414,41 @@ class StepSurrogate(RingSegments):
         groups = UlyssesGroups(self, layout, w) if len(layout.group_len) else None
         # the remap's two directions (forward's to-linear is backward's to-attention)
         switch = {reverse: self._switch(msgs, w, routed, reverse) for reverse in PASSES} if msgs is not None else None
+        # The switch into the attention layout (forward's to-attention, backward's
+        # to-linear) beside the Ulysses inputs that follow it (the ranks that
+        # left it early post them on the links the others still switch over).
+        into = switch and {bw: switch[True] if groups is None else self._switch(msgs, w, routed, True, (
+            groups.src, groups.dst, groups.seconds[bw][0], groups.port_out, groups.port_in)) for bw in PASSES}
         parts = {}
         for bw in PASSES:
             seq = [("attn", self._attention(w, layout, groups, bw, routed))]
             if switch is not None:
-                seq.append(("to_linear", switch[bw]))
+                seq.append(("to_linear", into[True] if bw else switch[False]))
             seq.append(("linear", _Segment(linear * self.lin_share[bw], [])))
             if switch is not None:
-                seq.append(("to_attn", switch[not bw]))
+                seq.append(("to_attn", switch[True] if bw else into[False]))
             parts[bw] = seq
         m = REPLAYED_LAYERS
         layers = self.layers
 
         forward, backward = [s for _, s in parts[False]], [s for _, s in reversed(parts[True])]
+        # A forward layer's last switch is followed by the next layer's
+        # attention, the last layer's by the backward pass's first switch.
+        body, ahead_of_attn, last = ((forward[:-1], forward[-1:], [switch[True]]) if switch is not None
+                                     else (forward, [], []))
 
-        def run(t: np.ndarray, segments: list[_Segment], n: int) -> np.ndarray:
-            for seg in segments * n:
+        def run(t: np.ndarray, segments: list[_Segment]) -> np.ndarray:
+            for seg in segments:
                 t = self._advance(seg, t)
             return t
 
         if layers <= m:
-            finish = run(run(np.zeros(w), forward, layers), backward, layers)
+            finish = run(np.zeros(w), forward * (layers - 1) + body + last + backward * layers)
         else:
-            # m and m - 1 layers share their first m - 1 forward layers
-            head = run(np.zeros(w), forward, m - 1)
-            big, small = run(run(head, forward, 1), backward, m), run(head, backward, m - 1)
+            # m and m - 1 layers share their first m - 1 forward layers (but the last switch)
+            head = run(np.zeros(w), forward * (m - 2) + body)
+            big = run(head, ahead_of_attn + body + last + backward * m)
+            small = run(head, last + backward * (m - 1))
             finish = big + (big - small) * (layers - m)
         slowest = int(np.argmax(finish))
         attn = sum(seg.work[slowest] for bw in PASSES for name, seg in parts[bw] if name == "attn") * layers

@@ -50,6 +50,11 @@ class RingBatch:
     other than the link's ends relays, as (ring, link, step, relaying rank,
     wave within the message, lane, whether it sends, seconds of the hop, of
     the hops after it) arrays (``StepSurrogate._relays``)."""
+    transfers: list = field(default_factory=list)
+    """Per kind of message (K/V, then dK/dV backward), its transfers as (ring,
+    link, step, wave within the message, sender, receiver, seconds, egress
+    port, ingress port) arrays -- what a Ulysses member's batches hold beside
+    its groups' messages (``StepSurrogate._attention``)."""
 
 
 def _components(group_of_slot: np.ndarray, rank_of_slot: np.ndarray, groups: int, w: int) -> np.ndarray:
@@ -197,12 +202,16 @@ class RingSegments:
             shape = nbytes.shape
             src = np.broadcast_to(senders[:, :, None], shape).ravel()
             dst = np.broadcast_to(np.roll(senders, -1, axis=1)[:, :, None], shape).ravel()
-            msg, port, held, hop, wave, owner = self._transfers(src, dst, nbytes.ravel(), w, routed)
+            hopped = self._hop_transfers(src, dst, nbytes.ravel(), w, routed)
+            msg, port, held, hop, wave, owner = self._legs(hopped)
+            i, out, inn, sec, _, within, snd, rcv = (np.concatenate(x) for x in zip(*hopped))
             ring, link, col = np.unravel_index(msg, shape)
+            t_ring, t_link, t_col = np.unravel_index(i, shape)
             if inside:
-                held = held + extra[ring] * self.nvl_lat
-                ring = first[ring]
+                held, sec = held + extra[ring] * self.nvl_lat, sec + extra[t_ring] * self.nvl_lat
+                ring, t_ring = first[ring], first[t_ring]
             batch.legs.append((ring, link, steps[col], port, held, hop, wave, owner))
+            batch.transfers.append((t_ring, t_link, steps[t_col], within, snd, rcv, sec, out, inn))
             if routed and not inside:
                 msg, *relayed = self._relays(src, dst, nbytes.ravel())
                 ring, link, col = np.unravel_index(msg, shape)
@@ -291,19 +300,13 @@ class RingSegments:
             want = sharing[np.minimum(steps, sharing.shape[0] - 1)].T * S + steps
             j = np.minimum(np.searchsorted(keys, want), len(keys) - 1)
             busiest = np.where(keys[j] == want, most[j], 0.0)
-            # Each leg's wave in the segment: its message's first hop's (after
-            # the K/V it forwards; a dK/dV's after its kernel and the dK/dV it
-            # adds to, ``_ring_waves``) plus the hop's within the message.
+            # Each leg's wave in the segment (``_segment_waves``).
             at = np.empty(len(ring), np.int64)
             for i, bt in enumerate(batches):
                 on = slice(leg_at[i], leg_at[i + 1])
-                span = np.ones((len(bt.ranks), bt.k, bt.k + 1), np.int64)
-                np.maximum.at(span, (ring[on], link[on], step[on]), wave[on] + 1)
-                kv_wave, dkv_sent, dkv_got = self._ring_waves(span, backward)
-                first = np.where(kind[on] == 0, kv_wave[ring[on], link[on], step[on]] + 1,
-                                 dkv_sent[ring[on], link[on], step[on]])
-                at[on] = first + wave[on]
-                waves.append((kv_wave, dkv_sent, dkv_got))
+                at[on], ring_waves = self._segment_waves(bt, kind[on], ring[on], link[on], step[on], wave[on],
+                                                         backward)
+                waves.append(ring_waves)
             # A port carries its wave's transfers back to back in the order they
             # start: a receiving port's batch is done once it carried them all,
             # a sending port's transfer once it carried those before it too (in
@@ -459,6 +462,20 @@ class RingSegments:
 
         return finish
 
+    def _segment_waves(self, bt: "RingBatch", kind: np.ndarray, ring: np.ndarray, link: np.ndarray,
+                       step: np.ndarray, wave: np.ndarray, backward: bool) -> tuple[np.ndarray, tuple]:
+        """Each of ``bt``'s message legs' (or transfers': ``kind`` 0 a K/V, 1 a
+        dK/dV, on ``ring``'s ``link`` at ``step``, ``wave`` within its
+        message) wave in the segment -- its message's first hop's (after the
+        K/V it forwards; a dK/dV's after its kernel and the dK/dV it adds to)
+        plus the hop's within the message -- and the rings' waves
+        (:meth:`_ring_waves`)."""
+        span = np.ones((len(bt.ranks), bt.k, bt.k + 1), np.int64)
+        np.maximum.at(span, (ring, link, step), wave + 1)
+        waves = self._ring_waves(span, backward)
+        kv_wave, dkv_sent, _ = waves
+        return np.where(kind == 0, kv_wave[ring, link, step] + 1, dkv_sent[ring, link, step]) + wave, waves
+
     @staticmethod
     def _ring_waves(spans: np.ndarray, backward: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per (ring, position, step) the waves (``Schedule.waves``) of the
@@ -529,15 +546,28 @@ class RingSegments:
         # A link waits for the Ulysses batches of the lanes it takes at both
         # its ends (NVLink inside a node, the NIC across, both when routed):
         # per (ring, position) those of the link into it.
-        after_in, after_out = (np.max([np.where(into[ln], gate[row + ln][r], 0.0) for ln in (0, 1) for r in ends],
-                                      axis=0) for row in (3, 7))
+        after_in, posted_out, after_out = (
+            np.max([np.where(into[ln], gate[row + ln][r], 0.0) for ln in (0, 1) for r in ends], axis=0)
+            for row in (3, 5, 7))
+        # (a receiver's outputs' batch: done with the transfers of that wave it holds)
+        out_at_receiver = np.max([np.where(into[ln], gate[7 + ln][bt.ranks], 0.0) for ln in (0, 1)], axis=0)
 
-        def ulysses_batch(wave: np.ndarray) -> np.ndarray:
-            """When a batch of ``wave`` on the link into each position lands at the
-            earliest: after the Ulysses inputs' batch; the outputs' batch once they left."""
-            return np.where(wave >= ULYSSES_OUT_WAVE, after_out, np.where(wave >= 1, after_in, 0.0))
+        def ulysses_batch(wave: np.ndarray, link: np.ndarray) -> np.ndarray:
+            """When a transfer of ``wave`` on the link into each position, carried
+            in ``link`` seconds, has moved at the earliest: after the Ulysses
+            inputs' batch; in the outputs' wave, in their batches, once both
+            ends posted them (:meth:`landing`); after it, once they left."""
+            return np.where(wave > ULYSSES_OUT_WAVE, after_out,
+                            np.where(wave == ULYSSES_OUT_WAVE, posted_out + link, np.where(wave >= 1, after_in, 0.0)))
+
+        def landing(wave: np.ndarray) -> np.ndarray:
+            """When it lands at the earliest: in the outputs' wave, with the
+            receiver's outputs' batch (``StepSurrogate._beside_groups``) -- its
+            sender is done with it once it moved."""
+            return np.where(wave == ULYSSES_OUT_WAVE, out_at_receiver, 0.0)
 
         got = np.zeros((n, k, k + 1))
+        moved = np.zeros((n, k, k + 1))                 # when the step's data has moved (landed: ``got``)
         kv_wave, dkv_sent, dkv_got = waves
         kernels = lane[bt.ranks, :k + 1]                # (n, k, step) the rank's kernels
         done = np.zeros((n, k, k + 1))                  # when a position's kernel of each step is done
@@ -589,14 +619,17 @@ class RingSegments:
                         ranks.ravel(), np.full(ranks.size, ln), at_wave.ravel()).reshape(ranks.shape), -np.inf))
             # a batch after the Ulysses inputs' lands after them; the outputs' batch, once they left
             into_link = np.roll(link_s[:, :, t - 1], 1, axis=1)
-            got[:, :, t] = np.maximum(got[:, :, t], np.maximum(ulysses_batch(wave), lanes_free(wave, into_link)))
+            moved[:, :, t] = np.maximum(got[:, :, t], np.maximum(ulysses_batch(wave, into_link),
+                                                                 lanes_free(wave, into_link)))
+            got[:, :, t] = np.maximum(moved[:, :, t], landing(wave))
             done[:, :, t] = np.maximum(done[:, :, t - 1], got[:, :, t]) + kernels[:, :, t]
             if t == 1:
                 done[:, :, 1] = np.maximum(done[:, :, 1], ulysses_in + kernels[:, :, 1])
             if relays:
                 relays[0].relayed(t - 1, np.roll(got[:, :, t], -1, axis=1), relayed_until)
             if t < k:          # the K/V of step t - 1: sent, then received
-                out = np.where(direct_out, np.roll(got[:, :, t], -1, axis=1), got[:, :, t - 1] + first_hop[:, :, t - 1])
+                out = np.where(direct_out, np.roll(moved[:, :, t], -1, axis=1),
+                               got[:, :, t - 1] + first_hop[:, :, t - 1])
                 batch(False, kv_wave[:, :, t - 1] + 1, got[:, :, t - 1], out)
                 batch(True, kv_wave[:, :, t], None, got[:, :, t])
             if backward:
@@ -606,21 +639,25 @@ class RingSegments:
                 before = done[:, :, t - 2] if t > 1 else 0.0
                 start = np.maximum(before, got[:, :, t - 1]) + bt.comp[:, :, t - 1]
                 into_link = np.roll(dkv_link[:, :, t], 1, axis=1)
-                land = np.maximum.reduce([np.roll(start, 1, axis=1) + into_link, ulysses_batch(dkv_got[:, :, t]),
+                left = np.maximum.reduce([np.roll(start, 1, axis=1) + into_link,
+                                          ulysses_batch(dkv_got[:, :, t], into_link),
                                           lanes_free(dkv_got[:, :, t], into_link)])
-                batch(False, dkv_sent[:, :, t], start, np.where(direct_out, np.roll(land, -1, axis=1),
+                land = np.maximum(left, landing(dkv_got[:, :, t]))
+                batch(False, dkv_sent[:, :, t], start, np.where(direct_out, np.roll(left, -1, axis=1),
                                                                 start + dkv_first[:, :, t]))
                 batch(True, dkv_got[:, :, t], None, land)
         if backward:
             # the last dK/dV leaves once the position before ran its last
             # kernel, in its batch of its wave
             last_link = np.roll(dkv_link[:, :, k], 1, axis=1)
-            final = np.maximum.reduce([np.maximum(got[:, :, k], np.roll(done[:, :, k - 1], 1, axis=1)) + last_link,
-                                       ulysses_batch(dkv_got[:, :, k]), lanes_free(dkv_got[:, :, k], last_link)])
+            sent = np.maximum.reduce([np.maximum(got[:, :, k], np.roll(done[:, :, k - 1], 1, axis=1)) + last_link,
+                                      ulysses_batch(dkv_got[:, :, k], last_link),
+                                      lanes_free(dkv_got[:, :, k], last_link)])
             if relays:
-                final = np.maximum(final, np.roll(relays[1].bound(k, dkv_sent[:, :, k], clock), 1, axis=1))
-                relays[1].relayed(k, np.roll(final, -1, axis=1), relayed_until)
+                sent = np.maximum(sent, np.roll(relays[1].bound(k, dkv_sent[:, :, k], clock), 1, axis=1))
+                relays[1].relayed(k, np.roll(sent, -1, axis=1), relayed_until)
+            final = np.maximum(sent, landing(dkv_got[:, :, k]))
         else:                   # forward, the last message is the K/V of step k - 2
-            final = got[:, :, k - 1]
-        # a position's lanes are done once it received its last message and its successor did
-        return got, np.maximum(final, np.roll(final, -1, axis=1))
+            sent, final = moved[:, :, k - 1], got[:, :, k - 1]
+        # a position's lanes are done once it received its last message and its successor's moved
+        return got, np.maximum(final, np.roll(sent, -1, axis=1))

@@ -18,9 +18,15 @@ at least ``AttnShape.local_pack_tokens`` rows, which fill the lane while no
 kernel's data is there -- and a call that started runs to its end while a
 kernel's data lands.  So a member whose entry, inputs or local calls differ
 from the others' delays its groups, and every layer the ranks enter at
-different times: the groups are followed message by message and kernel by
-kernel from every rank's own entry (:meth:`UlyssesGroups.price` returns that
-function of the entries), in one compiled pass (:func:`_follow`).
+different times.  A rank's lanes post its rings' transfers of those waves in
+the same batches (its first ring K/V beside the inputs, what its rings send
+in the outputs' wave beside the outputs), which are done with their slowest
+transfer and share their ports (a 25 MB ring K/V in the inputs' batch of a
+rank of two groups and an inter-node ring held its Ulysses kernels 0.5 ms);
+and its compute lane runs its ring kernels of step 1 once the first wave
+brought their data.  So the groups are followed message by message and
+kernel by kernel from every rank's own entry (:meth:`UlyssesGroups.price`
+returns that function of the entries), in one compiled pass (:func:`_follow`).
 What both passes share is built once per plan (:class:`UlyssesGroups`).
 """
 
@@ -44,8 +50,27 @@ LOCAL_PACK_TOKENS = AttnShape.local_pack_tokens
 
 
 @njit(cache=True)
-def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, rank, kernel, lanes,
-            chain_ptr, chain_slot, pack_ptr, pack_s, w):
+def _joined(ring, before, after, x):
+    """The rings' transfers ``ring[before]``, then ``x``, then ``ring[after]``."""
+    return np.concatenate((ring[before], x, ring[after]))
+
+
+@njit(cache=True)
+def _batches(post, src, dst, lane, held, port_out, port_in, w, n_ports):
+    """Per lane and rank when its batch of these transfers is done (0: none),
+    every end posting at ``post`` (``carried``)."""
+    moved = carried(post, src, dst, lane, held, port_out, port_in, w, np.full(n_ports, -np.inf))
+    done = np.zeros((2, w))
+    for i in range(len(src)):
+        done[lane[i], src[i]] = max(done[lane[i], src[i]], moved[i])
+        done[lane[i], dst[i]] = max(done[lane[i], dst[i]], moved[i])
+    return done
+
+
+@njit(cache=True)
+def _follow(entry, first, first_lanes, src, dst, lane, held_in, held_out, port_out, port_in, rank, kernel, lanes,
+            chain_ptr, chain_slot, pack_ptr, pack_s, w, ring_src, ring_dst, ring_lane, ring_held, ring_out, ring_in,
+            ring_wave, ring_ahead):
     """One pass of the groups from every rank's ``entry``: (per lane and rank
     when its inputs' batch was done, when its outputs' batch was posted and
     when it was done, per rank of ``chain_ptr`` when its compute lane ran its
@@ -53,16 +78,25 @@ def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, 
     Members (``rank``, ``kernel`` seconds, ``lanes``: which lanes it receives
     on) in ``chain_slot`` by rank (``chain_ptr``), each rank's in plan order;
     its local calls' seconds ``pack_s`` by rank (``pack_ptr``); ``first``: per
-    rank the lane's work ahead of its Ulysses kernels."""
+    rank the lane's work ahead of its Ulysses kernels in order -- its ring
+    kernels of step 0 (row 0), released on entry, and of step 1 (row 1),
+    released once its batches of the lanes ``first_lanes`` brought their data
+    in the first wave (with the inputs); ``ring_*``: the rings'
+    transfers that go in the inputs' batches (``ring_wave`` 0) or the outputs'
+    (else), ahead of the groups' messages or after them (``ring_ahead``: the
+    schedule's order), sharing their ports."""
     post = np.empty(2 * w)
     post[:w] = entry
     post[w:] = entry
-    n_ports = max(port_out.max(), port_in.max()) + 1
-    moved = carried(post, src, dst, lane, held_in, port_out, port_in, w, np.full(n_ports, -np.inf))
-    landed = np.zeros((2, w))
-    for i in range(len(src)):
-        landed[lane[i], src[i]] = max(landed[lane[i], src[i]], moved[i])
-        landed[lane[i], dst[i]] = max(landed[lane[i], dst[i]], moved[i])
+    n_ports = max(port_out.max(), port_in.max(), ring_out.max() if len(ring_out) else 0,
+                  ring_in.max() if len(ring_in) else 0) + 1
+    by_wave = []
+    for x in (ring_wave == 0, ring_wave != 0):
+        by_wave.append((x & ring_ahead, x & ~ring_ahead))
+    a, b = by_wave[0]
+    landed = _batches(post, _joined(ring_src, a, b, src), _joined(ring_dst, a, b, dst),
+                      _joined(ring_lane, a, b, lane), _joined(ring_held, a, b, held_in),
+                      _joined(ring_out, a, b, port_out), _joined(ring_in, a, b, port_in), w, n_ports)
     inputs = landed.copy()
     ready = np.zeros(len(rank))
     for j in range(len(rank)):
@@ -75,15 +109,27 @@ def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, 
     for c in range(len(chain_ptr) - 1):
         lo, hi = chain_ptr[c], chain_ptr[c + 1]
         r = rank[chain_slot[lo]]
-        t = entry[r] + first[r]
+        t = entry[r] + first[0, r]
+        ring_ready, ring_left = entry[r], first[1, r] > 0       # the ring kernels of step 1
+        for x in range(2):
+            if first_lanes[x, r]:
+                ring_ready = max(ring_ready, landed[x, r])
         pk, pend = pack_ptr[c], pack_ptr[c + 1]
         by_ready = np.argsort(ready[chain_slot[lo:hi]], kind="mergesort")
         nxt, n = 0, 0
         for _ in range(hi - lo):
-            # The first kernel in order whose data is there; else local calls
-            # until the next one's data lands (the call then running runs on).
-            if n == 0 and t < ready[chain_slot[lo + by_ready[nxt]]]:
+            # The first kernel in order whose data is there (the ring kernels
+            # of step 1 before the Ulysses ones); else local calls until the
+            # next one's data lands (the call then running runs on).
+            while True:
+                if ring_left and ring_ready <= t:
+                    t += first[1, r]
+                    ring_left = False
+                if n > 0 or t >= ready[chain_slot[lo + by_ready[nxt]]]:
+                    break
                 soonest = ready[chain_slot[lo + by_ready[nxt]]]
+                if ring_left:
+                    soonest = min(soonest, ring_ready)
                 while pk < pend and t < soonest:
                     t += pack_s[pk]
                     pk += 1
@@ -96,6 +142,11 @@ def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, 
             j = chain_slot[lo + place]
             t += kernel[j]
             done[j] = t
+        if ring_left:
+            while pk < pend and t < ring_ready:
+                t += pack_s[pk]
+                pk += 1
+            t = max(t, ring_ready) + first[1, r]
         for q in range(pk, pend):
             t += pack_s[q]
         lane_end[c] = t
@@ -103,11 +154,10 @@ def _follow(entry, first, src, dst, lane, held_in, held_out, port_out, port_in, 
         for x in range(2):
             if lanes[x, j]:
                 landed[x, rank[j]] = max(landed[x, rank[j]], done[j])   # now: when the outputs post
-    moved = carried(landed.ravel(), src, dst, lane, held_out, port_out, port_in, w, np.full(n_ports, -np.inf))
-    sent = np.zeros((2, w))
-    for i in range(len(src)):
-        sent[lane[i], src[i]] = max(sent[lane[i], src[i]], moved[i])
-        sent[lane[i], dst[i]] = max(sent[lane[i], dst[i]], moved[i])
+    a, b = by_wave[1]
+    sent = _batches(landed.ravel(), _joined(ring_src, a, b, src), _joined(ring_dst, a, b, dst),
+                    _joined(ring_lane, a, b, lane), _joined(ring_held, a, b, held_out),
+                    _joined(ring_out, a, b, port_out), _joined(ring_in, a, b, port_in), w, n_ports)
     return inputs, landed, sent, lane_end
 
 
@@ -191,15 +241,22 @@ class UlyssesGroups:
                                                  len(runs))
 
     def price(self, backward: bool, work: np.ndarray, load: np.ndarray, gate: np.ndarray | None,
-              first: np.ndarray) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+              first: np.ndarray, first_lanes: np.ndarray, rings: tuple[np.ndarray, ...]
+              ) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """One pass: adds the kernels to ``work`` and the ports' seconds to
         ``load``; ``first``: per rank the compute lane's work ahead of its
-        Ulysses kernels; ``gate`` (rings beside the groups read it): set per
+        Ulysses kernels (rows: its ring kernels of steps 0 and 1) and
+        ``first_lanes`` the lanes step 1's data comes by (:func:`_follow`);
+        ``rings``: the rings' transfers that the ranks' lanes post in one
+        batch with the inputs or outputs (:func:`_follow`'s ``ring_*``,
+        ``StepSurrogate._beside_groups``); ``gate`` (rings beside the groups read it): set per
         member rank to when its inputs landed and its outputs left, entering
         at 0, and its Ulysses kernels' seconds (rows 0-2); then per lane
         (NVLink, NIC) when its inputs' batch was done (rows 3-4), its outputs'
         batch was posted (5-6) and was done (7-8).  Returns the function of
-        every rank's entry that yields (the member ranks, when each leaves)."""
+        every rank's entry that yields (the member ranks, when each leaves,
+        per rank when its outputs were sent: a ring family of Ulysses members
+        reads them, ``StepSurrogate._advance``)."""
         w, ranks = self.w, self.ranks
         share = self.clock.attn_share[backward]
         kernel = self.kernel * share
@@ -208,8 +265,9 @@ class UlyssesGroups:
         n_ports = len(load)
         load += np.bincount(self.port, np.concatenate([sec_in, sec_in]), n_ports)
         load += np.bincount(self.port, np.concatenate([sec_out, sec_out]), n_ports)
-        fixed = (first, self.src, self.dst, self.lane, sec_in, sec_out, self.port_out, self.port_in, ranks,
-                 kernel, self.member_lanes, self.chain_ptr, self.chain_slot, self.call_ptr, self.calls * share, w)
+        fixed = (first, first_lanes, self.src, self.dst, self.lane, sec_in, sec_out, self.port_out, self.port_in, ranks,
+                 kernel, self.member_lanes, self.chain_ptr, self.chain_slot, self.call_ptr, self.calls * share, w,
+                 *rings)
         if gate is not None:
             landed, posted, sent, _ = _follow(np.zeros(w), *fixed)
             gate[0][ranks], gate[1][ranks] = landed.max(axis=0)[ranks], sent.max(axis=0)[ranks]

@@ -20,7 +20,16 @@ last (in families that neither route nor share ranks with other rings): 48 of
 (steps only) when what Ulysses batches hold back in a ring family of Ulysses
 members (routing no pieces) went as much earlier as every member's outputs,
 followed from its own entry, were done earlier than the family's chain had
-them: 1 of 296 steps moved (by 3e-16, rounding), and no tie broke.
+them: 1 of 296 steps moved (by 3e-16, rounding), and no tie broke; and
+again (steps only) when a rank's ring transfers of the Ulysses inputs' and
+outputs' waves joined those batches (sharing their ports), its ring kernels
+of step 1 waited for the first wave, and a ring transfer in the outputs'
+wave landed with its receiver's batch but freed its sender once moved: 26 of
+296 steps moved, -1.99 % to +0.87 % (median 0.256 %); and again (steps only)
+when the switch into the attention layout was followed beside the Ulysses
+inputs that ranks which left it early post on the ports it still uses: 32 of
+296 steps moved, -0.28 % to +1.22 % (median 0.048 %).  With the first of
+these three merged onto the other two, 1 step moved, by rounding.
 
 ``golden/surrogate_plans.json.xz`` holds the plans: every distinct layout the
 per-batch decision's candidates (``zeppelin_decide.py: decision_candidates``:
