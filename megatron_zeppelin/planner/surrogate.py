@@ -76,7 +76,7 @@ from megatron_zeppelin.cost.model import ATTN_BWD_RATIO, LINEAR_BWD_RATIO, CostM
 from megatron_zeppelin.cost.step_sync import forward_backward_split, grad_sync_s, optimizer_s, step_sync
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.plan_arrays import PlanArrays, layout_arrays, plan_arrays
-from megatron_zeppelin.planner.surrogate_alltoall import ahead, exchanged
+from megatron_zeppelin.planner.surrogate_alltoall import exchanged
 from megatron_zeppelin.planner.surrogate_packed import packed_floor_pairs, packed_ring_batches
 from megatron_zeppelin.planner.surrogate_rings import (COMBINE, DIRECT, DISPATCH, NIC, ULYSSES_OUT_WAVE,
                                                        RingBatch, RingSegments)
@@ -336,15 +336,11 @@ class StepSurrogate(RingSegments):
 
     # -------------------------------------------------------- switch, linear
     def _switch(self, messages: tuple[np.ndarray, np.ndarray, np.ndarray], w: int, routed: bool,
-                reverse: bool, then: tuple[np.ndarray, ...] | None = None) -> _Segment:
+                reverse: bool) -> _Segment:
         """A layout switch followed from every rank's own entry
         (``surrogate_alltoall.exchanged``): a direct message one transfer, a
         routed one its pieces' hops (:meth:`_hops`), each a wave after the one
-        whose landing it carries on from.  ``then``: the next segment's first
-        transfers (the Ulysses inputs: sender, receiver, seconds, egress and
-        ingress port), which a rank posts once it left the switch -- ahead of a
-        later start of the switch's on a port they share
-        (``surrogate_alltoall.ahead``; a one-wave switch)."""
+        whose landing it carries on from."""
         src, dst, tokens = messages
         if reverse:
             src, dst = dst, src
@@ -380,14 +376,8 @@ class StepSurrogate(RingSegments):
         snd, rcv, lane, held, a, b = (x[order] for x in (snd, rcv, lane, held, a, b))
         ranks = np.unique(np.concatenate([snd, rcv]))
         n_ports = self._n_ports(w)
-
-        def leave(entry: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
-            done = exchanged(entry, snd, rcv, lane, held, a, b, after, wave_ptr, w, n_ports)
-            if then is not None and len(wave_ptr) == 2:
-                done = np.maximum(done, ahead(entry, done, snd, rcv, held, a, b, *then, np.full(n_ports, -np.inf)))
-            return ranks, done[ranks], None
-
-        return _Segment(np.zeros(w), [], followed=leave)
+        return _Segment(np.zeros(w), [], followed=lambda entry: (
+            ranks, exchanged(entry, snd, rcv, lane, held, a, b, after, wave_ptr, w, n_ports)[ranks], None))
 
     def _linear_s(self, tokens: np.ndarray) -> np.ndarray:
         """``CostModel.linear_s`` per rank, once per distinct count (a balanced
@@ -414,41 +404,31 @@ class StepSurrogate(RingSegments):
         groups = UlyssesGroups(self, layout, w) if len(layout.group_len) else None
         # the remap's two directions (forward's to-linear is backward's to-attention)
         switch = {reverse: self._switch(msgs, w, routed, reverse) for reverse in PASSES} if msgs is not None else None
-        # The switch into the attention layout (forward's to-attention, backward's
-        # to-linear) beside the Ulysses inputs that follow it (the ranks that
-        # left it early post them on the links the others still switch over).
-        into = switch and {bw: switch[True] if groups is None else self._switch(msgs, w, routed, True, (
-            groups.src, groups.dst, groups.seconds[bw][0], groups.port_out, groups.port_in)) for bw in PASSES}
         parts = {}
         for bw in PASSES:
             seq = [("attn", self._attention(w, layout, groups, bw, routed))]
             if switch is not None:
-                seq.append(("to_linear", into[True] if bw else switch[False]))
+                seq.append(("to_linear", switch[bw]))
             seq.append(("linear", _Segment(linear * self.lin_share[bw], [])))
             if switch is not None:
-                seq.append(("to_attn", switch[True] if bw else into[False]))
+                seq.append(("to_attn", switch[not bw]))
             parts[bw] = seq
         m = REPLAYED_LAYERS
         layers = self.layers
 
         forward, backward = [s for _, s in parts[False]], [s for _, s in reversed(parts[True])]
-        # A forward layer's last switch is followed by the next layer's
-        # attention, the last layer's by the backward pass's first switch.
-        body, ahead_of_attn, last = ((forward[:-1], forward[-1:], [switch[True]]) if switch is not None
-                                     else (forward, [], []))
 
-        def run(t: np.ndarray, segments: list[_Segment]) -> np.ndarray:
-            for seg in segments:
+        def run(t: np.ndarray, segments: list[_Segment], n: int) -> np.ndarray:
+            for seg in segments * n:
                 t = self._advance(seg, t)
             return t
 
         if layers <= m:
-            finish = run(np.zeros(w), forward * (layers - 1) + body + last + backward * layers)
+            finish = run(run(np.zeros(w), forward, layers), backward, layers)
         else:
-            # m and m - 1 layers share their first m - 1 forward layers (but the last switch)
-            head = run(np.zeros(w), forward * (m - 2) + body)
-            big = run(head, ahead_of_attn + body + last + backward * m)
-            small = run(head, last + backward * (m - 1))
+            # m and m - 1 layers share their first m - 1 forward layers
+            head = run(np.zeros(w), forward, m - 1)
+            big, small = run(run(head, forward, 1), backward, m), run(head, backward, m - 1)
             finish = big + (big - small) * (layers - m)
         slowest = int(np.argmax(finish))
         attn = sum(seg.work[slowest] for bw in PASSES for name, seg in parts[bw] if name == "attn") * layers

@@ -98,30 +98,3 @@ def exchanged(entry, src, dst, lane, held, port_out, port_in, after, wave_ptr, w
                 lane_free[j] = batch[j]
                 done[j % w] = max(done[j % w], batch[j])
     return done
-
-
-@njit(cache=True)
-def ahead(entry, leave, src, dst, held, port_out, port_in, then_src, then_dst, then_held, then_out, then_in, free):
-    """Per rank when the direct transfers ``src -> dst`` it takes part in have
-    moved, its ends posting them at ``entry``, beside the next segment's first
-    transfers ``then_*`` that each rank posts once it left this one (at
-    ``leave``): a port carries them all back to back in the order they start
-    (ties: this segment's first), so a rank that left early sends its next
-    batch ahead of a later start of this one's on a port they share (a NIC of
-    two GPUs).  ``free``: per port when it is free (not updated)."""
-    m = len(src)
-    start = np.concatenate((np.maximum(entry[src], entry[dst]), np.maximum(leave[then_src], leave[then_dst])))
-    hold = np.concatenate((held, then_held))
-    outs, ins = np.concatenate((port_out, then_out)), np.concatenate((port_in, then_in))
-    order = np.argsort(start, kind="mergesort")
-    at = free.copy()
-    moved = np.full(len(start), -np.inf)
-    for i in order:
-        for p in (outs[i], ins[i]):
-            at[p] = max(start[i], at[p]) + hold[i]
-            moved[i] = max(moved[i], at[p])
-    done = entry.copy()
-    for i in range(m):
-        done[src[i]] = max(done[src[i]], moved[i])
-        done[dst[i]] = max(done[dst[i]], moved[i])
-    return done

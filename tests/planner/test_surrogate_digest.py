@@ -29,7 +29,12 @@ wave landed with its receiver's batch but freed its sender once moved: 26 of
 when the switch into the attention layout was followed beside the Ulysses
 inputs that ranks which left it early post on the ports it still uses: 32 of
 296 steps moved, -0.28 % to +1.22 % (median 0.048 %).  With the first of
-these three merged onto the other two, 1 step moved, by rounding.
+these three merged onto the other two, 1 step moved, by rounding.  And again (steps
+only) when that last change (the switch beside the next inputs) was taken
+out again: it followed direct switches only, so it priced a plan's remap
+direct against the same plan's remap routed unevenly and the decision
+picked routed remaps that replay slower: 32 of 296 steps moved, -1.20 % to
++0.28 % (median 0.048 %).
 
 ``golden/surrogate_plans.json.xz`` holds the plans: every distinct layout the
 per-batch decision's candidates (``zeppelin_decide.py: decision_candidates``:
