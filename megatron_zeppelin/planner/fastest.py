@@ -83,6 +83,10 @@ class Floor:
         self.cost = surrogate_cost(step)
         self.reads: Reads = {} if reads is None else reads
         self.bounds: dict[tuple[int, int, int], float] = {}
+        # Per draft (by identity: the decision's candidates hold their drafts for
+        # as long as this Floor lives): a routed context's passes are bounded
+        # once for their routed and once for their direct run.
+        self.drafts: dict[int, float] = {}
 
     def arrays(self, plan: Plan) -> PlanArrays:
         key = _read_key(plan)
@@ -106,7 +110,9 @@ class Floor:
         ``planner/plan_arrays.py``) and its linear layout's tokens per rank."""
         if self.cost is None:
             return -math.inf
-        return layout_floor(self.cost, draft.arrays(), draft.linear_tokens())
+        if id(draft) not in self.drafts:
+            self.drafts[id(draft)] = layout_floor(self.cost, draft.arrays(), draft.linear_tokens())
+        return self.drafts[id(draft)]
 
     def price(self, step: Callable[[Plan], float], plan: Plan) -> float:
         """``step(plan)``; the surrogate's from the arrays read once."""
