@@ -30,6 +30,7 @@ from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.sampler.batch_sampler import PieceTable
 from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths
 from megatron_zeppelin.planner.surrogate import surrogate_clock
+from megatron_zeppelin.sim.timeline import replay_clock
 from megatron_zeppelin.topology import load_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,7 +62,8 @@ def time_planner(name: str, lens: list[int], ctx: PlanContext) -> tuple[float | 
 def context(args: argparse.Namespace, c: CostModel, cap: int) -> PlanContext:
     if args.decide:     # as pretrain_gpt.py --zeppelin and the trainer plan by default
         routed = c.routed(True)
-        return PlanContext(cost=routed, tokens_per_gpu=cap, remap_enabled=True, step_model=surrogate_clock(routed))
+        return PlanContext(cost=routed, tokens_per_gpu=cap, remap_enabled=True, step_model=surrogate_clock(routed),
+                           settle_model=replay_clock(routed))
     return PlanContext(cost=c, tokens_per_gpu=cap, time_limit_s=args.flexsp_time_limit)
 
 

@@ -27,7 +27,7 @@ from megatron_zeppelin.errors import exit_on_user_error
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.presets import CONFIG_ROOT
 from megatron_zeppelin.sampler import DEFAULT_BATCH_FILL, batch_budget
-from megatron_zeppelin.sampler.lengths import load_lengths
+from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths
 from megatron_zeppelin.sim.simulate import (BASELINE, build_strategies, collect_garbage_rarely, sample_batches,
                                             simulate)
 from megatron_zeppelin.topology import load_cluster
@@ -134,8 +134,9 @@ def main() -> None:
     p.add_argument("--max-lens", type=lambda s: [int(x) * K for x in csv(s)], default=[64 * K, 128 * K, 256 * K,
                                                                                      512 * K],
                    help="in K tokens, e.g. 64,128,256,512")
-    p.add_argument("--lengths", type=lambda s: [Path(x) for x in csv(s)], default=None,
-                   help="length files (default: ../shared/data/lengths/*.npy + configs/lengths/*.npy)")
+    p.add_argument("--lengths", type=csv, default=None,
+                   help="length files or bundled sample names, e.g. synthetic-books "
+                        "(default: ../shared/data/lengths/*.npy + configs/lengths/*.npy)")
     p.add_argument("--strategies", type=csv, default=[BASELINE, "megatron_hybrid_cp", "zeppelin_norouting",
                                                       "zeppelin"])
     p.add_argument("--nodes", type=int, default=8)
@@ -147,7 +148,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "speedup_matrix.md")
     args = p.parse_args()
     collect_garbage_rarely()
-    lengths = args.lengths or default_lengths()
+    lengths = (exit_on_user_error(lambda: [resolve_lengths(x) for x in args.lengths]) if args.lengths
+               else default_lengths())
     if args.quick:
         args.models, args.clusters = args.models[1:3], args.clusters[:2]
         args.max_lens, lengths = args.max_lens[1:3], lengths[-2:]

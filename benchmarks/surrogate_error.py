@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_zeppelin.cost import CostModel
+from megatron_zeppelin.cost.tp import tp_problem, tp_view
 from megatron_zeppelin.errors import ConfigError, InfeasibleError, exit_on_user_error
 from megatron_zeppelin.model_config import load_model
 from megatron_zeppelin.planner.base import PlanContext
@@ -61,8 +62,23 @@ def parse_mix(text: str) -> list[tuple[int, int]]:
     return mix
 
 
-def cases(world: int, count: int, rng: np.random.Generator, docs: dict[str, np.ndarray]):
-    """``count`` random (description, cost, candidates) of ``world`` GPUs."""
+def parse_tp(text: str) -> list[int]:
+    """``1,2,4`` -> [1, 2, 4]: TP sizes every cluster and model here allows (1, 2, 4: the
+    clusters have 4 or 8 GPUs a node, the models 32 or 40 heads), so a batch always has one."""
+    try:
+        tps = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write TP sizes, e.g. 1,2,4") from None
+    if not tps or any(t not in (1, 2, 4) for t in tps):
+        raise argparse.ArgumentTypeError(f"{text!r}: TP sizes are 1, 2 or 4 here")
+    return tps
+
+
+def cases(world: int, count: int, rng: np.random.Generator, docs: dict[str, np.ndarray], tps: list[int],
+          tp_rng: np.random.Generator):
+    """``count`` random (description, cost, candidates) of ``world`` GPUs, each
+    at a TP size drawn from ``tps`` (by ``tp_rng``, so the batches drawn do not
+    depend on it) that the cluster and model allow."""
     made = 0
     while made < count:
         cluster = load_cluster(str(rng.choice(CLUSTERS)))
@@ -74,13 +90,20 @@ def cases(world: int, count: int, rng: np.random.Generator, docs: dict[str, np.n
         cost = CostModel(cluster, load_model(model), routing=True)
         lens = sample_batches(docs[lengths], max_seq_len=max_len, tokens_per_batch=batch_budget(cap, world, max_len),
                               steps=1, seed=int(rng.integers(1 << 30)))[0]
-        ctx = PlanContext(cost=cost, tokens_per_gpu=cap, remap_enabled=True, remap_decided=True)
+        m = cost.model
+        allowed = [t for t in tps if tp_problem(cluster, m.num_attention_heads, m.num_query_groups, t) is None]
+        if not allowed:
+            continue
+        tp = int(tp_rng.choice(allowed))
+        # A TP group is one rank of the plan, with the group's tokens (as the simulator's TP strategies plan).
+        cost = tp_view(cost, tp) if tp > 1 else cost
+        ctx = PlanContext(cost=cost, tokens_per_gpu=cap * tp, tp_size=tp, remap_enabled=True, remap_decided=True)
         try:
             plans = decision_candidates(lens, ctx)
         except InfeasibleError:
             continue
         made += 1
-        yield f"{world} GPUs {cluster.name} {model} {lengths} max {max_len // 1024}K", cost, plans
+        yield f"{world} GPUs {cluster.name} {model} TP={tp} {lengths} max {max_len // 1024}K", tp, cost, plans
 
 
 def tier_mix(plan) -> str:
@@ -96,8 +119,9 @@ def run(args: argparse.Namespace) -> str:
     rows, pairs_total, pairs_same, batches = [], 0, 0, 0
     sur_cpu = replay_cpu = 0.0
     t_start = time.perf_counter()
+    tp_rng = np.random.default_rng(args.seed + 1)
     for world, count in parse_mix(args.mix):
-        for what, cost, plans in cases(world, count, rng, docs):
+        for what, tp, cost, plans in cases(world, count, rng, docs, args.tp, tp_rng):
             batches += 1
             clock = StepSurrogate(cost)
             c0 = time.process_time()
@@ -107,7 +131,7 @@ def run(args: argparse.Namespace) -> str:
             sur_cpu += time.process_time() - c1
             replay_cpu += c1 - c0
             for p, r, m in zip(plans, replayed, modeled):
-                rows.append((m / r - 1, world, tier_mix(p), p.routed, bool(p.remap_schedule()), what))
+                rows.append((m / r - 1, world, tier_mix(p), p.routed, bool(p.remap_schedule()), what, tp))
             for i in range(len(plans)):
                 for j in range(i + 1, len(plans)):
                     if abs(replayed[i] / replayed[j] - 1) > PAIR_GAP:
@@ -134,7 +158,7 @@ def report(args, rows, pairs_total, pairs_same, batches, sur_cpu, replay_cpu, wa
              f"| all | {len(rows)} | {percentiles(errs)} |"]
 
     def slice_rows(label, key):
-        for value in sorted({key(r) for r in rows}, key=str):
+        for value in sorted({key(r) for r in rows} - {None}, key=str):
             e = np.array([r[0] for r in rows if key(r) == value])
             lines.append(f"| {label} {value} | {len(e)} | {percentiles(e)} |")
 
@@ -142,6 +166,8 @@ def report(args, rows, pairs_total, pairs_same, batches, sur_cpu, replay_cpu, wa
     slice_rows("tiers", lambda r: r[2])
     slice_rows("routed", lambda r: r[3])
     slice_rows("remap", lambda r: r[4])
+    slice_rows("TP", lambda r: r[6])
+    slice_rows("TP>1 routed", lambda r: r[3] if r[6] > 1 else None)
     worst = sorted(rows, key=lambda r: -abs(r[0]))[:8]
     worst_lines = [f"| {r[0]:+.2%} | {r[5]} | {r[2]} | routed={r[3]} remap={r[4]} |" for r in worst]
     command = "python benchmarks/surrogate_error.py " + shlex.join(sys.argv[1:])
@@ -150,7 +176,8 @@ def report(args, rows, pairs_total, pairs_same, batches, sur_cpu, replay_cpu, wa
             f"({wall:.0f} s wall on the shared 2-core box; replays {replay_cpu:.0f} s CPU, "
             f"surrogate {sur_cpu:.1f} s CPU)\n\n"
             f"{batches} random batches (worlds:batches `{args.mix}`; clusters {', '.join(CLUSTERS)}; "
-            f"models {', '.join(MODELS)} at their speedup-matrix token caps; lengths {', '.join(LENGTHS)} "
+            f"models {', '.join(MODELS)} at their speedup-matrix token caps; TP sizes drawn from "
+            f"{', '.join(map(str, args.tp))} (those the cluster and model allow; a TP group is one rank); lengths {', '.join(LENGTHS)} "
             f"cut at 32K-512K; the sampler's default fill), each planned as the per-batch decision plans it "
             f"(`decision_candidates`: routed and direct crossings, remap on and off, static CP's uniform "
             f"layouts), every candidate timed by the replay (`step_timeline`, the reported step) and by the "
@@ -169,6 +196,8 @@ def main() -> None:
                    help="world:batches pairs (many small and medium worlds, fewer big ones: a "
                         "1,024-GPU candidate replays in minutes)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=parse_tp, default=[1, 2, 4],
+                   help="TP sizes to draw from, e.g. 1 or 1,2,4 (the speedup matrix runs 1-4)")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "surrogate.md")
     args = p.parse_args()
     print(exit_on_user_error(lambda: run(args)))

@@ -30,6 +30,7 @@ from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.plan.compact import CompactPlan
 from megatron_zeppelin.planner.base import PlanContext, get_planner
 from megatron_zeppelin.planner.surrogate import surrogate_clock
+from megatron_zeppelin.sim.timeline import replay_clock
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ class PlanFn:
         # Built on the first call where the function runs (in the child, once).
         ctx = PlanContext(cost=self.cost, tokens_per_gpu=self.tokens_per_gpu, time_limit_s=self.time_limit_s,
                           tp_size=self.tp_size, remap_enabled=self.remap, remap_decided=self.decide,
-                          step_model=surrogate_clock(self.cost) if self.decide else None)
+                          step_model=surrogate_clock(self.cost) if self.decide else None,
+                          settle_model=replay_clock(self.cost) if self.decide else None)
         return get_planner(self.planner), ctx
 
     def __getstate__(self) -> dict:

@@ -6,6 +6,8 @@ which a draft -- a baseline's layout, a packing pass's -- gets before its plan i
 candidates are priced in order of their bounds, and the search stops once the
 next bound is above the best step found: the rest cannot win.  The pick is
 the one ``min`` makes, ties included (the first candidate of the least step).
+:func:`least_within` also keeps the candidates priced within a band of the
+least, pricing as far as the bands reach (``planner/settle.py`` replays them).
 """
 
 from __future__ import annotations
@@ -28,19 +30,33 @@ Candidate = tuple[float, Callable[[], tuple[float, T]]]
 def first_least(candidates: Sequence[Candidate]) -> T:
     """The result of the first candidate of least step, pricing candidates in
     order of their bounds and none whose bound says it cannot win."""
-    best: tuple[float, int, T] | None = None
+    return least_within(candidates, [0.0] * len(candidates))[0][2]
+
+
+def least_within(candidates: Sequence[Candidate], bands: Sequence[float]) -> list[tuple[float, int, T]]:
+    """(step, index, result) of the first candidate of least step and of every
+    other of a positive band whose step is at most ``1 + bands[i]`` times that
+    least, in order of step (ties: index).  Candidates are priced in order of their bounds, and
+    none whose bound is above what it may be kept within; one of band 0 that
+    can at best tie a former one is not priced (the former wins ties)."""
+    priced: list[tuple[float, int, T]] = []
+    best: tuple[float, int] | None = None
+    widest = max(bands, default=0.0)
     for i in sorted(range(len(candidates)), key=lambda i: (candidates[i][0], i)):
         bound, price = candidates[i]
-        if best is not None and bound > best[0]:
+        if best is not None and bound > best[0] * (1 + widest):
             break               # every later bound is at least this one
-        if best is not None and bound == best[0] and i > best[1]:
-            continue            # at best a tie, and a later candidate loses ties
+        if best is not None and (bound > best[0] * (1 + bands[i])
+                                 or (bands[i] == 0 and bound == best[0] and i > best[1])):
+            continue            # cannot be kept, or at best a tie a former candidate wins
         step, result = price()
-        if best is None or step < best[0] or (step == best[0] and i < best[1]):
-            best = (step, i, result)
+        priced.append((step, i, result))
+        if best is None or (step, i) < best:
+            best = (step, i)
     if best is None:
-        raise ValueError("first_least: no candidate")
-    return best[2]
+        raise ValueError("least_within: no candidate")
+    return sorted((p for p in priced if p[1] == best[1] or (bands[p[1]] > 0 and p[0] <= best[0] * (1 + bands[p[1]]))),
+                  key=lambda p: p[:2])
 
 
 def surrogate_cost(step: Callable[[Plan], float]) -> CostModel | None:
@@ -58,7 +74,7 @@ def surrogate_cost(step: Callable[[Plan], float]) -> CostModel | None:
 Reads = dict[tuple[int, int, int, int], tuple[Plan, PlanArrays]]
 
 
-def _read_key(plan: Plan) -> tuple[int, int, int, int]:
+def layout_key(plan: Plan) -> tuple[int, int, int, int]:
     return id(plan.attention), id(plan.linear), id(plan.packed_rings), id(plan.packed_ulysses)
 
 
@@ -89,7 +105,7 @@ class Floor:
         self.drafts: dict[int, float] = {}
 
     def arrays(self, plan: Plan) -> PlanArrays:
-        key = _read_key(plan)
+        key = layout_key(plan)
         hit = self.reads.get(key)
         if hit is None:
             hit = self.reads[key] = (plan, plan_arrays(plan))
@@ -98,7 +114,7 @@ class Floor:
     def of_plan(self, plan: Plan) -> float:
         if self.cost is None:
             return -math.inf
-        key = _read_key(plan)
+        key = layout_key(plan)
         if key not in self.bounds:
             # The arrays' linear tokens are the plan's, as step_floor reads them.
             arrays = self.arrays(plan)

@@ -58,6 +58,13 @@ class PlanArrays:
     members' lengths in plan order) each (``planner/surrogate_packed.py`` prices them)."""
 
 
+def has_inter_node_ring(arrays: PlanArrays, gpus_per_node: int) -> bool:
+    """Whether a ring (packed or not) of the layout spans nodes."""
+    members = [ranks for ranks, _ in arrays.rings.values()] + [ranks[None, :] for ranks, _ in arrays.packed]
+    return any(len(r) and bool(np.any(r.min(axis=1) // gpus_per_node != r.max(axis=1) // gpus_per_node))
+               for r in members)
+
+
 def _slices(start: np.ndarray, size: np.ndarray) -> np.ndarray:
     """Indices ``start[i] .. start[i] + size[i] - 1``, slice after slice."""
     ends = np.cumsum(size)

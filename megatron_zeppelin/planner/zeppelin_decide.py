@@ -48,9 +48,10 @@ from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.base import PlanContext
 from megatron_zeppelin.planner.baseline_candidates import Draft, baseline_drafts, hybrid_cp_passes
-from megatron_zeppelin.planner.fastest import Floor, fastest, first_least, surrogate_cost
+from megatron_zeppelin.planner.fastest import Floor, LaidOut, fastest, first_least, surrogate_cost
 from megatron_zeppelin.planner.plan_arrays import PlanArrays
 from megatron_zeppelin.planner.rounds import RoundsPlan
+from megatron_zeppelin.planner.settle import doubt_band, settle
 from megatron_zeppelin.planner.surrogate import StepSurrogate
 from megatron_zeppelin.planner.zeppelin import ZeppelinPlanner
 from megatron_zeppelin.planner.zeppelin.planner import PassDraft, gc_paused
@@ -117,17 +118,32 @@ def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | N
         clock = StepSurrogate(option.cost).step_s
         return first_least(_pass_candidates(drafts, routed, Floor(clock, floor.reads), clock))()
 
+    settling = ctx.settle_model is not None and own is not None
+    g = ctx.topology.gpus_per_node
+
+    def band(routed: bool, layouts: Sequence[LaidOut]) -> float:
+        return doubt_band(routed, layouts, g) if settling else 0.0
+
     candidates: list = []
+    bands: list[float] = []
     for option, drafts, routed in contexts:
         if len(drafts) == 1 or option.cost == own:
             candidates += _pass_candidates(drafts, routed, floor, step)
+            bands += [band(routed, [d]) for d in drafts]
         else:
             candidates.append((min(floor.of_layout(d) for d in drafts),
                                _priced(floor, step, functools.partial(picked, option, drafts, routed))))
-    candidates += [(floor.of_layout(d), _drafted(floor, step, d.arrays, d.topology.world_size, routed,
-                                                 functools.partial(d.candidate, routed)))
-                   for d, routed in baselines]
-    return first_least(candidates)()
+            bands.append(band(routed, drafts))
+    for d, routed in baselines:
+        candidates.append((floor.of_layout(d), _drafted(floor, step, d.arrays, d.topology.world_size, routed,
+                                                        functools.partial(d.candidate, routed))))
+        bands.append(band(routed, [d]))
+    if not settling:
+        return first_least(candidates)()
+    # The replay settles close calls on plans the surrogate prices least surely
+    # (planner/settle.py); their prices may be asked twice.
+    cached = [(bound, functools.cache(price)) for bound, price in candidates]
+    return settle(cached, bands, floor, step, ctx.settle_model)
 
 
 #: A candidate's price: its step, and what builds its plan.

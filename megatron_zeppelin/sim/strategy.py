@@ -13,6 +13,7 @@ from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.planner.base import PlanContext, Planner
 from megatron_zeppelin.planner.surrogate import surrogate_clock
 from megatron_zeppelin.sim.rounds import rounds_clock
+from megatron_zeppelin.sim.timeline import replay_clock
 
 
 @dataclass(frozen=True)
@@ -53,4 +54,5 @@ def plan_context(s: Strategy, tokens_per_gpu: int, time_limit_s: float) -> PlanC
     return PlanContext(cost=s.cost, tokens_per_gpu=tokens_per_gpu * s.tp_size, cp_size=s.cp_size,
                        time_limit_s=time_limit_s, remap_enabled=s.remap_enabled, tp_size=s.tp_size,
                        remap_decided=s.decide, step_model=surrogate_clock(s.cost) if s.decide else None,
+                       settle_model=replay_clock(s.cost) if s.decide else None,
                        rounds_model=rounds_clock(s.cost) if s.decide else None)

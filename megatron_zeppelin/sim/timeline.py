@@ -23,7 +23,7 @@ import gc
 import math
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from megatron_zeppelin.cost import CostModel
 from megatron_zeppelin.plan import Plan, TierCounts
@@ -248,6 +248,13 @@ def step_timeline(plan: Plan, cost: CostModel, *, attn: AttnShape | None = None,
     if memo:
         _TIMELINES.put(key, timeline)
     return timeline
+
+
+def replay_clock(cost: CostModel) -> Callable[[Plan], float]:
+    """``PlanContext.settle_model`` under ``cost``: :func:`step_timeline`'s step
+    (remembered, so the simulator's timing of the plan the decision settled on
+    is the replay it already ran)."""
+    return lambda plan: step_timeline(plan, cost).step_s
 
 
 class RecentResults:

@@ -49,7 +49,7 @@ from megatron_zeppelin.sim.static_layout import static_size
 from megatron_zeppelin.sim.pipeline import pipeline_order
 from megatron_zeppelin.sim.rounds import rounds_clock
 from megatron_zeppelin.planner.surrogate import surrogate_clock
-from megatron_zeppelin.sim.timeline import decision_step_s
+from megatron_zeppelin.sim.timeline import decision_step_s, replay_clock
 from megatron_zeppelin.topology import ClusterConfig, Topology, load_cluster
 from megatron_zeppelin.train.batch import (TokenSource, build_rank_batch, make_token_source,
                                            num_label_tokens)
@@ -203,7 +203,8 @@ def make_planner(cfg: TrainConfig, cluster: ClusterConfig, model_cfg: ModelConfi
     ctx = PlanContext(cost=cost, tokens_per_gpu=cfg.tokens_per_gpu, tp_size=cfg.tp, remap_enabled=remap,
                       remap_decided=False,
                       cp_size=static_size(cfg.strategy, cost, cfg.max_seq_len, cfg.tokens_per_gpu),
-                      step_model=surrogate_clock(cost), rounds_model=rounds_clock(cost))
+                      step_model=surrogate_clock(cost), settle_model=replay_clock(cost),
+                      rounds_model=rounds_clock(cost))
 
     def make_plan(seq_lens: Sequence[int]) -> list[Pass]:
         passes = planned_passes(planner, seq_lens, ctx)

@@ -39,6 +39,7 @@ from megatron_zeppelin.sampler import batch_budget
 from megatron_zeppelin.sampler.batch_sampler import PieceTable
 from megatron_zeppelin.sampler.lengths import load_lengths, resolve_lengths
 from megatron_zeppelin.sim.simulate import sample_batches
+from megatron_zeppelin.sim.timeline import replay_clock
 from megatron_zeppelin.topology import load_cluster
 
 HERE = Path(__file__).parent
@@ -68,7 +69,8 @@ class Case:
         # Recorded when the engine sent dK/dV only in fp32: the goldens pin that setting.
         cost = CostModel(cluster, load_model(self.model), ring_grad_dtype="fp32").routed(self.routing)
         return PlanContext(cost=cost, tokens_per_gpu=self.cap, remap_enabled=self.remap,
-                           remap_decided=self.remap_decided, step_model=surrogate_clock(cost))
+                           remap_decided=self.remap_decided, step_model=surrogate_clock(cost),
+                           settle_model=replay_clock(cost))
 
 
 def latency_case(gpus: int, seed: int, routing: bool = True, remap: bool = True) -> Case:
