@@ -4,7 +4,8 @@ For every cell (model x cluster x max length x data set, 8 nodes, the speedup
 matrix's per-model token caps and batches) each batch is planned as the
 matrix's ``zeppelin`` plans it: at the TP size the layout search gives it,
 with the per-batch decision's candidates (``decision_candidates``: routed and
-direct crossings, remap on and off, the baselines' layouts).  The decision
+direct crossings, remap on and off, the baselines' layouts; every packing pass
+the decision may run, not only the one the surrogate keeps per context).  The decision
 runs the candidate the surrogate puts fastest, unless the replay settles a
 close call (``planner/zeppelin_decide.py: settled``); an exhaustive decision
 would replay every candidate and run the fastest.  The gap is how much slower
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> str:
         clock, gaps = StepSurrogate(ctx.cost), []
         for lens in batches:
             try:
-                plans = decision_candidates(lens, ctx)
+                plans = decision_candidates(lens, ctx, every_pass=True)
             except InfeasibleError:
                 continue
             replayed = [step_timeline(p, ctx.cost, reuse=False).step_s for p in plans]
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> str:
             f"Per speedup-matrix cell ({'every cell' if args.full else 'the matrix --quick corner'}, "
             f"{args.nodes} nodes, {args.steps} batch(es) per cell, at the TP size the matrix's layout search gives "
             f"zeppelin): how much slower the plan the decision runs replays than the fastest replayed candidate "
-            f"(the exhaustive decision), and the surrogate's own pick before the replay settles close calls.  "
+            f"(the exhaustive decision: every candidate and every packing pass the decision may run), and the surrogate's own pick before the replay settles close calls.  "
             f"Decided: worst gap **{max(r[4] for r in rows):.3%}**, cells over 0.5 %: **{len(over)} of {len(rows)}**"
             f"{' (' + ', '.join(f'{r[0]} {r[4]:.3%}' for r in over) + ')' if over else ''}.  "
             f"Surrogate's pick: worst {max(r[3] for r in rows):.3%}, over 0.5 %: {len(over_surrogate)}.\n\n"

@@ -34,8 +34,9 @@ RING_BAND = 0.05
 #: surrogate's error on routed plans without node-spanning rings there: p95
 #: 0.33 %, p99 0.99 % (545 plans).
 ROUTED_BAND = 0.01
-#: At most this many distinct plans are replayed per batch, the closest first.
-SETTLE_PLANS = 4
+#: At most this many distinct plans are replayed per batch, the closest first (on
+#: llama-30b a800 128K python-dirs, TP=4, the fastest was the fifth).
+SETTLE_PLANS = 6
 
 
 def doubt_band(routed: bool, layouts: Sequence[LaidOut], gpus_per_node: int) -> float:

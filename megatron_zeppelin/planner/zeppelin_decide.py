@@ -181,15 +181,22 @@ def _pass_candidates(drafts: list[PassDraft], routed: bool, floor: Floor, step: 
     return out
 
 
-def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext,
-                        inner: ZeppelinPlanner | None = None) -> list[Plan]:
+def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None = None,
+                        every_pass: bool = False) -> list[Plan]:
     """Every plan the decision compares for one batch, the run's own choice first:
-    Zeppelin's plan under each of :func:`candidate_contexts`, then the baselines'.
-    Raises the first planning error when no candidate can be planned."""
+    Zeppelin's plan under each of :func:`candidate_contexts` (the pass its
+    planner keeps; ``every_pass``: every pass :func:`decide` may run -- each of a
+    context it prices pass by pass, whose runner-up passes the replay may
+    settle on), then the baselines'.  Raises the first planning error when no
+    candidate can be planned."""
     contexts, baselines = _candidate_plans(seq_lens, ctx, inner)
-    return ([fastest([d.plan(routed) for d in drafts], StepSurrogate(option.cost).step_s)
-             for option, drafts, routed in contexts]
-            + [draft.candidate(routed) for draft, routed in baselines])
+    own = surrogate_cost(ctx.step_model) if ctx.step_model is not None else None
+    plans = []
+    for option, drafts, routed in contexts:
+        passes = [d.plan(routed) for d in drafts]
+        apart = every_pass and (len(drafts) == 1 or option.cost == own)
+        plans += passes if apart else [fastest(passes, StepSurrogate(option.cost).step_s)]
+    return plans + [draft.candidate(routed) for draft, routed in baselines]
 
 
 def _candidate_plans(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None
