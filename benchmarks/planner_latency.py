@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> str:
             f"{args.model} on {cluster.name}; {SEQS_PER_GPU} sequences per GPU drawn from "
             f"`{args.lengths}` (documents cut at {args.max_seq_len} tokens); {args.repeats} batches per size; "
             + ("routing and remap on, each batch's plan decided among its candidates by the replay's "
-               "surrogate (`--zeppelin-decide on`, the default); " if args.decide else "")
+               "surrogate, the replay settling its close calls on routed plans (`--zeppelin-decide on`, the "
+               "default; `planner/settle.py`); " if args.decide else "")
             + f"flexsp MILP time limit {args.flexsp_time_limit} s; a planner that takes over {args.budget_s:.0f} s "
             f"on one batch is not run at larger sizes; one untimed 8-GPU batch first (what a process pays "
             f"once: numba loading the compiled loops).  Wall-clock on this machine "

@@ -287,11 +287,51 @@ def hybrid_cp_passes(seq_lens: Sequence[int], ctx: PlanContext) -> RoundsPlan | 
         rounds = HybridCpPlanner().plan_rounds(lens, ctx)
     except InfeasibleError:
         return None
+    return _as_passes(rounds, cap, packed=False)
+
+
+def static_passes(seq_lens: Sequence[int], ctx: PlanContext) -> list[RoundsPlan]:
+    """Static Ulysses SP's and static CP's schedules of several passes -- what
+    they run where a batch does not fit one pass of their smallest group that
+    holds the longest sequence (the size the simulator's layout search keeps
+    there) -- as Zeppelin's passes, each group's sequences packed as they run
+    them (relabelled, direct, capped).  One-pass layouts are
+    :func:`baseline_drafts`'; none above :data:`MAX_SEQUENCES_ALL_SOURCES`
+    sequences (each schedule is replayed to be compared) or with the remap
+    forced on."""
+    lens = check_lengths(seq_lens)
+    if len(lens) > MAX_SEQUENCES_ALL_SOURCES or (ctx.remap_enabled and not ctx.remap_decided):
+        return []
+    out = []
+    smallest = dataclasses.replace(ctx, cp_size=None)
+    for planner in (UlyssesSpPlanner(), TeCpPlanner()):
+        try:
+            if planner.one_pass(lens, smallest) is not None:
+                continue        # one pass: a draft of baseline_drafts (and cheaper to find than the rounds)
+            rounds = planner.plan_rounds(lens, smallest)
+        except InfeasibleError:
+            continue
+        passes = _as_passes(rounds, ctx.tokens_per_gpu, packed=True)
+        if passes is not None:
+            out.append(passes)
+    return out
+
+
+def _as_passes(rounds: RoundsPlan, cap: int, packed: bool) -> RoundsPlan | None:
+    """A baseline's rounds as Zeppelin's passes (relabelled, direct, capped;
+    ``packed``: each ring's and Ulysses group's sequences on the same ranks
+    packed, as TE and DeepSpeed-Ulysses run them), or None for one round or a
+    round over the cap."""
     if len(rounds.rounds) == 1 or any(max(r.attention_tokens_per_rank()) > cap for r in rounds.rounds):
         return None
     mine = dict(strategy=ZeppelinPlanner.name, routed=False)
+
+    def packs(plan: Plan) -> dict:
+        return dict(packed_rings=rings_by_ranks(plan.attention), packed_ulysses=ulysses_by_ranks(plan.attention)) \
+            if packed else {}
     return RoundsPlan(dataclasses.replace(rounds.merged, **mine).validate(),
-                      tuple(dataclasses.replace(r, token_cap=cap, **mine).validate() for r in rounds.rounds))
+                      tuple(dataclasses.replace(r, token_cap=cap, **mine, **packs(r)).validate()
+                            for r in rounds.rounds))
 
 
 def flexsp_greedy_drafts(seq_lens: Sequence[int], ctx: PlanContext) -> list[Draft]:

@@ -47,7 +47,7 @@ from typing import Callable, Sequence
 from megatron_zeppelin.errors import InfeasibleError
 from megatron_zeppelin.plan import Plan
 from megatron_zeppelin.planner.base import PlanContext
-from megatron_zeppelin.planner.baseline_candidates import Draft, baseline_drafts, hybrid_cp_passes
+from megatron_zeppelin.planner.baseline_candidates import Draft, baseline_drafts, hybrid_cp_passes, static_passes
 from megatron_zeppelin.planner.fastest import Floor, LaidOut, fastest, first_least, surrogate_cost
 from megatron_zeppelin.planner.plan_arrays import PlanArrays
 from megatron_zeppelin.planner.rounds import RoundsPlan
@@ -86,18 +86,21 @@ class DecidingZeppelinPlanner:
 
     def plan_rounds(self, seq_lens: Sequence[int], ctx: PlanContext) -> RoundsPlan:
         """:meth:`plan`'s one pass, or, where the caller runs passes
-        (``ctx.rounds_model``), Megatron hybrid CP's schedule of several
-        passes when that clock puts it faster (ties: the one pass).  Both are
-        timed by ``ctx.rounds_model``, the clock the simulator times hybrid CP
-        by, so the plan run is no slower than hybrid CP's rounds by it."""
+        (``ctx.rounds_model``), a baseline's schedule of several passes --
+        Megatron hybrid CP's, static Ulysses SP's or static CP's
+        (``baseline_candidates.static_passes``) -- when that clock puts it
+        faster (ties: the one pass, then the first).  All are timed by
+        ``ctx.rounds_model``, the clock the simulator times those baselines'
+        rounds by, so the plan run is no slower than their rounds by it."""
         plan = self.plan(seq_lens, ctx)
         one = RoundsPlan(plan, (plan,))
         if ctx.rounds_model is None or ctx.step_model is None:
             return one
-        passes = hybrid_cp_passes(seq_lens, ctx)
-        if passes is None or ctx.rounds_model(passes.rounds) >= ctx.rounds_model(one.rounds):
+        hybrid = hybrid_cp_passes(seq_lens, ctx)
+        others = ([hybrid] if hybrid is not None else []) + static_passes(seq_lens, ctx)
+        if not others:
             return one
-        return passes
+        return min([one, *others], key=lambda o: ctx.rounds_model(o.rounds))    # ties: the first
 
 
 def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None = None) -> Plan:
