@@ -34,6 +34,11 @@ RING_BAND = 0.05
 #: surrogate's error on routed plans without node-spanning rings there: p95
 #: 0.33 %, p99 0.99 % (545 plans).
 ROUTED_BAND = 0.01
+#: The same for a plan of direct crossings with node-spanning rings: the
+#: surrogate's error on such plans of the speedup matrix's cells: p95 1.97 %,
+#: p99 4.42 % (1,294 plans); the replay's fastest candidate was priced 1.08 %
+#: above such a pick (llama-30b h100 256K synthetic-longtail, TP=4).
+DIRECT_RING_BAND = 0.02
 #: At most this many distinct plans are replayed per batch, the closest first (on
 #: llama-30b a800 128K python-dirs, TP=4, the fastest was the fifth).
 SETTLE_PLANS = 6
@@ -43,10 +48,12 @@ def doubt_band(routed: bool, layouts: Sequence[LaidOut], gpus_per_node: int) -> 
     """The band a candidate is priced within, before its plan is built:
     :data:`RING_BAND` for routed crossings of node-spanning rings,
     :data:`ROUTED_BAND` for other routed crossings (in doubt only if routing
-    moves its price: :func:`settle` checks), 0 for direct ones."""
+    moves its price: :func:`settle` checks), :data:`DIRECT_RING_BAND` for
+    direct crossings of node-spanning rings, 0 for other direct plans."""
+    rings = any(has_inter_node_ring(d.arrays(), gpus_per_node) for d in layouts)
     if not routed:
-        return 0.0
-    return RING_BAND if any(has_inter_node_ring(d.arrays(), gpus_per_node) for d in layouts) else ROUTED_BAND
+        return DIRECT_RING_BAND if rings else 0.0
+    return RING_BAND if rings else ROUTED_BAND
 
 
 def settle(candidates: Sequence[Candidate], bands: Sequence[float], floor: Floor,

@@ -106,9 +106,11 @@ class DecidingZeppelinPlanner:
 def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None = None) -> Plan:
     """The first of :func:`decision_candidates` of least ``ctx.step_model``
     (ties: the run's own choice), pricing only candidates that can win
-    (``planner/fastest.py``): a context's passes are priced one by one when the
-    step model is the surrogate its planner picks a pass by, else the pass it
-    picks is priced as one candidate whose bound is its passes' least.  Every
+    (``planner/fastest.py``): every context's passes are priced one by one
+    when the step model is a surrogate (a context planned under another cost
+    model -- direct crossings -- offers each of its passes, not only the one
+    its own model keeps), else the pass its planner picks is priced as one
+    candidate whose bound is its passes' least.  Every
     candidate is bounded by its layout, unbuilt; a plan is built when it is
     priced with a remap (the surrogate reads the remap's messages from its
     spans) or when it wins (without a remap it is priced from its layout)."""
@@ -130,7 +132,7 @@ def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | N
     candidates: list = []
     bands: list[float] = []
     for option, drafts, routed in contexts:
-        if len(drafts) == 1 or option.cost == own:
+        if len(drafts) == 1 or own is not None:
             candidates += _pass_candidates(drafts, routed, floor, step)
             bands += [band(routed, [d]) for d in drafts]
         else:
@@ -197,7 +199,7 @@ def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext, inner: Zeppel
     plans = []
     for option, drafts, routed in contexts:
         passes = [d.plan(routed) for d in drafts]
-        apart = every_pass and (len(drafts) == 1 or option.cost == own)
+        apart = every_pass and (len(drafts) == 1 or own is not None)
         plans += passes if apart else [fastest(passes, StepSurrogate(option.cost).step_s)]
     return plans + [draft.candidate(routed) for draft, routed in baselines]
 

@@ -61,7 +61,7 @@ def test_nothing_is_replayed_where_no_candidate_near_the_least_is_in_doubt():
     # no ring spans nodes; the pick runs routed crossings, but routing moves
     # nothing the surrogate sees of it, so its price is not in doubt; it runs
     # unreplayed.
-    for case in (latency_case(16, 0), latency_case(32, 0)):
+    for case in (latency_case(16, 2), latency_case(32, 0)):
         ctx = case.context()
         replayed: list = []
         plan = decide(case.lens, dataclasses.replace(ctx, settle_model=lambda p: replayed.append(p) or 0.0))
