@@ -7,11 +7,12 @@ the surrogate prices such plans up to 6-14 % too fast (TP views of two ranks a
 node, where every relay holds a ring, are the worst; docs/results/surrogate.md).
 So where a candidate whose price is in doubt is priced near the least, the
 plans near it are replayed (``PlanContext.settle_model``, the replay's step)
-and the fastest runs.  A candidate is in doubt when it runs routed crossings of
-node-spanning rings, or other routed crossings (Ulysses groups', the remap's)
-whose routing moves its price; direct plans are taken at the surrogate's word.
-Nothing is replayed on batches without such candidates near the least, which
-keeps the decision's latency where it was (docs/results/planner_latency.md).
+and the fastest runs.  A candidate is in doubt when it runs crossings of
+node-spanning rings (routed ones most of all), or other routed crossings
+(Ulysses groups', the remap's) whose routing moves its price; other direct
+plans are taken at the surrogate's word.  Nothing is replayed on batches
+without such candidates near the least, which keeps the decision's median
+latency where it was (docs/results/planner_latency.md).
 """
 
 from __future__ import annotations
@@ -39,21 +40,32 @@ ROUTED_BAND = 0.01
 #: p99 4.42 % (1,294 plans); the replay's fastest candidate was priced 1.08 %
 #: above such a pick (llama-30b h100 256K synthetic-longtail, TP=4).
 DIRECT_RING_BAND = 0.02
+#: The narrower bands (:data:`ROUTED_BAND`, :data:`DIRECT_RING_BAND`: at most
+#: 2 % to gain) are settled only on batches of at most this many sequences: a
+#: replay's CPU time grows with them (15-40 ms at 64 GPUs and 1,024 sequences,
+#: ~0.7 s at 1,024 GPUs and 16K), and on batches of many short sequences they
+#: would replay on a third of the batches for a few tenths of a percent; the
+#: speedup matrix's cells they settle hold 36-94.
+NARROW_BANDS_MAX_SEQUENCES = 512
 #: At most this many distinct plans are replayed per batch, the closest first (on
 #: llama-30b a800 128K python-dirs, TP=4, the fastest was the fifth).
 SETTLE_PLANS = 6
 
 
-def doubt_band(routed: bool, layouts: Sequence[LaidOut], gpus_per_node: int) -> float:
+def doubt_band(routed: bool, layouts: Sequence[LaidOut], gpus_per_node: int, sequences: int) -> float:
     """The band a candidate is priced within, before its plan is built:
     :data:`RING_BAND` for routed crossings of node-spanning rings,
     :data:`ROUTED_BAND` for other routed crossings (in doubt only if routing
     moves its price: :func:`settle` checks), :data:`DIRECT_RING_BAND` for
-    direct crossings of node-spanning rings, 0 for other direct plans."""
+    direct crossings of node-spanning rings, 0 for other direct plans; the
+    narrower two only on batches of at most :data:`NARROW_BANDS_MAX_SEQUENCES`
+    ``sequences``."""
     rings = any(has_inter_node_ring(d.arrays(), gpus_per_node) for d in layouts)
-    if not routed:
-        return DIRECT_RING_BAND if rings else 0.0
-    return RING_BAND if rings else ROUTED_BAND
+    if routed and rings:
+        return RING_BAND
+    if sequences > NARROW_BANDS_MAX_SEQUENCES:
+        return 0.0
+    return (DIRECT_RING_BAND if rings else 0.0) if not routed else ROUTED_BAND
 
 
 def settle(candidates: Sequence[Candidate], bands: Sequence[float], floor: Floor,

@@ -127,7 +127,7 @@ def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | N
     g = ctx.topology.gpus_per_node
 
     def band(routed: bool, layouts: Sequence[LaidOut]) -> float:
-        return doubt_band(routed, layouts, g) if settling else 0.0
+        return doubt_band(routed, layouts, g, len(seq_lens)) if settling else 0.0
 
     candidates: list = []
     bands: list[float] = []
