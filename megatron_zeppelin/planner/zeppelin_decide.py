@@ -104,8 +104,10 @@ class DecidingZeppelinPlanner:
 
 
 def decide(seq_lens: Sequence[int], ctx: PlanContext, inner: ZeppelinPlanner | None = None) -> Plan:
-    """The first of :func:`decision_candidates` of least ``ctx.step_model``
-    (ties: the run's own choice), pricing only candidates that can win
+    """The first of :func:`decision_candidates` (``every_pass``, where the step
+    model is a surrogate) of least ``ctx.step_model`` (ties: the run's own
+    choice), or the fastest by ``ctx.settle_model`` of the close calls it
+    prices least surely (``planner/settle.py``), pricing only candidates that can win
     (``planner/fastest.py``): every context's passes are priced one by one
     when the step model is a surrogate (a context planned under another cost
     model -- direct crossings -- offers each of its passes, not only the one
