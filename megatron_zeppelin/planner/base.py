@@ -50,7 +50,7 @@ class PlanContext:
     """The clock that settles the decision's close calls (the replay's step,
     ``sim/timeline.py: replay_clock``): the candidates ``step_model`` prices
     within a few percent of its least are replayed and the fastest runs
-    (``planner/zeppelin_decide.py: settled``).  None: ``step_model``'s pick runs."""
+    (``planner/settle.py``).  None: ``step_model``'s pick runs."""
     rounds_model: Callable[[Sequence[Plan]], float] | None = None
     """Modeled step seconds of a batch run as the given plans' passes one after
     another (the simulator's ``sim/rounds.py: rounds_timeline``), set where the

@@ -68,7 +68,7 @@ from megatron_zeppelin.planner.flexsp import group_layout as flexsp_layout
 from megatron_zeppelin.planner.hybrid_cp import CpGroup, HybridCpPlanner, hybrid_cp_schedule, workload
 from megatron_zeppelin.planner.hybrid_cp import group_layout as cp_layout
 from megatron_zeppelin.planner.packing import check_lengths
-from megatron_zeppelin.planner.plan_arrays import PlanArrays, Placements, layout_arrays, pack_rings
+from megatron_zeppelin.planner.plan_arrays import PlanArrays, Placements, has_inter_node_ring, layout_arrays, pack_rings
 from megatron_zeppelin.planner.rounds import RoundsPlan, merge_rounds
 from megatron_zeppelin.planner.static_groups import StaticGroupPlanner
 from megatron_zeppelin.planner.te_cp import TeCpPlanner
@@ -162,10 +162,7 @@ class Draft:
     def crosses_nodes_in_a_ring(self) -> bool:
         """Whether routing changes any message of the plan: only rings route (an
         all-to-all and the remap it does not have run direct)."""
-        g = self.topology.gpus_per_node
-        nodes = [ranks // g for ranks, _ in self.arrays().rings.values()]
-        nodes += [ranks[None, :] // g for ranks, _ in self.arrays().packed]
-        return any(bool((n.min(axis=1) != n.max(axis=1)).any()) for n in nodes)
+        return has_inter_node_ring(self.arrays(), self.topology.gpus_per_node)
 
 
 def _draft(strategy: str, ctx: PlanContext, lens: tuple[int, ...], layout: Placements) -> Draft:

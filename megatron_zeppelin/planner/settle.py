@@ -90,8 +90,8 @@ def settle(candidates: Sequence[Candidate], bands: Sequence[float], floor: Floor
                 return 0.0      # routing moves nothing the surrogate sees
         return bands[i]
 
-    first, pick = close[0][:2]
-    own = doubt(pick, first)
+    least, pick = close[0][:2]
+    own = doubt(pick, least)
     if own > 0:
         close = least_within(candidates, [own] * len(candidates))
         return settled([plan_of(i) for _, i, _ in close], replay)

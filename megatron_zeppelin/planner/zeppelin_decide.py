@@ -197,7 +197,7 @@ def decision_candidates(seq_lens: Sequence[int], ctx: PlanContext, inner: Zeppel
     settle on), then the baselines'.  Raises the first planning error when no
     candidate can be planned."""
     contexts, baselines = _candidate_plans(seq_lens, ctx, inner)
-    own = surrogate_cost(ctx.step_model) if ctx.step_model is not None else None
+    own = surrogate_cost(ctx.step_model)
     plans = []
     for option, drafts, routed in contexts:
         passes = [d.plan(routed) for d in drafts]
